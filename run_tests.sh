@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# Run the test suite (CPU only, offline). Creates .venv when no suitable
+# Python environment is active. Extra arguments go to pytest.
+set -euo pipefail
+cd "$(dirname "$0")"
+# shellcheck source=scripts/python_env.sh
+source scripts/python_env.sh
+ensure_python_env test
+echo "==> Using $PYTHON ($("$PYTHON" -c 'import torch; print("torch", torch.__version__)'))"
+exec "$PYTHON" -m pytest "$@"
