@@ -1,0 +1,456 @@
+"""Chakra trace capture: one host (ExecutionTraceObserver) and one device (Kineto) trace per rank, same steps."""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import logging
+import os
+import platform
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.profiler import ExecutionTraceObserver, ProfilerActivity, profile, schedule
+
+logger = logging.getLogger(__name__)
+
+# Output layout, one folder per run: <trace-output-dir>/<trace-name>/...
+HOST_TRACE = "host.{rank}.json"
+DEVICE_TRACE = "device.{rank}.json"
+STACKS_TABLE = "stacks.{rank}.txt"
+RUN_INFO = "run.json"
+# Written here first and renamed once complete and valid, so a crash never leaves a half-written trace.
+PARTIAL_SUFFIX = ".partial"
+INVALID_SUFFIX = ".invalid"
+STEP_ANNOTATION = "ProfilerStep#{step}"
+
+
+class TraceError(RuntimeError):
+    """A trace could not be captured or is not one valid JSON document."""
+
+
+def add_tracing_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the tracing flags shared by gpt2/train.py and bert/train.py."""
+    group = parser.add_argument_group("Chakra tracing")
+    group.add_argument("--enable-tracing", action="store_true",
+                       help="capture host (execution trace) and device (Kineto) traces of the same steps on every rank; "
+                            "the run stops after the trace window unless --max-steps asks for more")
+    group.add_argument("--trace-output-dir", default="./outputs",
+                       help="traces go to <trace-output-dir>/<trace-name>/ (default: ./outputs)")
+    group.add_argument("--trace-name", default=None,
+                       help="folder name of this run's traces (default: <model>_<N>gpu, or <model>_<N>cpu without CUDA)")
+    group.add_argument("--trace-wait-steps", type=int, default=1, help="optimizer steps skipped before warm-up (default: 1)")
+    group.add_argument("--trace-warmup-steps", type=int, default=1,
+                       help="optimizer steps profiled but discarded, so start-up costs stay out of the trace (default: 1)")
+    group.add_argument("--trace-active-steps", type=int, default=1, help="optimizer steps recorded (default: 1)")
+
+
+def tracing_window_steps(args: argparse.Namespace) -> int:
+    """Optimizer steps the trace window needs: wait + warmup + active."""
+    return args.trace_wait_steps + args.trace_warmup_steps + args.trace_active_steps
+
+
+def default_trace_name(model: str, world_size: int, device_type: str) -> str:
+    """<model>_<N>gpu on CUDA, <model>_<N>cpu otherwise."""
+    return f"{model}_{world_size}{'gpu' if device_type == 'cuda' else 'cpu'}"
+
+
+def build_tracer(args: argparse.Namespace, *, rank: int, world_size: int, local_rank: int,
+                 device: torch.device | str, run_info: dict[str, Any]) -> ChakraTracer | NullTracer:
+    """ChakraTracer when --enable-tracing is given, else a NullTracer that does nothing.
+
+    Args:
+        args: parsed arguments holding the flags of add_tracing_arguments (and optionally max_steps).
+        rank, world_size, local_rank: this process's place in the job.
+        device: the device the model trains on; CUDA activity is recorded when it is a CUDA device.
+        run_info: what the trainer knows, written to run.json: "model" (name, used for the default trace name),
+            "model_config", "batch_size_per_rank", "sequence_length", "precision", "compile", "attention",
+            "gradient_accumulation_steps", and anything else worth keeping.
+    """
+    if not getattr(args, "enable_tracing", False):
+        return NullTracer()
+    device = torch.device(device)
+    for flag in ("wait", "warmup", "active"):
+        value = getattr(args, f"trace_{flag}_steps")
+        minimum = 1 if flag == "active" else 0
+        if value < minimum:
+            raise ValueError(f"--trace-{flag}-steps must be at least {minimum}, got {value}")
+    window = tracing_window_steps(args)
+    max_steps = getattr(args, "max_steps", None)
+    if max_steps is not None and 0 < max_steps < window:
+        raise ValueError(f"--max-steps {max_steps} is shorter than the trace window of {window} steps "
+                         f"(wait {args.trace_wait_steps} + warmup {args.trace_warmup_steps} + "
+                         f"active {args.trace_active_steps}); raise --max-steps or lower the --trace-*-steps")
+    model = run_info.get("model") or run_info.get("model_name") or getattr(args, "model", None) or "model"
+    trace_name = args.trace_name or default_trace_name(str(model), world_size, device.type)
+    return ChakraTracer(
+        output_dir=args.trace_output_dir, trace_name=trace_name, wait_steps=args.trace_wait_steps,
+        warmup_steps=args.trace_warmup_steps, active_steps=args.trace_active_steps, rank=rank,
+        world_size=world_size, local_rank=local_rank, device=device, run_info=run_info)
+
+
+class NullTracer:
+    """Stands in for ChakraTracer when tracing is off: no profiler, no observer, no files."""
+
+    enabled = False
+    trace_dir = None
+
+    def __enter__(self) -> NullTracer:
+        return self
+
+    def __exit__(self, exc_type, exc_val, exc_tb) -> bool:
+        return False
+
+    def step(self) -> None:
+        pass
+
+
+class ChakraTracer:
+    """Owns the profiler and ExecutionTraceObserver lifecycle of one rank, used as
+    ``with ChakraTracer(...) as tracer: ... tracer.step()`` with one step() per optimizer step.
+
+    Follows Chakra's capture recipe (trace_collection/post_execution/simple_multirank.py): the observer is passed
+    to torch.profiler.profile, which starts and stops it with Kineto, so host and device traces cover exactly the
+    same steps. Once the single-cycle window has been recorded both are finalised at once, so the rest of the run
+    pays nothing; __exit__ gathers per-step wall times from all ranks and rank 0 writes run.json.
+
+    Args:
+        output_dir: parent folder of the run folders.
+        trace_name: this run's folder name inside output_dir.
+        wait_steps, warmup_steps, active_steps: torch.profiler.schedule of the single window.
+        rank, world_size, local_rank: this process's place in the job.
+        device: training device; CUDA activity is recorded on CUDA devices.
+        run_info: trainer-provided facts for run.json (see build_tracer).
+    """
+
+    enabled = True
+
+    def __init__(self, output_dir: str | os.PathLike, trace_name: str, wait_steps: int = 1, warmup_steps: int = 1,
+                 active_steps: int = 1, rank: int = 0, world_size: int = 1, local_rank: int = 0,
+                 device: torch.device | str = "cpu", run_info: dict[str, Any] | None = None) -> None:
+        if active_steps < 1 or wait_steps < 0 or warmup_steps < 0:
+            raise ValueError(f"trace window needs wait >= 0, warmup >= 0, active >= 1; "
+                             f"got {wait_steps}/{warmup_steps}/{active_steps}")
+        self.trace_dir = Path(output_dir) / trace_name
+        self.trace_name = trace_name
+        self.wait_steps, self.warmup_steps, self.active_steps = wait_steps, warmup_steps, active_steps
+        self.rank, self.world_size, self.local_rank = rank, world_size, local_rank
+        self.device = torch.device(device)
+        self.run_info = dict(run_info or {})
+        self.first_traced_step = wait_steps + warmup_steps
+        self.traced_steps = list(range(self.first_traced_step, self.first_traced_step + active_steps))
+        self.host_path = self.trace_dir / HOST_TRACE.format(rank=rank)
+        self.device_path = self.trace_dir / DEVICE_TRACE.format(rank=rank)
+        self.stacks_path = self.trace_dir / STACKS_TABLE.format(rank=rank)
+        self.use_cuda = self.device.type == "cuda" and torch.cuda.is_available()
+        self._observer: ExecutionTraceObserver | None = None
+        self._profiler: profile | None = None
+        self._finalized = False
+        self._device_trace_written = False
+        self._step = 0                      # optimizer steps completed so far (= the profiler's step_num)
+        self._step_started = 0.0
+        self.step_wall_time_s: dict[int, float] = {}
+        self.files: dict[str, Path] = {}
+
+    # ---- lifecycle -------------------------------------------------------------------------------------------
+    def __enter__(self) -> ChakraTracer:
+        self.trace_dir.mkdir(parents=True, exist_ok=True)
+        self._remove_stale_files()
+        self._observer = ExecutionTraceObserver()
+        self._observer.register_callback(str(self._partial(self.host_path)))
+        if not self._observer.is_registered:
+            raise TraceError(f"{self.host_path}: could not register the ExecutionTraceObserver "
+                             f"(another observer already registered in this process?)")
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.use_cuda else [])
+        self._profiler = profile(
+            activities=activities,
+            schedule=schedule(wait=self.wait_steps, warmup=self.warmup_steps, active=self.active_steps, repeat=1),
+            on_trace_ready=self._export_device_trace,
+            record_shapes=True,
+            execution_trace_observer=self._observer,
+        )
+        self._profiler.__enter__()
+        logger.info("rank %d: tracing optimizer steps %s into %s", self.rank, self.traced_steps, self.trace_dir)
+        self._step_started = self._now(sync=self.first_traced_step == 0)
+        return self
+
+    def step(self) -> None:
+        """Mark the end of one optimizer step; call exactly once per optimizer step on every rank."""
+        step = self._step
+        if step in self.traced_steps:
+            self.step_wall_time_s[step] = self._now(sync=True) - self._step_started
+        self._step += 1
+        if self._profiler is not None and not self._finalized:
+            self._profiler.step()
+            if self._step >= self.traced_steps[-1] + 1:
+                self._finalize_capture()
+        self._step_started = self._now(sync=self._step == self.first_traced_step)
+
+    def __exit__(self, exc_type, exc_val, exc_tb) -> bool:
+        failed = exc_type is not None
+        self._finalize_capture()
+        completed = [s for s in self.traced_steps if s in self.step_wall_time_s]
+        errors: list[str] = []
+        if completed:
+            errors = self._publish_traces()
+        else:
+            self._discard_traces()
+            message = (f"{self.trace_dir}: no trace written: the run ended after {self._step} optimizer steps, "
+                       f"before trace step {self.first_traced_step} (wait {self.wait_steps} + warmup "
+                       f"{self.warmup_steps}); raise --max-steps or lower --trace-wait-steps/--trace-warmup-steps")
+            if not failed:
+                errors.append(message)
+            else:
+                logger.warning(message)
+        if completed and len(completed) < self.active_steps:
+            logger.warning("rank %d: run ended inside the trace window: traced steps %s of %s",
+                           self.rank, completed, self.traced_steps)
+        # A rank that raised cannot count on the others joining a collective, so only gather on a clean exit.
+        ranks = self._gather_rank_reports(errors, completed, gather=not failed)
+        if failed:
+            return False
+        if errors:
+            raise TraceError("; ".join(errors))
+        failing = [r for r in ranks if r["errors"]]
+        if self.rank == 0:
+            if failing:
+                raise TraceError("run.json not written: " + "; ".join(e for r in failing for e in r["errors"]))
+            if completed:
+                self._write_run_json(completed, ranks)
+        return False
+
+    # ---- capture ---------------------------------------------------------------------------------------------
+    def _finalize_capture(self) -> None:
+        """Stop the profiler and finalise the host trace, once."""
+        if self._finalized:
+            return
+        self._finalized = True
+        if self._profiler is not None:
+            # Runs the schedule's exit action: stops a window still open (exporting what it recorded) and
+            # lets the profiler release the observer.
+            self._profiler.__exit__(None, None, None)
+        if self._observer is not None:
+            # Finalises the host JSON; both calls are no-ops if the profiler already released the observer.
+            self._observer.stop()
+            self._observer.unregister_callback()
+            self._remove_empty_resources_dir()
+
+    def _export_device_trace(self, prof: profile) -> None:
+        """on_trace_ready: the Kineto trace and the key_averages table of the recorded window."""
+        prof.export_chrome_trace(str(self._partial(self.device_path)))
+        self._device_trace_written = True
+        averages = prof.key_averages()
+        sort_by = "self_cpu_time_total"
+        if self.use_cuda:
+            # torch 2.4 renamed the CUDA column to "device"; keep the old name for older builds.
+            has_device_column = hasattr(torch.autograd.profiler_util.FunctionEventAvg, "self_device_time_total")
+            sort_by = "self_device_time_total" if has_device_column else "self_cuda_time_total"
+        table = averages.table(sort_by=sort_by, row_limit=-1)
+        partial = self._partial(self.stacks_path)
+        partial.write_text(f"# {self.trace_name} rank {self.rank}: optimizer steps {self.traced_steps}, "
+                           f"sorted by {sort_by}\n{table}\n", encoding="utf-8")
+
+    # ---- files -----------------------------------------------------------------------------------------------
+    def _publish_traces(self) -> list[str]:
+        """Validate this rank's files and rename them into place; return error lines (empty when all is well)."""
+        errors = []
+        if not self._device_trace_written:
+            errors.append(f"{self.device_path}: the profiler never exported a device trace")
+        for path, kind in ((self.host_path, "host"), (self.device_path, "device")):
+            partial = self._partial(path)
+            if not partial.exists():
+                if kind == "host":
+                    errors.append(f"{path}: the ExecutionTraceObserver wrote no file")
+                continue
+            problem = check_trace_file(partial, kind)
+            if problem:
+                partial.replace(path.with_name(path.name + INVALID_SUFFIX))
+                errors.append(f"{path}: {problem} (kept as {path.name}{INVALID_SUFFIX})")
+            else:
+                partial.replace(path)
+                self.files[kind] = path
+        stacks = self._partial(self.stacks_path)
+        if stacks.exists():
+            stacks.replace(self.stacks_path)
+            self.files["stacks"] = self.stacks_path
+        return errors
+
+    def _discard_traces(self) -> None:
+        for path in (self.host_path, self.device_path, self.stacks_path):
+            self._partial(path).unlink(missing_ok=True)
+
+    def _remove_stale_files(self) -> None:
+        """Remove this rank's files of an earlier run under the same name (rank 0 also the ranks beyond this world
+        size and run.json), so the folder never mixes two runs."""
+        names = [HOST_TRACE, DEVICE_TRACE, STACKS_TABLE]
+        for name in names:
+            for suffix in ("", PARTIAL_SUFFIX, INVALID_SUFFIX):
+                (self.trace_dir / (name.format(rank=self.rank) + suffix)).unlink(missing_ok=True)
+        if self.rank != 0:
+            return
+        (self.trace_dir / RUN_INFO).unlink(missing_ok=True)
+        for path in self.trace_dir.iterdir():
+            parts = path.name.split(".")
+            if len(parts) >= 3 and parts[0] in ("host", "device", "stacks") and parts[1].isdigit() \
+                    and int(parts[1]) >= self.world_size:
+                path.unlink(missing_ok=True)
+
+    def _remove_empty_resources_dir(self) -> None:
+        # torch 2.4's unregister_callback always creates "<trace>_resources" beside the trace for inductor kernels.
+        host = self._partial(self.host_path)
+        resources = host.with_name(host.name.rsplit(".", 1)[0] + "_resources")
+        if resources.is_dir() and not any(resources.iterdir()):
+            resources.rmdir()
+
+    @staticmethod
+    def _partial(path: Path) -> Path:
+        return path.with_name("." + path.name + PARTIAL_SUFFIX)
+
+    # ---- run.json --------------------------------------------------------------------------------------------
+    def _now(self, sync: bool) -> float:
+        if sync and self.use_cuda:
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def _gather_rank_reports(self, errors: list[str], completed: list[int], gather: bool) -> list[dict[str, Any]]:
+        report = {
+            "rank": self.rank,
+            "local_rank": self.local_rank,
+            "hostname": socket.gethostname(),
+            "device": str(self.device),
+            "device_name": device_name(self.device),
+            "step_wall_time_s": [self.step_wall_time_s[s] for s in completed],
+            "files": {kind: path.name for kind, path in sorted(self.files.items())},
+            "errors": errors,
+        }
+        if not (gather and self.world_size > 1 and dist.is_available() and dist.is_initialized()):
+            return [report]
+        reports: list[Any] = [None] * self.world_size
+        dist.all_gather_object(reports, report)
+        return reports
+
+    def _write_run_json(self, completed: list[int], ranks: list[dict[str, Any]]) -> None:
+        times = [r["step_wall_time_s"] for r in ranks]
+        info = {
+            "trace_name": self.trace_name,
+            **self.run_info,
+            "world_size": self.world_size,
+            "backend": dist.get_backend() if dist.is_available() and dist.is_initialized() else None,
+            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "versions": software_versions(),
+            "schedule": {"wait": self.wait_steps, "warmup": self.warmup_steps, "active": self.active_steps},
+            # Step n is the optimizer step counted from 0 at the tracer's start; both traces mark it ProfilerStep#n.
+            "traced_steps": completed,
+            "step_annotation": STEP_ANNOTATION.format(step="<n>"),
+            "ranks_gathered": len(ranks),
+            "ranks": [{k: v for k, v in r.items() if k != "errors"} for r in ranks],
+            # The slowest rank sets each step's time in a synchronous data-parallel job.
+            "step_wall_time_s_max": [max(t[i] for t in times) for i in range(len(completed))] if times else [],
+        }
+        path = self.trace_dir / RUN_INFO
+        partial = self._partial(path)
+        partial.write_text(json.dumps(info, indent=2, default=str) + "\n", encoding="utf-8")
+        partial.replace(path)
+        logger.info("traces of steps %s from %d rank(s) in %s", completed, len(ranks), self.trace_dir)
+
+
+def device_name(device: torch.device) -> str:
+    """Marketing name of a CUDA device, else the CPU model."""
+    if device.type == "cuda" and torch.cuda.is_available():
+        return torch.cuda.get_device_name(device)
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def software_versions() -> dict[str, Any]:
+    versions: dict[str, Any] = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cudnn": None,
+        "nccl": None,
+        "transformers": None,
+    }
+    if torch.cuda.is_available():
+        versions["cudnn"] = torch.backends.cudnn.version()
+        try:
+            versions["nccl"] = ".".join(str(v) for v in torch.cuda.nccl.version())
+        except (AttributeError, RuntimeError, TypeError):
+            pass
+    transformers = sys.modules.get("transformers")
+    if transformers is None:
+        try:
+            import transformers
+        except ImportError:
+            transformers = None
+    if transformers is not None:
+        versions["transformers"] = transformers.__version__
+    return versions
+
+
+def check_trace_file(path: str | os.PathLike, kind: str) -> str | None:
+    """None if ``path`` holds exactly one JSON document shaped like a host or device trace, else the problem."""
+    data = Path(path).read_bytes()
+    if not data.strip():
+        return "empty file"
+    try:
+        document = _loads(data)
+    except ValueError:
+        return _describe_json_problem(data)
+    if kind == "host":
+        if not isinstance(document, dict) or not isinstance(document.get("nodes"), list) or "schema" not in document:
+            return "not an execution trace (no 'schema' and 'nodes')"
+        if not document["nodes"]:
+            return "execution trace has no nodes"
+    elif kind == "device":
+        if not isinstance(document, dict) or not isinstance(document.get("traceEvents"), list):
+            return "not a Kineto trace (no 'traceEvents')"
+    else:
+        raise ValueError(f"unknown trace kind {kind!r}")
+    return None
+
+
+def _loads(data: bytes) -> Any:
+    try:
+        import orjson
+    except ImportError:
+        # The standard parser accepts NaN/Infinity, which are not JSON; refuse them like orjson does.
+        return json.loads(data, parse_constant=_refuse_constant)
+    return orjson.loads(data)
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _describe_json_problem(data: bytes) -> str:
+    """Say why ``data`` is not one JSON document, in words a user can act on."""
+    text = data.decode("utf-8", errors="replace")
+    decoder = json.JSONDecoder(parse_constant=_refuse_constant)
+    documents, position = 0, 0
+    while True:
+        while position < len(text) and text[position].isspace():
+            position += 1
+        if position >= len(text):
+            break
+        try:
+            _, position = decoder.raw_decode(text, position)
+        except ValueError as error:
+            if documents:
+                return f"{documents} JSON document(s) followed by invalid data: {error}"
+            return f"invalid JSON: {error}"
+        documents += 1
+    if documents > 1:
+        return f"{documents} JSON objects concatenated (ExecutionTraceObserver wrote twice); run fix_host_traces.py"
+    return "invalid JSON"
