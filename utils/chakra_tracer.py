@@ -212,16 +212,17 @@ class ChakraTracer:
                            self.rank, completed, self.traced_steps)
         # A rank that raised cannot count on the others joining a collective, so only gather on a clean exit.
         ranks = self._gather_rank_reports(errors, completed, gather=not failed)
+        failing = [e for r in ranks for e in r["errors"]]
+        if self.rank == 0 and completed and not failing:
+            self._write_run_json(completed, ranks)
         if failed:
+            for error in errors:
+                logger.error("rank %d: %s", self.rank, error)
             return False
         if errors:
             raise TraceError("; ".join(errors))
-        failing = [r for r in ranks if r["errors"]]
-        if self.rank == 0:
-            if failing:
-                raise TraceError("run.json not written: " + "; ".join(e for r in failing for e in r["errors"]))
-            if completed:
-                self._write_run_json(completed, ranks)
+        if failing:
+            raise TraceError("run.json not written: " + "; ".join(failing))
         return False
 
     # ---- capture ---------------------------------------------------------------------------------------------

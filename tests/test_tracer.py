@@ -1,0 +1,328 @@
+"""Tests of the Chakra trace capture (utils/chakra_tracer.py) on tiny models, one and two ranks."""
+import argparse
+import json
+import os
+import socket
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from utils import chakra_tracer
+from utils.chakra_tracer import (ChakraTracer, NullTracer, TraceError, add_tracing_arguments, build_tracer,
+                                 check_trace_file, tracing_window_steps)
+
+PG_INIT = "## process_group:init ##"
+ROOT_NODES = ("[pytorch|profiler|execution_trace|process]", "[pytorch|profiler|execution_trace|thread]")
+
+
+# ---- helpers -------------------------------------------------------------------------------------------------
+def tiny_gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+    torch.manual_seed(0)
+    config = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100, n_positions=32, bos_token_id=0, eos_token_id=0)
+    return GPT2LMHeadModel(config)
+
+
+def tiny_mlp():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+
+
+def train(model, tracer, steps, batch=None, fail_at=None):
+    """A plain training loop: one tracer.step() per optimizer step, as utils/trainer.py does."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with tracer:
+        for step in range(steps):
+            if step == fail_at:
+                raise RuntimeError("boom")
+            if batch is None:
+                loss = model(torch.randn(8, 16)).pow(2).mean()
+            else:
+                loss = model(input_ids=batch, labels=batch).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            tracer.step()
+
+
+def parse_tracing_args(*argv):
+    parser = argparse.ArgumentParser()
+    add_tracing_arguments(parser)
+    parser.add_argument("--max-steps", type=int, default=None)
+    return parser.parse_args(list(argv))
+
+
+def load(path):
+    with open(path, "rb") as handle:
+        return json.load(handle)
+
+
+def host_ops(host):
+    """(name, rf_id) of every operator node of a host trace (the observer's process/thread roots left out)."""
+    ops = []
+    for node in host["nodes"]:
+        if node["name"] in ROOT_NODES:
+            continue
+        attrs = {a["name"]: a["value"] for a in node.get("attrs", [])}
+        ops.append((node["name"], attrs.get("rf_id", node.get("rf_id"))))
+    return ops
+
+
+def kineto_record_ids(device):
+    return {e["args"]["Record function id"] for e in device["traceEvents"] if "Record function id" in e.get("args", {})}
+
+
+def rf_id_match_fraction(host, device):
+    ops = [(name, rf) for name, rf in host_ops(host) if rf is not None]
+    ids = kineto_record_ids(device)
+    return sum(rf in ids for _, rf in ops) / len(ops), len(ops)
+
+
+def step_annotations(trace_events):
+    return sorted(e["name"] for e in trace_events if e.get("name", "").startswith("ProfilerStep#"))
+
+
+def free_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def ddp_worker(rank, world_size, port, out_dir, steps):
+    """One gloo rank training a tiny GPT-2 under DDP with tracing on."""
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        model = torch.nn.parallel.DistributedDataParallel(tiny_gpt2())
+        args = parse_tracing_args("--enable-tracing", "--trace-output-dir", out_dir)
+        tracer = build_tracer(args, rank=rank, world_size=world_size, local_rank=rank, device=torch.device("cpu"),
+                              run_info={"model": "gpt2-tiny", "batch_size_per_rank": 2, "sequence_length": 16})
+        generator = torch.Generator().manual_seed(rank)
+        batch = torch.randint(0, 100, (2, 16), generator=generator)
+        train(model, tracer, steps, batch=batch)
+    finally:
+        dist.destroy_process_group()
+
+
+# ---- one rank ------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def one_rank_gpt2(tmp_path_factory):
+    """A tiny GPT-2 trained 5 steps with the default window (wait 1, warmup 1, active 1)."""
+    out = tmp_path_factory.mktemp("one_rank")
+    args = parse_tracing_args("--enable-tracing", "--trace-output-dir", str(out))
+    tracer = build_tracer(args, rank=0, world_size=1, local_rank=0, device="cpu",
+                          run_info={"model": "gpt2", "model_config": {"n_layer": 2}, "batch_size_per_rank": 2,
+                                    "sequence_length": 16, "precision": "fp32", "compile": False,
+                                    "attention": "eager"})
+    train(tiny_gpt2(), tracer, steps=5, batch=torch.randint(0, 100, (2, 16)))
+    return out / "gpt2_1cpu"
+
+
+def test_one_rank_writes_one_valid_host_device_and_stacks_file(one_rank_gpt2):
+    names = sorted(p.name for p in one_rank_gpt2.iterdir())
+    assert names == ["device.0.json", "host.0.json", "run.json", "stacks.0.txt"]
+    assert check_trace_file(one_rank_gpt2 / "host.0.json", "host") is None
+    assert check_trace_file(one_rank_gpt2 / "device.0.json", "device") is None
+    assert "self_cpu_time_total" in (one_rank_gpt2 / "stacks.0.txt").read_text().splitlines()[0]
+    assert "aten::addmm" in (one_rank_gpt2 / "stacks.0.txt").read_text()
+
+
+def test_host_and_device_traces_cover_the_same_single_step(one_rank_gpt2):
+    host = load(one_rank_gpt2 / "host.0.json")
+    device = load(one_rank_gpt2 / "device.0.json")
+    assert step_annotations(host["nodes"]) == ["ProfilerStep#2"]
+    assert step_annotations(device["traceEvents"]) == ["ProfilerStep#2"]
+    # The steps after the window (3 and 4) ran with the profiler gone: one optimizer step in the trace.
+    assert sum(n["name"].startswith("Optimizer.step#") for n in host["nodes"]) == 1
+
+
+def test_host_operators_have_kineto_events_with_the_same_record_function_id(one_rank_gpt2):
+    fraction, count = rf_id_match_fraction(load(one_rank_gpt2 / "host.0.json"), load(one_rank_gpt2 / "device.0.json"))
+    assert count > 500
+    assert fraction >= 0.99
+
+
+def test_run_json_holds_run_info_versions_and_step_times(one_rank_gpt2):
+    info = load(one_rank_gpt2 / "run.json")
+    assert info["model"] == "gpt2" and info["model_config"] == {"n_layer": 2}
+    assert info["batch_size_per_rank"] == 2 and info["sequence_length"] == 16 and info["precision"] == "fp32"
+    assert info["world_size"] == 1 and info["traced_steps"] == [2]
+    assert info["versions"]["torch"] == torch.__version__
+    assert info["versions"]["transformers"]
+    [rank] = info["ranks"]
+    assert rank["rank"] == 0 and rank["device"] == "cpu" and rank["device_name"]
+    assert len(rank["step_wall_time_s"]) == 1 and 0 < rank["step_wall_time_s"][0] < 60
+    assert rank["files"] == {"device": "device.0.json", "host": "host.0.json", "stacks": "stacks.0.txt"}
+
+
+def test_longer_window_records_every_active_step_and_its_time(tmp_path):
+    tracer = ChakraTracer(tmp_path, "mlp", wait_steps=0, warmup_steps=1, active_steps=3, run_info={"model": "mlp"})
+    train(tiny_mlp(), tracer, steps=6)
+    info = load(tmp_path / "mlp" / "run.json")
+    assert info["traced_steps"] == [1, 2, 3]
+    assert len(info["ranks"][0]["step_wall_time_s"]) == 3
+    assert len(info["step_wall_time_s_max"]) == 3
+    assert step_annotations(load(tmp_path / "mlp" / "device.0.json")["traceEvents"]) == [
+        "ProfilerStep#1", "ProfilerStep#2", "ProfilerStep#3"]
+
+
+# ---- two ranks -----------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def two_rank_gpt2(tmp_path_factory):
+    out = tmp_path_factory.mktemp("two_ranks")
+    mp.spawn(ddp_worker, args=(2, free_port(), str(out), 4), nprocs=2, join=True)
+    return out / "gpt2-tiny_2cpu"
+
+
+@pytest.mark.slow
+def test_two_ranks_each_write_their_own_valid_files(two_rank_gpt2):
+    names = sorted(p.name for p in two_rank_gpt2.iterdir())
+    assert names == ["device.0.json", "device.1.json", "host.0.json", "host.1.json", "run.json",
+                     "stacks.0.txt", "stacks.1.txt"]
+    pids = set()
+    for rank in (0, 1):
+        host = load(two_rank_gpt2 / f"host.{rank}.json")
+        assert check_trace_file(two_rank_gpt2 / f"device.{rank}.json", "device") is None
+        fraction, _ = rf_id_match_fraction(host, load(two_rank_gpt2 / f"device.{rank}.json"))
+        assert fraction >= 0.99
+        pids.add(host["pid"])
+    assert len(pids) == 2
+
+
+@pytest.mark.slow
+def test_two_rank_host_traces_record_process_group_init_and_collectives(two_rank_gpt2):
+    for rank in (0, 1):
+        names = [n["name"] for n in load(two_rank_gpt2 / f"host.{rank}.json")["nodes"]]
+        [init] = [n for n in load(two_rank_gpt2 / f"host.{rank}.json")["nodes"] if n["name"] == PG_INIT]
+        assert '"group_size": 2' in init["inputs"]["values"][0]
+        assert "c10d::allreduce_" in names
+        assert "gloo:all_reduce" in names
+
+
+@pytest.mark.slow
+def test_two_rank_run_json_has_a_time_per_traced_step_per_rank(two_rank_gpt2):
+    info = load(two_rank_gpt2 / "run.json")
+    assert info["world_size"] == 2 and info["backend"] == "gloo" and info["traced_steps"] == [2]
+    assert [r["rank"] for r in info["ranks"]] == [0, 1]
+    assert [r["local_rank"] for r in info["ranks"]] == [0, 1]
+    for rank in info["ranks"]:
+        assert len(rank["step_wall_time_s"]) == 1 and rank["step_wall_time_s"][0] > 0
+    assert info["step_wall_time_s_max"] == [max(r["step_wall_time_s"][0] for r in info["ranks"])]
+
+
+# ---- tracing off ---------------------------------------------------------------------------------------------
+def test_tracing_off_creates_no_profiler_no_observer_and_no_files(tmp_path, monkeypatch):
+    def forbidden(*args, **kwargs):
+        raise AssertionError("tracing is off but the tracer built a profiler or observer")
+
+    monkeypatch.setattr(chakra_tracer, "profile", forbidden)
+    monkeypatch.setattr(chakra_tracer, "ExecutionTraceObserver", forbidden)
+    args = parse_tracing_args("--trace-output-dir", str(tmp_path / "outputs"))
+    tracer = build_tracer(args, rank=0, world_size=1, local_rank=0, device="cpu", run_info={"model": "mlp"})
+    assert isinstance(tracer, NullTracer)
+    seen_profiler = []
+    model, optimizer = tiny_mlp(), None
+    optimizer = torch.optim.AdamW(model.parameters())
+    with tracer:
+        for _ in range(4):
+            model(torch.randn(8, 16)).sum().backward()
+            optimizer.step()
+            tracer.step()
+            seen_profiler.append(torch.autograd.profiler._is_profiler_enabled)
+    assert seen_profiler == [False] * 4
+    assert not (tmp_path / "outputs").exists()
+
+
+# ---- arguments and naming ------------------------------------------------------------------------------------
+def test_tracing_flags_default_to_a_one_step_window():
+    args = parse_tracing_args()
+    assert not args.enable_tracing and args.trace_output_dir == "./outputs" and args.trace_name is None
+    assert (args.trace_wait_steps, args.trace_warmup_steps, args.trace_active_steps) == (1, 1, 1)
+    assert tracing_window_steps(args) == 3
+    assert tracing_window_steps(parse_tracing_args("--trace-wait-steps", "5", "--trace-active-steps", "10")) == 16
+
+
+def test_default_trace_name_counts_ranks_and_device_kind(tmp_path):
+    args = parse_tracing_args("--enable-tracing", "--trace-output-dir", str(tmp_path))
+    tracer = build_tracer(args, rank=0, world_size=2, local_rank=0, device="cpu", run_info={"model": "bert"})
+    assert tracer.trace_dir == tmp_path / "bert_2cpu"
+    assert chakra_tracer.default_trace_name("gpt2", 8, "cuda") == "gpt2_8gpu"
+    named = build_tracer(parse_tracing_args("--enable-tracing", "--trace-name", "mine"), rank=1, world_size=2,
+                         local_rank=1, device="cpu", run_info={"model": "bert"})
+    assert named.trace_dir.name == "mine" and named.host_path.name == "host.1.json"
+
+
+def test_max_steps_shorter_than_the_window_is_refused():
+    args = parse_tracing_args("--enable-tracing", "--max-steps", "2")
+    with pytest.raises(ValueError, match="--max-steps 2 is shorter than the trace window of 3 steps"):
+        build_tracer(args, rank=0, world_size=1, local_rank=0, device="cpu", run_info={"model": "gpt2"})
+
+
+def test_zero_active_steps_is_refused():
+    args = parse_tracing_args("--enable-tracing", "--trace-active-steps", "0")
+    with pytest.raises(ValueError, match="--trace-active-steps must be at least 1"):
+        build_tracer(args, rank=0, world_size=1, local_rank=0, device="cpu", run_info={"model": "gpt2"})
+
+
+# ---- early ends and reruns -----------------------------------------------------------------------------------
+def test_run_that_ends_before_the_window_writes_nothing_and_says_why(tmp_path):
+    tracer = ChakraTracer(tmp_path, "short", wait_steps=2, warmup_steps=1, active_steps=1, run_info={"model": "m"})
+    with pytest.raises(TraceError, match="ended after 2 optimizer steps, before trace step 3"):
+        train(tiny_mlp(), tracer, steps=2)
+    assert list((tmp_path / "short").iterdir()) == []
+
+
+def test_error_after_the_window_keeps_valid_traces_and_propagates(tmp_path):
+    tracer = ChakraTracer(tmp_path, "err", wait_steps=0, warmup_steps=1, active_steps=1, run_info={"model": "m"})
+    with pytest.raises(RuntimeError, match="boom"):
+        train(tiny_mlp(), tracer, steps=5, fail_at=3)
+    assert check_trace_file(tmp_path / "err" / "host.0.json", "host") is None
+    assert check_trace_file(tmp_path / "err" / "device.0.json", "device") is None
+    assert load(tmp_path / "err" / "run.json")["traced_steps"] == [1]
+
+
+def test_error_inside_the_window_finalizes_the_steps_already_traced(tmp_path):
+    tracer = ChakraTracer(tmp_path, "mid", wait_steps=0, warmup_steps=1, active_steps=3, run_info={"model": "m"})
+    with pytest.raises(RuntimeError, match="boom"):
+        train(tiny_mlp(), tracer, steps=6, fail_at=3)
+    assert load(tmp_path / "mid" / "run.json")["traced_steps"] == [1, 2]
+    assert check_trace_file(tmp_path / "mid" / "host.0.json", "host") is None
+    assert not [p for p in (tmp_path / "mid").iterdir() if p.name.startswith(".")]
+
+
+def test_rerun_under_the_same_name_replaces_the_earlier_runs_files(tmp_path):
+    run_dir = tmp_path / "again"
+    run_dir.mkdir()
+    for stale in ("host.3.json", "device.3.json", "stacks.3.txt", "host.0.json.invalid"):
+        (run_dir / stale).write_text("{}")
+    (run_dir / "notes.txt").write_text("mine")
+    train(tiny_mlp(), ChakraTracer(tmp_path, "again", world_size=1, run_info={"model": "m"}), steps=3)
+    assert sorted(p.name for p in run_dir.iterdir()) == [
+        "device.0.json", "host.0.json", "notes.txt", "run.json", "stacks.0.txt"]
+
+
+# ---- validation of the files ---------------------------------------------------------------------------------
+def test_check_trace_file_names_the_problem(tmp_path):
+    host = {"schema": "1.1.1-chakra.0.0.4", "nodes": [{"id": 1, "name": "x"}]}
+    cases = {
+        "ok.json": (json.dumps(host), None),
+        "twice.json": (json.dumps(host) + "\n" + json.dumps(host), "2 JSON objects concatenated"),
+        "cut.json": (json.dumps(host)[:-5], "invalid JSON"),
+        "empty.json": ("  \n", "empty file"),
+        "nan.json": ('{"schema": "1", "nodes": [{"v": NaN}]}', "invalid JSON"),
+        "kineto.json": ('{"traceEvents": []}', "not an execution trace"),
+        "trailing.json": (json.dumps(host) + "]", "followed by invalid data"),
+    }
+    for name, (text, expected) in cases.items():
+        (tmp_path / name).write_text(text)
+        problem = check_trace_file(tmp_path / name, "host")
+        if expected is None:
+            assert problem is None, name
+        else:
+            assert problem is not None and expected in problem, (name, problem)
+    assert "not a Kineto trace" in check_trace_file(tmp_path / "ok.json", "device")
+    assert check_trace_file(tmp_path / "kineto.json", "device") is None
