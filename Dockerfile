@@ -1,0 +1,46 @@
+# MOSIM LLMs GPU image: the PyTorch CUDA base, the training and conversion requirements, tokenizers for offline runs.
+# Build with ./build.sh (or: docker build --build-arg BASE_IMAGE=... -t mosim-llms:latest .).
+ARG BASE_IMAGE=pytorch/pytorch:2.4.0-cuda12.4-cudnn9-runtime
+FROM ${BASE_IMAGE}
+
+SHELL ["/bin/bash", "-o", "pipefail", "-c"]
+
+ENV DEBIAN_FRONTEND=noninteractive \
+    PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    HF_HOME=/root/.cache/huggingface
+
+# procps: the launchers print `ps -p PID` for background runs and the runtime base image lacks it.
+# Versions are left to the base image's distribution (pinning them breaks every base-image update).
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends procps \
+    && rm -rf /var/lib/apt/lists/*
+
+WORKDIR /workspace/mosim-llms
+
+# Requirements before the code, so editing the code does not reinstall them. requirements.txt says torch>=2.4;
+# the constraint pins torch to the base image's own CUDA build, so pip never swaps it for a PyPI wheel.
+COPY requirements.txt requirements-convert.txt ./
+RUN python -c "import importlib.metadata as m; print('torch==' + m.version('torch'))" > /tmp/torch-constraint.txt \
+    && echo "keeping the base image's $(cat /tmp/torch-constraint.txt)" \
+    && pip install --no-cache-dir -c /tmp/torch-constraint.txt -r requirements.txt -r requirements-convert.txt
+
+# Tokenizers where the training side looks first (/workspace/pretrained_models/<model-name>). Without network
+# the script warns and the build goes on: training then tries the hub, else trains a local tokenizer.
+COPY scripts/download_tokenizers.py scripts/
+RUN python scripts/download_tokenizers.py --output-dir /workspace/pretrained_models
+
+COPY . .
+
+# Fail the build here, not at the first run, when an import or a launcher is broken.
+RUN python -c "import torch, transformers, datasets, tokenizers, orjson, chakra.schema.protobuf.et_def_pb2; \
+print('torch', torch.__version__, '| CUDA', torch.version.cuda, '| transformers', transformers.__version__)" \
+    && ./run_gpt2.sh --help > /dev/null \
+    && mkdir -p outputs checkpoints logs
+
+HEALTHCHECK --interval=5m --timeout=60s --start-period=30s --retries=3 \
+    CMD ["python", "-c", "import torch, transformers"]
+
+CMD ["bash"]
