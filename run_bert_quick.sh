@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# BERT quick profiling: traced 10-step runs at 1, 2 and 4 GPUs
+set -euo pipefail
+# shellcheck source=scripts/launcher_common.sh
+source "$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/scripts/launcher_common.sh"
+
+LC_TITLE="BERT quick profiling: traced 10-step runs at 1, 2 and 4 GPUs"
+LC_SYNOPSIS="  ./run_bert_quick.sh [options]     traces in outputs/bert_<N>gpu_quick_trace/ (bert_<N>cpu_quick_trace/ on the CPU)"
+LC_MODELS="bert"
+LC_COUNTS="1 2 4"
+LC_KIND=quick
+LC_POSITIONAL=0
+LC_CONVERT=0
+lc_main "$@"
