@@ -1,0 +1,303 @@
+"""Write a linked trace as a Chakra .et (protobuf, length-delimited) and, optionally, as chakra_trace_link's JSON."""
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import orjson
+from chakra.schema.protobuf.et_def_pb2 import AttributeProto, GlobalMetadata, Node
+from chakra.src.third_party.utils.protolib import encodeMessage
+
+from .link import COMM_COLL_NODE, COMM_RECV_NODE, COMM_SEND_NODE, GPU_OP, HOST_OP, KINETO_OP, LinkedTrace
+from .load import CHUNK_BYTES, iter_document, read_trace_bytes
+
+ET_VERSION = "0.0.4"
+CONVERTER = "mosim-llms trace_tools"
+# Host schemas chakra_converter parses; older ones are rewritten into this layout for the merged JSON.
+CHAKRA_CONVERTER_SCHEMAS = ("1.0.2-chakra.0.0.4", "1.0.3-chakra.0.0.4", "1.1.0-chakra.0.0.4", "1.1.1-chakra.0.0.4")
+MERGED_SCHEMA_FOR_LEGACY = "1.0.3-chakra.0.0.4"
+
+
+def _attr_int(name: str, value: int) -> AttributeProto:
+    return AttributeProto(name=name, int64_val=value)
+
+
+def _as_int(value: Any) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
+def global_metadata(linked: LinkedTrace) -> GlobalMetadata:
+    """What chakra's converter writes (schema, pid, time, start_ts, finish_ts) plus rank, step and process groups."""
+    host, dev = linked.host, linked.device
+    attrs = [
+        AttributeProto(name="schema", string_val=host.schema),
+        AttributeProto(name="pid", uint64_val=max(0, _as_int(host.pid))),
+        AttributeProto(name="time", string_val=host.time),
+        AttributeProto(name="start_ts", uint64_val=max(0, host.start_ts)),
+        AttributeProto(name="finish_ts", uint64_val=max(0, host.finish_ts)),
+        AttributeProto(name="rank", int64_val=linked.rank),
+        AttributeProto(name="converter", string_val=CONVERTER),
+        AttributeProto(name="traced_step", string_val=linked.step_name),
+        AttributeProto(name="traced_step_start_micros", int64_val=round(linked.step_start)),
+        AttributeProto(name="traced_step_micros", int64_val=round(linked.step_dur)),
+    ]
+    distributed = dev.distributed if isinstance(dev.distributed, dict) else {}
+    if isinstance(distributed.get("world_size"), int):
+        attrs.append(AttributeProto(name="world_size", int64_val=distributed["world_size"]))
+    if isinstance(distributed.get("backend"), str):
+        attrs.append(AttributeProto(name="backend", string_val=distributed["backend"]))
+    groups = host.process_groups or distributed.get("pg_config") or []
+    if groups:
+        # The observer's `## process_group:init ##` node as metadata: ASTRA-sim rejects METADATA_NODE nodes.
+        attrs.append(AttributeProto(name="process_groups", string_val=orjson.dumps(groups).decode()))
+    if dev.base_time_ns is not None:
+        attrs.append(AttributeProto(name="kineto_base_time_ns", int64_val=dev.base_time_ns))
+    return GlobalMetadata(version=ET_VERSION, attr=attrs)
+
+
+def build_node(linked: LinkedTrace, i: int) -> Node:
+    """The protobuf node of linked node i."""
+    host, dev = linked.host, linked.device
+    ids = linked.node_id
+    kind = linked.kind[i]
+    node = Node(id=ids[i], name=linked.name(i), type=linked.node_type[i],
+                start_time_micros=max(0, round(linked.ts[i])), duration_micros=max(0, round(linked.work(i))))
+    parent = linked.parent[i]
+    if parent >= 0:
+        node.ctrl_deps.append(ids[parent])
+    if linked.deps[i]:
+        node.data_deps.extend([ids[d] for d in linked.deps[i]])
+    h = linked.host_index[i]
+    if kind == GPU_OP and parent >= 0:
+        h = linked.host_index[parent]  # GPU ops carry their launcher's tensors, as in chakra_trace_link's output
+    if h >= 0:
+        io = host.io[h]
+        node.inputs.values, node.inputs.shapes, node.inputs.types = io[0], io[1], io[2]
+        node.outputs.values, node.outputs.shapes, node.outputs.types = io[3], io[4], io[5]
+        attrs = [_attr_int("rf_id", host.rf_ids[h]), _attr_int("fw_parent", host.fw_parents[h]),
+                 _attr_int("seq_id", host.seq_ids[h]), _attr_int("scope", host.scopes[h]),
+                 _attr_int("tid", host.tids[h]), _attr_int("fw_tid", host.fw_tids[h]),
+                 AttributeProto(name="op_schema", string_val=host.op_schemas[h])]
+    else:
+        tid = dev.cpu_tid[linked.src[i]] if kind == KINETO_OP else 0
+        attrs = [_attr_int("tid", tid if isinstance(tid, int) else 0)]
+    node_type = linked.node_type[i]
+    on_cpu = kind != GPU_OP and node_type not in (COMM_COLL_NODE, COMM_SEND_NODE, COMM_RECV_NODE)
+    attrs.append(AttributeProto(name="is_cpu_op", bool_val=on_cpu))
+    if kind == GPU_OP:
+        g = linked.src[i]
+        attrs.append(_attr_int("stream", dev.gpu_stream[g]))
+        attrs.append(_attr_int("device", dev.gpu_device[g]))
+        if dev.gpu_bytes[g]:
+            attrs.append(_attr_int("bytes", dev.gpu_bytes[g]))
+    else:
+        attrs.append(_attr_int("stream", 0))
+        if kind == KINETO_OP:
+            attrs.append(AttributeProto(name="kineto_only", bool_val=True))
+    comm = linked.comm.get(i)
+    if comm is not None:
+        if node_type == COMM_COLL_NODE:
+            attrs.append(_attr_int("comm_type", comm["comm_type"]))
+        attrs.append(_attr_int("comm_size", comm["comm_size"]))
+        if comm.get("pg_name"):
+            attrs.append(AttributeProto(name="pg_name", string_val=str(comm["pg_name"])))
+        for key in ("comm_src", "comm_dst", "comm_tag"):
+            if key in comm:  # ASTRA-sim's feeder reads these as int32
+                attrs.append(AttributeProto(name=key, int32_val=comm[key]))
+    if linked.wait[i] >= 0.5:
+        attrs.append(_attr_int("wait_micros", round(linked.wait[i])))
+    node.attr.extend(attrs)
+    return node
+
+
+def write_et(linked: LinkedTrace, out_path: str | Path) -> Path:
+    """Write the .et atomically (temp file in the same folder, then rename): never a partial .et."""
+    out_path = Path(out_path)
+    order = sorted(range(len(linked.kind)), key=lambda i: linked.node_id[i])
+    with _atomic_output(out_path) as f:
+        encodeMessage(f, global_metadata(linked))
+        for i in order:
+            encodeMessage(f, build_node(linked, i))
+    return out_path
+
+
+class _atomic_output:
+    """Context manager: a binary file that appears under its final name only when fully written."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.tmp: str | None = None
+        self.file: BinaryIO | None = None
+
+    def __enter__(self) -> BinaryIO:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd, self.tmp = tempfile.mkstemp(prefix="." + self.path.name + ".", suffix=".tmp", dir=self.path.parent)
+        self.file = os.fdopen(fd, "wb", buffering=1 << 20)
+        return self.file
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        assert self.file is not None and self.tmp is not None
+        try:
+            self.file.close()
+            if exc_type is None:
+                os.replace(self.tmp, self.path)
+        finally:
+            if os.path.exists(self.tmp):
+                os.unlink(self.tmp)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# chakra_trace_link-compatible merged JSON
+# ---------------------------------------------------------------------------------------------------------------
+def write_merged_json(linked: LinkedTrace, out_path: str | Path, chunk_bytes: int = CHUNK_BYTES) -> Path:
+    """Host nodes (renumbered like chakra_trace_link) with ts/inclusive_dur/exclusive_dur, followed in id order by
+    the GPU ops they launched; legacy (1.0.1) nodes are rewritten into the layout chakra_converter parses.
+
+    The host file is read a second time, slice by slice, so the merged output never holds every node in memory.
+    """
+    out_path = Path(out_path)
+    host = linked.host
+    legacy = host.layout == "legacy"
+    schema = host.schema if host.schema in CHAKRA_CONVERTER_SCHEMAS else MERGED_SCHEMA_FOR_LEGACY
+    ids = linked.node_id
+    node_of_host = {h: i for i, h in enumerate(linked.host_index) if h >= 0}
+    host_index_of_id = {nid: h for h, nid in enumerate(host.ids)}
+    new_id = _merged_host_ids(linked)
+    gpu_children: dict[int, list[int]] = {}
+    for i, kind in enumerate(linked.kind):
+        if kind == GPU_OP:
+            gpu_children.setdefault(linked.parent[i], []).append(i)
+    header = {"schema": schema, "pid": host.pid, "time": host.time, "start_ts": host.start_ts}
+    if schema != host.schema:
+        header["source_schema"] = host.schema
+    data = read_trace_bytes(host.path)
+    _, slices = iter_document(Path(host.path), data, "nodes", chunk_bytes)
+    pending: dict[int, bytes] = {}  # merged id -> serialized node, written in id order
+    next_to_write = 0
+    with _atomic_output(out_path) as f:
+        head = orjson.dumps(header)
+        f.write(head[:-1] + b', "nodes": [\n')
+        first = True
+
+        def emit(blob: bytes) -> None:
+            nonlocal first
+            f.write(blob if first else b",\n" + blob)
+            first = False
+
+        for elements in slices:
+            for raw in elements:
+                h = host_index_of_id.get(raw.get("id"))
+                if h is None:
+                    continue
+                node = _merged_host_node(raw, legacy, new_id, host_index_of_id, h)
+                i = node_of_host.get(h)
+                if i is not None:
+                    node["inclusive_dur"] = linked.dur[i]
+                    node["exclusive_dur"] = linked.excl[i]
+                    node["ts"] = linked.ts[i]
+                    dep = linked.inter_thread_dep.get(i)
+                    node["inter_thread_dep"] = ids[dep] if dep is not None else None
+                    if i in linked.sync_deps:
+                        node["sync_dep"] = [ids[g] for g in linked.sync_deps[i]]
+                pending[node["id"]] = orjson.dumps(node)
+                if i is not None:
+                    for g in gpu_children.get(i, ()):
+                        pending[ids[g]] = orjson.dumps(_merged_gpu_node(linked, g, node))
+            while next_to_write in pending:
+                emit(pending.pop(next_to_write))
+                next_to_write += 1
+        for i, kind in enumerate(linked.kind):
+            if kind == KINETO_OP:
+                node = _merged_kineto_node(linked, i)
+                pending[node["id"]] = orjson.dumps(node)
+                for g in gpu_children.get(i, ()):
+                    pending[ids[g]] = orjson.dumps(_merged_gpu_node(linked, g, node))
+        for key in sorted(pending):
+            emit(pending[key])
+        f.write(b'\n], "finish_ts": ' + orjson.dumps(host.finish_ts) + b"}\n")
+    del data
+    return out_path
+
+
+def _merged_host_ids(linked: LinkedTrace) -> dict[int, int]:
+    """Original host id -> merged id (the .et ids of emitted nodes; the same numbering for the others)."""
+    host = linked.host
+    emitted = {linked.host_index[i]: linked.node_id[i] for i in range(len(linked.kind)) if linked.kind[i] == HOST_OP}
+    gpu_count: dict[int, int] = {}
+    for i, kind in enumerate(linked.kind):
+        if kind == GPU_OP and linked.kind[linked.parent[i]] == HOST_OP:
+            h = linked.host_index[linked.parent[i]]
+            gpu_count[h] = gpu_count.get(h, 0) + 1
+    result: dict[int, int] = {}
+    next_id = 0
+    for h in sorted(range(len(host)), key=lambda x: host.ids[x]):
+        result[host.ids[h]] = emitted.get(h, next_id)
+        next_id += 1 + gpu_count.get(h, 0)
+    return result
+
+
+def _merged_host_node(raw: dict, legacy: bool, new_id: dict[int, int], host_index_of_id: dict, h: int) -> dict:
+    if not legacy:
+        node = dict(raw)
+        node["id"] = new_id[raw["id"]]
+        parent = raw.get("ctrl_deps")
+        if isinstance(parent, int):
+            node["ctrl_deps"] = new_id.get(parent, parent)
+        return node
+    attrs = [{"name": key, "type": type_, "value": raw.get(key, default)}
+             for key, type_, default in (("rf_id", "uint64", 0), ("fw_parent", "uint64", 0), ("seq_id", "int64", -1),
+                                         ("scope", "uint64", 0), ("tid", "uint64", 0), ("fw_tid", "uint64", 0),
+                                         ("op_schema", "string", ""))]
+    parent = raw.get("parent")
+    return {
+        "id": new_id[raw["id"]],
+        "name": raw.get("name", ""),
+        "ctrl_deps": new_id.get(parent, parent) if isinstance(parent, int) else parent,
+        "inputs": {"values": raw.get("inputs", []), "shapes": raw.get("input_shapes", []),
+                   "types": raw.get("input_types", []), "strides": []},
+        "outputs": {"values": raw.get("outputs", []), "shapes": raw.get("output_shapes", []),
+                    "types": raw.get("output_types", []), "strides": []},
+        "attrs": attrs,
+    }
+
+
+def _merged_gpu_node(linked: LinkedTrace, g: int, launcher_node: dict) -> dict:
+    dev = linked.device
+    src = linked.src[g]
+    node = dict(launcher_node)
+    for key in ("inter_thread_dep", "sync_dep"):
+        node.pop(key, None)
+    node.update({
+        "id": linked.node_id[g],
+        "ctrl_deps": launcher_node["id"],
+        "cat": dev.gpu_cat[src],
+        "name": dev.gpu_names[src],
+        "ph": "X",
+        "inclusive_dur": linked.dur[g],
+        "exclusive_dur": linked.excl[g],
+        "ts": linked.ts[g],
+        "stream": dev.gpu_stream[src],
+    })
+    comm = linked.comm.get(g)
+    if comm and comm.get("pg_name"):
+        node["pg_name"] = comm["pg_name"]
+    return node
+
+
+def _merged_kineto_node(linked: LinkedTrace, i: int) -> dict:
+    parent = linked.lane_parent[i]
+    return {
+        "id": linked.node_id[i],
+        "name": linked.name(i),
+        "ctrl_deps": linked.node_id[parent] if parent >= 0 else None,
+        "inputs": {"values": [], "shapes": [], "types": [], "strides": []},
+        "outputs": {"values": [], "shapes": [], "types": [], "strides": []},
+        "attrs": [{"name": "rf_id", "type": "uint64", "value": 0}, {"name": "op_schema", "type": "string", "value": ""}],
+        "inclusive_dur": linked.dur[i],
+        "exclusive_dur": linked.excl[i],
+        "ts": linked.ts[i],
+        "inter_thread_dep": None,
+        "kineto_only": True,
+    }

@@ -1,0 +1,120 @@
+"""Find trace runs: tracer folders (host.<rank>.json + device.<rank>.json), the seed's flat files, or their parents."""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+# host.0.json, host.0.json.gz (the tracer's layout, chakra's simple_multirank recipe)
+TRACER_FILE = re.compile(r"^(?P<kind>host|device)\.(?P<rank>\d+)\.json(?:\.gz)?$")
+# <name>_host.json, <name>_device.json.gz, <name>_host.1.json, <name>_host_rank1.json (the seed's flat layout)
+FLAT_FILE = re.compile(r"^(?P<name>.+?)_(?P<kind>host|device)(?:[._](?:rank)?(?P<rank>\d+))?\.json(?:\.gz)?$")
+RUN_INFO = "run.json"
+
+
+@dataclass
+class Run:
+    """One traced run: its name (the .et prefix), where it lives, and each rank's host and device file."""
+
+    name: str
+    folder: Path
+    hosts: dict[int, Path] = field(default_factory=dict)
+    devices: dict[int, Path] = field(default_factory=dict)
+    world_size: int | None = None
+
+    @property
+    def ranks(self) -> list[int]:
+        expected = set(range(self.world_size)) if self.world_size else set()
+        present = set(self.hosts) | set(self.devices)
+        if present:
+            expected |= set(range(max(present) + 1))
+        return sorted(expected | present)
+
+    def missing(self, rank: int) -> str | None:
+        """Why a rank cannot be converted because of absent files (None when both are there)."""
+        host, device = self.hosts.get(rank), self.devices.get(rank)
+        if host and device:
+            return None
+        if not host and not device:
+            return f"rank {rank}: no host or device trace in {self.folder}"
+        if not host:
+            return f"rank {rank}: host trace missing beside {device.name}"
+        return f"rank {rank}: device trace missing beside {host.name}"
+
+
+def _prefer(existing: Path | None, candidate: Path) -> Path:
+    # Both x.json and x.json.gz: the uncompressed one is the one a repair may have rewritten.
+    if existing is None:
+        return candidate
+    return existing if existing.suffix == ".json" else candidate
+
+
+def _scan_folder(folder: Path) -> list[Run]:
+    tracer = Run(name=folder.resolve().name, folder=folder)
+    flat: dict[str, Run] = {}
+    try:
+        entries = sorted(folder.iterdir())
+    except OSError:
+        return []
+    for path in entries:
+        if not path.is_file() or path.name.startswith("."):
+            continue
+        match = TRACER_FILE.match(path.name)
+        if match:
+            rank = int(match.group("rank"))
+            table = tracer.hosts if match.group("kind") == "host" else tracer.devices
+            table[rank] = _prefer(table.get(rank), path)
+            continue
+        match = FLAT_FILE.match(path.name)
+        if match:
+            run = flat.setdefault(match.group("name"), Run(name=match.group("name"), folder=folder))
+            rank = int(match.group("rank") or 0)
+            table = run.hosts if match.group("kind") == "host" else run.devices
+            table[rank] = _prefer(table.get(rank), path)
+    runs = []
+    if tracer.hosts or tracer.devices:
+        info = folder / RUN_INFO
+        if info.is_file():
+            try:
+                world_size = json.loads(info.read_text()).get("world_size")
+                tracer.world_size = world_size if isinstance(world_size, int) and world_size > 0 else None
+            except (OSError, ValueError):
+                pass
+        runs.append(tracer)
+    runs.extend(flat[name] for name in sorted(flat))
+    return runs
+
+
+def find_runs(paths: list[str | Path]) -> list[Run]:
+    """Runs in the given folders or files: a run folder, a folder of run folders (searched two levels deep), or
+    trace files named directly (grouped into their runs)."""
+    runs: list[Run] = []
+    seen: set[tuple[Path, str]] = set()
+
+    def add(found: list[Run]) -> None:
+        for run in found:
+            key = (run.folder.resolve(), run.name)
+            if key not in seen:
+                seen.add(key)
+                runs.append(run)
+
+    for raw in paths:
+        path = Path(raw)
+        if path.is_file():
+            folder_runs = _scan_folder(path.parent)
+            add([run for run in folder_runs if path in run.hosts.values() or path in run.devices.values()])
+            continue
+        if not path.is_dir():
+            continue
+        here = _scan_folder(path)
+        add(here)
+        if here:
+            continue
+        for child in sorted(p for p in path.iterdir() if p.is_dir() and not p.name.startswith(".")):
+            found = _scan_folder(child)
+            if not found:
+                for grandchild in sorted(p for p in child.iterdir() if p.is_dir() and not p.name.startswith(".")):
+                    add(_scan_folder(grandchild))
+            add(found)
+    return runs

@@ -1,0 +1,978 @@
+"""Link a host execution trace with its Kineto trace: match operators, attach GPU work, time and order every node."""
+from __future__ import annotations
+
+import bisect
+import logging
+import re
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+from .load import DeviceTrace, HostTrace, TraceError, is_structural, PROCESS_GROUP_INIT
+
+logger = logging.getLogger(__name__)
+
+# Node kinds in the linked graph
+HOST_OP, KINETO_OP, GPU_OP = 0, 1, 2
+# Node types (values of chakra's et_def_pb2.NodeType)
+COMP_NODE, COMM_SEND_NODE, COMM_RECV_NODE, COMM_COLL_NODE = 4, 5, 6, 7
+# Collective types (values of chakra's et_def_pb2.CollectiveCommType)
+ALL_REDUCE, REDUCE, ALL_GATHER, GATHER, SCATTER, BROADCAST, ALL_TO_ALL, REDUCE_SCATTER, BARRIER = 0, 1, 2, 3, 4, 5, 6, 7, 9
+COMM_TYPE_NAMES = {ALL_REDUCE: "ALL_REDUCE", REDUCE: "REDUCE", ALL_GATHER: "ALL_GATHER", GATHER: "GATHER",
+                   SCATTER: "SCATTER", BROADCAST: "BROADCAST", ALL_TO_ALL: "ALL_TO_ALL",
+                   REDUCE_SCATTER: "REDUCE_SCATTER", BARRIER: "BARRIER"}
+NODE_TYPE_NAMES = {COMP_NODE: "COMP", COMM_SEND_NODE: "COMM_SEND", COMM_RECV_NODE: "COMM_RECV",
+                   COMM_COLL_NODE: "COMM_COLL"}
+
+STEP_PREFIX = "ProfilerStep#"
+# Host-side names of the collective itself (the record function that carries the communicated tensor).
+COLLECTIVE_PREFIXES = ("nccl:", "gloo:", "mpi:", "ucc:", "xccl:")
+# Collectives that run on CPU threads become COMM nodes themselves (there is no GPU kernel to stand for them).
+CPU_COLLECTIVE_PREFIXES = ("gloo:", "mpi:", "ucc:")
+# Runtime calls after which the CPU has waited for GPU work.
+SYNC_CALLS = {"cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchronize", "cudaMemcpy",
+              "cudaMemcpy2D", "cudaMemcpyFromSymbol", "cudaMemcpyToSymbol", "cuCtxSynchronize",
+              "cuStreamSynchronize", "cuEventSynchronize", "cuMemcpyDtoH_v2", "cuMemcpyHtoD_v2",
+              "hipDeviceSynchronize", "hipStreamSynchronize", "hipEventSynchronize", "hipMemcpy"}
+# Anchors for the External-id offset search: names that repeat more often than this are too ambiguous to vote.
+MAX_ANCHOR_HOST_REPEATS = 4
+MAX_ANCHOR_KINETO_REPEATS = 4096
+
+
+@dataclass
+class LinkedTrace:
+    """The linked graph of one rank: nodes as parallel columns, dependencies as lists of node indices."""
+
+    rank: int
+    host: HostTrace
+    device: DeviceTrace
+    kind: list[int] = field(default_factory=list)        # HOST_OP, KINETO_OP or GPU_OP
+    src: list[int] = field(default_factory=list)         # index into the Kineto cpu table or gpu table
+    host_index: list[int] = field(default_factory=list)  # index into host columns, -1 when none
+    ts: list[float] = field(default_factory=list)
+    dur: list[float] = field(default_factory=list)       # inclusive
+    excl: list[float] = field(default_factory=list)      # exclusive (same thread)
+    lane: list[int] = field(default_factory=list)
+    parent: list[int] = field(default_factory=list)      # node index of the caller (ctrl dependency), -1 when none
+    lane_parent: list[int] = field(default_factory=list) # innermost node around it on its own thread, -1 when none
+    wait: list[float] = field(default_factory=list)      # part of the exclusive time spent waiting for other lanes
+    node_type: list[int] = field(default_factory=list)
+    comm: dict[int, dict] = field(default_factory=dict)  # node index -> comm_type/comm_size/pg_name/src/dst/tag
+    deps: list[list[int]] = field(default_factory=list)  # data dependencies (node indices)
+    node_id: list[int] = field(default_factory=list)     # id written to the .et
+    lanes: list[tuple] = field(default_factory=list)     # lane index -> ("cpu", tid) or ("gpu", device, stream)
+    launcher_of_rt: dict[int, int] = field(default_factory=dict)  # runtime call -> CPU node it ran in
+    inter_thread_dep: dict[int, int] = field(default_factory=dict)  # strongest cross-thread dep (merged JSON)
+    sync_deps: dict[int, list[int]] = field(default_factory=dict)   # GPU nodes a CPU node waited for
+    step_name: str = ""
+    step_start: float = 0.0
+    step_dur: float = 0.0
+    stats: dict[str, Any] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.kind)
+
+    def work(self, i: int) -> float:
+        """Duration written to the .et: exclusive time less the time the node waited for another lane."""
+        return max(0.0, self.excl[i] - self.wait[i])
+
+    def name(self, i: int) -> str:
+        k = self.kind[i]
+        if k == HOST_OP:
+            return self.host.names[self.host_index[i]]
+        if k == KINETO_OP:
+            return self.device.cpu_names[self.src[i]]
+        return self.device.gpu_names[self.src[i]]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Kineto CPU operators: nesting and exclusive time
+# ---------------------------------------------------------------------------------------------------------------
+def kineto_nesting(dev: DeviceTrace) -> tuple[list[int], list[float], list[int]]:
+    """Parent (enclosing op on the same thread, -1 for none), exclusive duration, and the pre-order of every op.
+
+    Exclusive time is the inclusive time minus the time of the ops nested in it on the same thread, as chakra
+    computes it (children are ops that start and end inside the parent).
+    """
+    n = len(dev.cpu_names)
+    ts, dur, tids, ext = dev.cpu_ts, dev.cpu_dur, dev.cpu_tid, dev.cpu_ext
+    tid_rank: dict[Any, int] = {}
+    for t in tids:
+        if t not in tid_rank:
+            tid_rank[t] = len(tid_rank)
+    order = sorted(range(n), key=lambda i: (tid_rank[tids[i]], ts[i], -dur[i], ext[i], i))
+    parent = [-1] * n
+    excl = list(dur)
+    stack: list[int] = []
+    current_tid = object()
+    for i in order:
+        if tids[i] != current_tid:
+            stack.clear()
+            current_tid = tids[i]
+        start, end = ts[i], ts[i] + dur[i]
+        while stack:
+            top = stack[-1]
+            if start >= ts[top] and end <= ts[top] + dur[top]:
+                break
+            stack.pop()
+        if stack:
+            top = stack[-1]
+            parent[i] = top
+            excl[top] -= dur[i]
+        stack.append(i)
+    for i in range(n):
+        if excl[i] < 0:  # overlapping siblings (clock rounding): never below zero
+            excl[i] = 0.0
+    return parent, excl, order
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Host <-> Kineto matching
+# ---------------------------------------------------------------------------------------------------------------
+def match_by_record_function_id(host: HostTrace, dev: DeviceTrace, candidates: list[int]) -> tuple[list[int], dict]:
+    """host index -> Kineto cpu index through rf_id == 'Record function id' (torch >= 2.3 traces)."""
+    by_rf: dict[int, int] = {}
+    for k, rf in enumerate(dev.cpu_rf):
+        if rf >= 0 and rf not in by_rf:
+            by_rf[rf] = k
+    match = [-1] * len(host)
+    names_differ = 0
+    for h in candidates:
+        k = by_rf.get(host.rf_ids[h])
+        if k is None:
+            continue
+        if dev.cpu_names[k] != host.names[h]:
+            names_differ += 1
+            continue
+        match[h] = k
+    return match, {"mode": "rf_id", "name_mismatches": names_differ}
+
+
+def match_by_external_id_offset(host: HostTrace, dev: DeviceTrace, candidates: list[int],
+                                kparent: list[int]) -> tuple[list[int], dict]:
+    """host index -> Kineto cpu index for traces without 'Record function id' (torch <= 2.2).
+
+    Kineto's External id of a CPU op is the host rf_id plus an offset that holds along a stretch of one thread: Kineto
+    hands each thread External ids in blocks, the host numbers all threads with one counter, and a device trace of
+    many steps has one offset per step. So per host thread: anchors vote for (Kineto thread, External id - rf_id)
+    (an op with the same name and autograd sequence number is near-unique and weighs most; names rare on the thread
+    weigh one); the best-voted offset gives the first matches (same name required); the host ops between and around
+    them are then aligned, in order and by name, with the Kineto ops of that thread between the same matches. Last,
+    every match must nest inside its matched parent.
+    """
+    ext_to_k: dict[int, int] = {}
+    for k, ext in enumerate(dev.cpu_ext):
+        if ext >= 0 and ext not in ext_to_k:
+            ext_to_k[ext] = k
+    k_names, k_tids, k_ext, k_ts, k_dur = dev.cpu_names, dev.cpu_tid, dev.cpu_ext, dev.cpu_ts, dev.cpu_dur
+    h_names, h_rf, h_seq = host.names, host.rf_ids, host.seq_ids
+    by_thread: dict[int, list[int]] = defaultdict(list)
+    for h in candidates:
+        if h_rf[h] >= 0:
+            by_thread[host.tids[h]].append(h)
+    k_by_name: dict[str, list[int]] = defaultdict(list)
+    k_by_name_seq: dict[tuple, list[int]] = defaultdict(list)
+    k_thread: dict[Any, list[int]] = defaultdict(list)
+    for k, name in enumerate(k_names):
+        k_by_name[name].append(k)
+        k_thread[k_tids[k]].append(k)
+        if dev.cpu_seq[k] >= 0:
+            k_by_name_seq[(name, dev.cpu_seq[k])].append(k)
+    k_position = [0] * len(k_names)
+    for ks in k_thread.values():
+        ks.sort(key=lambda k: (k_ts[k], -k_dur[k], k_ext[k]))
+        for position, k in enumerate(ks):
+            k_position[k] = position
+    match = [-1] * len(host)
+    claimed: set[int] = set()
+    threads_info: list[dict] = []
+    for htid in sorted(by_thread):
+        hs = sorted(by_thread[htid], key=lambda h: h_rf[h])
+        votes = _vote_offsets(hs, h_names, h_rf, h_seq, k_by_name, k_by_name_seq, k_tids, k_ext)
+        if not votes:
+            continue
+        (ktid, offset), _ = max(votes.items(), key=lambda item: (item[1], -abs(item[0][1])))
+        anchors: list[tuple[int, int]] = []  # (index in hs, position in the Kineto thread)
+        for i, h in enumerate(hs):
+            k = ext_to_k.get(h_rf[h] + offset)
+            if k is not None and k not in claimed and k_tids[k] == ktid and k_names[k] == h_names[h]:
+                anchors.append((i, k_position[k]))
+        anchors = _longest_increasing(anchors)
+        if not anchors:
+            continue
+        ks = k_thread[ktid]
+        pairs = list(anchors)
+        # between anchors, before the first and after the last: align in order by name
+        bounds = [(-1, -1)] + anchors + [(len(hs), len(ks))]
+        for (ia, ka), (ib, kb) in zip(bounds, bounds[1:]):
+            if ib - ia <= 1:
+                continue
+            host_segment = list(range(ia + 1, ib))
+            if ia < 0:  # leading: walk backwards from the first anchor
+                lo = max(0, kb - 2 * len(host_segment) - 64)
+                kineto_segment = list(range(kb - 1, lo - 1, -1))
+                host_segment.reverse()
+            elif ib >= len(hs):  # trailing: walk forwards from the last anchor
+                hi = min(len(ks), ka + 1 + 2 * len(host_segment) + 64)
+                kineto_segment = list(range(ka + 1, hi))
+            else:
+                kineto_segment = list(range(ka + 1, kb))
+            for a, b in _align_by_name([h_names[hs[i]] for i in host_segment],
+                                       [k_names[ks[p]] for p in kineto_segment]):
+                pairs.append((host_segment[a], kineto_segment[b]))
+        matched_here = 0
+        for i, p in pairs:
+            k = ks[p]
+            if k in claimed:
+                continue
+            match[hs[i]] = k
+            claimed.add(k)
+            matched_here += 1
+        threads_info.append({"host_tid": htid, "kineto_tid": ktid, "offset": offset, "anchors": len(anchors),
+                             "matched": matched_here, "host_ops": len(hs)})
+    # Confirm by nesting: a matched node whose matched host parent is on the same Kineto thread must lie inside it.
+    index_of = {nid: i for i, nid in enumerate(host.ids)}
+    nesting_violations = 0
+    for h in candidates:
+        k = match[h]
+        if k < 0:
+            continue
+        p = index_of.get(host.parents[h], -1)
+        kp = match[p] if p >= 0 else -1
+        if kp < 0 or k_tids[kp] != k_tids[k]:
+            continue
+        if not _inside(dev, k, kp):
+            nesting_violations += 1
+            match[h] = -1
+    return match, {"mode": "external_id_offset", "threads": threads_info, "nesting_rejected": nesting_violations}
+
+
+def _longest_increasing(pairs: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The longest subsequence of (host position, Kineto position) pairs increasing in both (O(n log n))."""
+    tails: list[int] = []
+    tail_index: list[int] = []
+    previous = [-1] * len(pairs)
+    for idx, (_, kp) in enumerate(pairs):
+        p = bisect.bisect_left(tails, kp)
+        if p == len(tails):
+            tails.append(kp)
+            tail_index.append(idx)
+        else:
+            tails[p] = kp
+            tail_index[p] = idx
+        previous[idx] = tail_index[p - 1] if p > 0 else -1
+    result = []
+    idx = tail_index[-1] if tail_index else -1
+    while idx >= 0:
+        result.append(pairs[idx])
+        idx = previous[idx]
+    result.reverse()
+    return result
+
+
+def _align_by_name(a: list[str], b: list[str], window: int = 48) -> list[tuple[int, int]]:
+    """Greedy in-order alignment of two nearly equal name sequences (ops missing on either side are skipped)."""
+    pairs = []
+    i = j = 0
+    na, nb = len(a), len(b)
+    while i < na and j < nb:
+        if a[i] == b[j]:
+            pairs.append((i, j))
+            i += 1
+            j += 1
+            continue
+        skip_b = skip_a = None
+        for d in range(1, window):
+            if skip_b is None and j + d < nb and b[j + d] == a[i] and (i + 1 >= na or j + d + 1 >= nb
+                                                                     or a[i + 1] == b[j + d + 1]):
+                skip_b = d
+            if skip_a is None and i + d < na and a[i + d] == b[j] and (j + 1 >= nb or i + d + 1 >= na
+                                                                     or a[i + d + 1] == b[j + 1]):
+                skip_a = d
+            if skip_a is not None or skip_b is not None:
+                break
+        if skip_b is not None and (skip_a is None or skip_b <= skip_a):
+            j += skip_b
+        elif skip_a is not None:
+            i += skip_a
+        else:
+            i += 1
+            j += 1
+    return pairs
+
+
+def _inside(dev: DeviceTrace, k: int, kp: int, tolerance: float = 1.0) -> bool:
+    ts, dur = dev.cpu_ts, dev.cpu_dur
+    return ts[k] + tolerance >= ts[kp] and ts[k] + dur[k] <= ts[kp] + dur[kp] + tolerance
+
+
+def _vote_offsets(pending: list[int], h_names, h_rf, h_seq, k_by_name, k_by_name_seq, k_tids, k_ext) -> Counter:
+    """Votes for (Kineto thread, offset): same name and sequence number weigh 16, a rare name 1."""
+    votes: Counter = Counter()
+    name_repeats = Counter(h_names[h] for h in pending)
+    for h in pending:
+        rf = h_rf[h]
+        seq = h_seq[h]
+        name = h_names[h]
+        if seq >= 0:
+            for k in k_by_name_seq.get((name, seq), ()):
+                if k_ext[k] >= 0:
+                    votes[(k_tids[k], k_ext[k] - rf)] += 16
+        if name_repeats[name] <= MAX_ANCHOR_HOST_REPEATS:
+            ks = k_by_name.get(name, ())
+            if len(ks) <= MAX_ANCHOR_KINETO_REPEATS:
+                for k in ks:
+                    if k_ext[k] >= 0:
+                        votes[(k_tids[k], k_ext[k] - rf)] += 1
+    if not votes:  # nothing rare: let every op vote, but only for a bounded number of candidates
+        for h in pending[:2000]:
+            for k in k_by_name.get(h_names[h], ())[:64]:
+                if k_ext[k] >= 0:
+                    votes[(k_tids[k], k_ext[k] - h_rf[h])] += 1
+    return votes
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Collective classification
+# ---------------------------------------------------------------------------------------------------------------
+_COMM_PATTERNS = [
+    (re.compile(r"reduce_?scatter|reducescatter"), REDUCE_SCATTER),
+    (re.compile(r"all_?gather|allgather"), ALL_GATHER),
+    (re.compile(r"all_?reduce|allreduce"), ALL_REDUCE),
+    (re.compile(r"all_?to_?all|alltoall"), ALL_TO_ALL),
+    (re.compile(r"broadcast|bcast"), BROADCAST),
+    (re.compile(r"barrier"), ALL_REDUCE),  # NCCL implements a barrier as a one-element all-reduce
+    (re.compile(r"reduce"), REDUCE),
+    (re.compile(r"gather"), GATHER),
+    (re.compile(r"scatter"), SCATTER),
+]
+_P2P_SEND = re.compile(r"(^|[:_])send")
+_P2P_RECV = re.compile(r"(^|[:_])recv")
+
+
+def classify_collective(name: str) -> tuple[int, int] | None:
+    """(node type, comm type) named by a collective's operator or kernel name, None when it names none."""
+    lowered = name.lower()
+    for pattern, comm_type in _COMM_PATTERNS:
+        if pattern.search(lowered):
+            return COMM_COLL_NODE, comm_type
+    if _P2P_SEND.search(lowered):
+        return COMM_SEND_NODE, -1
+    if _P2P_RECV.search(lowered):
+        return COMM_RECV_NODE, -1
+    return None
+
+
+def tensor_bytes(values: list, types: list) -> int:
+    """Bytes of the tensors among an operator's inputs (tensor value = [id, storage, offset, numel, itemsize, device])."""
+    total = 0
+    for value, type_ in zip(values, types):
+        if not isinstance(type_, str) or "Tensor" not in type_:
+            continue
+        items = value if type_.startswith("GenericList[") else [value]
+        for item in items if isinstance(items, list) else []:
+            if isinstance(item, list) and len(item) >= 5 and isinstance(item[3], int) and isinstance(item[4], int):
+                total += item[3] * item[4]
+    return total
+
+
+def _string_inputs(values: list, types: list) -> list[str]:
+    return [v for v, t in zip(values, types) if t == "String" and isinstance(v, str)]
+
+
+def _int_inputs(values: list, types: list) -> list[int]:
+    return [v for v, t in zip(values, types) if t == "Int" and isinstance(v, int)]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The linker
+# ---------------------------------------------------------------------------------------------------------------
+def link_host_and_device(host: HostTrace, dev: DeviceTrace, rank: int = 0,
+                         include_kineto_only: bool = True) -> LinkedTrace:
+    """Match, time and order one rank's host and device traces; TraceError when they do not belong together."""
+    stats: dict[str, Any] = {}
+    _check_same_process(host, dev)
+    kparent, kexcl, korder = kineto_nesting(dev)
+
+    structural = [is_structural(name) for name in host.names]
+    candidates = [h for h in range(len(host)) if not structural[h] and host.names[h] != PROCESS_GROUP_INIT]
+    if dev.has_record_function_ids and any(rf >= 0 for rf in host.rf_ids):
+        match, match_info = match_by_record_function_id(host, dev, candidates)
+    else:
+        match, match_info = match_by_external_id_offset(host, dev, candidates, kparent)
+    matched = [h for h in candidates if match[h] >= 0]
+    stats["match"] = match_info
+    stats["host_ops"] = len(candidates)
+    stats["host_ops_matched"] = len(matched)
+    stats["match_rate"] = len(matched) / len(candidates) if candidates else 0.0
+    if not matched:
+        raise TraceError(host.path, f"no host operator matches an operator of {dev.path} "
+                                    f"(by {match_info['mode']}): the traces come from different runs or steps")
+
+    # ---- the traced step -------------------------------------------------------------------------------------
+    k_to_h = {match[h]: h for h in matched}
+    ts, kdur, knames, ktids = dev.cpu_ts, dev.cpu_dur, dev.cpu_names, dev.cpu_tid
+    matched_k = [match[h] for h in matched if not knames[match[h]].startswith(STEP_PREFIX)] or [match[h] for h in matched]
+    span_start = min(ts[k] for k in matched_k)
+    span_end = max(ts[k] + kdur[k] for k in matched_k)
+    steps = [k for k, name in enumerate(knames) if name.startswith(STEP_PREFIX)
+             and ts[k] < span_end and ts[k] + kdur[k] > span_start]
+    if steps:
+        window_start = min(ts[k] for k in steps)
+        window_end = max(ts[k] + kdur[k] for k in steps)
+        step_name = ", ".join(sorted({knames[k] for k in steps}))
+    else:
+        window_start, window_end = span_start, span_end
+        step_name = ""
+    stats["steps_in_device_trace"] = sum(1 for name in knames if name.startswith(STEP_PREFIX))
+    outside = sum(1 for k in matched_k if ts[k] + kdur[k] < window_start or ts[k] > window_end)
+    if outside == len(matched_k):
+        raise TraceError(host.path, f"the host trace and {dev.path} do not overlap in time")
+
+    # ---- CPU nodes: matched host ops, and Kineto ops of the step that the host trace lacks --------------------
+    emitted_k: list[int] = [match[h] for h in matched]
+    matched_tids = {ktids[k] for k in emitted_k}
+    kineto_only: list[int] = []
+    if include_kineto_only:
+        eps = 1e-3
+        for k in range(len(knames)):
+            if k in k_to_h or ktids[k] not in matched_tids:
+                continue
+            if ts[k] >= window_start - eps and ts[k] + kdur[k] <= window_end + eps:
+                if knames[k].startswith(STEP_PREFIX) and k not in steps:
+                    continue
+                kineto_only.append(k)
+        emitted_k.extend(kineto_only)
+    stats["kineto_only_ops"] = len(kineto_only)
+
+    linked = LinkedTrace(rank=rank, host=host, device=dev, stats=stats)
+    linked.step_name = step_name
+    linked.step_start = window_start
+    linked.step_dur = window_end - window_start
+    node_of_k: dict[int, int] = {}
+    for k in emitted_k:
+        i = len(linked.kind)
+        node_of_k[k] = i
+        h = k_to_h.get(k, -1)
+        linked.kind.append(HOST_OP if h >= 0 else KINETO_OP)
+        linked.src.append(k)
+        linked.host_index.append(h)
+        linked.ts.append(ts[k])
+        linked.dur.append(kdur[k])
+        linked.excl.append(kexcl[k])
+        linked.node_type.append(COMP_NODE)
+    n_cpu = len(linked.kind)
+
+    # ---- callers (ctrl dependencies) -------------------------------------------------------------------------
+    host_index_of_id = {nid: i for i, nid in enumerate(host.ids)}
+    host_parent_idx = [host_index_of_id.get(p, -1) for p in host.parents]
+    host_node_of = [-1] * len(host)
+    for h in matched:
+        host_node_of[h] = node_of_k[match[h]]
+    nearest = _nearest_emitted_host_ancestor(host_parent_idx, host_node_of)
+    parent = [-1] * n_cpu
+    for i in range(n_cpu):
+        h = linked.host_index[i]
+        p = nearest[h] if h >= 0 else -1
+        if p < 0:  # Kineto nesting: the innermost emitted op around it on its thread
+            kp = kparent[linked.src[i]]
+            while kp >= 0 and kp not in node_of_k:
+                kp = kparent[kp]
+            p = node_of_k[kp] if kp >= 0 else -1
+        parent[i] = p
+    linked.parent = parent
+    lane_parent = [-1] * n_cpu
+    for i in range(n_cpu):
+        kp = kparent[linked.src[i]]
+        while kp >= 0 and kp not in node_of_k:
+            kp = kparent[kp]
+        lane_parent[i] = node_of_k[kp] if kp >= 0 else -1
+
+    # ---- GPU work through the launching runtime call's correlation id ----------------------------------------
+    lanes: dict[tuple, int] = {}
+    cpu_lane = [0] * n_cpu
+    for i in range(n_cpu):
+        key = ("cpu", ktids[linked.src[i]])
+        cpu_lane[i] = lanes.setdefault(key, len(lanes))
+    launcher_of_rt, syncs = _attach_runtime_calls(linked, dev, cpu_lane, lanes)
+    rt_of_corr: dict[int, int] = {}
+    for r, corr in enumerate(dev.rt_corr):
+        if corr >= 0:
+            rt_of_corr.setdefault(corr, r)
+    gpu_seen = len(dev.gpu_names)
+    gpu_nodes: list[int] = []
+    dropped_gpu = 0
+    for g in range(gpu_seen):
+        r = rt_of_corr.get(dev.gpu_corr[g], -1)
+        launcher = launcher_of_rt.get(r, -1) if r >= 0 else -1
+        if launcher < 0:
+            dropped_gpu += 1
+            continue
+        g_start, g_end = dev.gpu_ts[g], dev.gpu_ts[g] + dev.gpu_dur[g]
+        i = len(linked.kind)
+        linked.kind.append(GPU_OP)
+        linked.src.append(g)
+        linked.host_index.append(-1)
+        linked.ts.append(dev.gpu_ts[g])
+        linked.dur.append(dev.gpu_dur[g])
+        linked.excl.append(dev.gpu_dur[g])
+        linked.parent.append(launcher)
+        lane_parent.append(-1)
+        linked.node_type.append(COMP_NODE)
+        gpu_nodes.append(i)
+        # A launch call that ran through most of its own GPU work (pageable memcpy, blocking copy) waited for it.
+        rt_start, rt_end = dev.rt_ts[r], dev.rt_ts[r] + dev.rt_dur[r]
+        if dev.rt_names[r] not in SYNC_CALLS and min(rt_end, g_end) - max(rt_start, g_start) > 0.5 * (g_end - g_start) > 0:
+            syncs.append((cpu_lane[launcher], r, rt_end))
+    stats["gpu_ops"] = len(gpu_nodes)
+    stats["gpu_ops_in_device_trace"] = gpu_seen
+    stats["gpu_ops_outside_step"] = dropped_gpu
+
+    lane_of = cpu_lane + [0] * len(gpu_nodes)
+    for i in gpu_nodes:
+        g = linked.src[i]
+        lane_of[i] = lanes.setdefault(("gpu", dev.gpu_device[g], dev.gpu_stream[g]), len(lanes))
+    linked.lane = lane_of
+    linked.lane_parent = lane_parent
+    linked.wait = [0.0] * len(linked.kind)
+    linked.launcher_of_rt = launcher_of_rt
+    linked.lanes = [key for key, _ in sorted(lanes.items(), key=lambda item: item[1])]
+
+    _classify_communication(linked, gpu_nodes, host_parent_idx)
+    _build_dependencies(linked, syncs)
+    _assign_ids(linked)
+
+    stats["nodes"] = len(linked.kind)
+    stats["unmatched_host_ops"] = len(candidates) - len(matched)
+    stats["structural_nodes_dropped"] = sum(structural)
+    return linked
+
+
+def _check_same_process(host: HostTrace, dev: DeviceTrace) -> None:
+    pids = {p for p in dev.pids if isinstance(p, int)}
+    if host.pid is not None and pids and host.pid not in pids:
+        raise TraceError(host.path, f"host trace of process {host.pid} but {dev.path} traced process "
+                                    f"{', '.join(str(p) for p in sorted(pids))}: not the same run")
+
+
+def _nearest_emitted_host_ancestor(parent_idx: list[int], node_of: list[int]) -> list[int]:
+    """For every host node, the linked node of its nearest emitted strict ancestor (-1 for none); iterative."""
+    n = len(parent_idx)
+    result = [-2] * n  # -2: not computed yet
+    for start in range(n):
+        if result[start] != -2:
+            continue
+        path = []
+        h = start
+        answer = -1
+        steps = 0
+        while True:
+            p = parent_idx[h]
+            if p < 0 or p == h or steps > n:
+                answer = -1
+                break
+            path.append(h)
+            if node_of[p] >= 0:
+                answer = node_of[p]
+                break
+            if result[p] != -2:
+                answer = result[p]
+                break
+            h = p
+            steps += 1
+        for x in path:
+            result[x] = answer
+        if result[start] == -2:
+            result[start] = answer
+    return result
+
+
+def _attach_runtime_calls(linked: LinkedTrace, dev: DeviceTrace, cpu_lane: list[int],
+                          lanes: dict[tuple, int]) -> tuple[dict[int, int], list[tuple[int, int, float]]]:
+    """Runtime call -> innermost emitted CPU node around it; and the sync calls as (lane, runtime index, end)."""
+    by_lane_nodes: dict[int, list[int]] = defaultdict(list)
+    for i, lane in enumerate(cpu_lane):
+        by_lane_nodes[lane].append(i)
+    by_lane_rt: dict[int, list[int]] = defaultdict(list)
+    for r, tid in enumerate(dev.rt_tid):
+        lane = lanes.get(("cpu", tid))
+        if lane is not None:
+            by_lane_rt[lane].append(r)
+    ts, dur = linked.ts, linked.dur
+    launcher: dict[int, int] = {}
+    syncs: list[tuple[int, int, float]] = []
+    for lane, nodes in by_lane_nodes.items():
+        rts = by_lane_rt.get(lane)
+        if not rts:
+            continue
+        nodes = sorted(nodes, key=lambda i: (ts[i], -dur[i], i))
+        rts.sort(key=lambda r: dev.rt_ts[r])
+        stack: list[int] = []
+        j = 0
+        for r in rts:
+            t = dev.rt_ts[r]
+            while j < len(nodes) and ts[nodes[j]] <= t:
+                node = nodes[j]
+                while stack and ts[stack[-1]] + dur[stack[-1]] < ts[node]:
+                    stack.pop()
+                stack.append(node)
+                j += 1
+            while stack and ts[stack[-1]] + dur[stack[-1]] < t:
+                stack.pop()
+            if stack:
+                launcher[r] = stack[-1]
+                if dev.rt_names[r] in SYNC_CALLS:
+                    syncs.append((lane, r, t + dev.rt_dur[r]))
+    return launcher, syncs
+
+
+def _classify_communication(linked: LinkedTrace, gpu_nodes: list[int], host_parent_idx: list[int]) -> None:
+    """COMM nodes: NCCL kernels (typed by their host collective) and CPU-thread collectives (gloo)."""
+    host, dev = linked.host, linked.device
+    comm_types = Counter()
+    process_groups = host.process_groups
+    default_pg = ""
+    if len(process_groups) == 1:
+        default_pg = str(process_groups[0].get("pg_name", ""))
+    elif not process_groups:
+        pg_config = dev.distributed.get("pg_config") if isinstance(dev.distributed, dict) else None
+        if isinstance(pg_config, list) and len(pg_config) == 1 and isinstance(pg_config[0], dict):
+            default_pg = str(pg_config[0].get("pg_name", ""))
+
+    def describe(h: int, fallback_name: str) -> dict | None:
+        """Walk up from host node h to the collective's record function, record_param_comms and c10d op."""
+        collective = rpc = c10d = -1
+        x, depth = h, 0
+        while x >= 0 and depth < 12:
+            name = host.names[x]
+            if collective < 0 and name.startswith(COLLECTIVE_PREFIXES):
+                collective = x
+            elif rpc < 0 and name.startswith("record_param_comms"):
+                rpc = x
+            elif c10d < 0 and name.startswith("c10d::"):
+                c10d = x
+            p = host_parent_idx[x]
+            x = p if p != x else -1
+            depth += 1
+        kinds = None
+        for candidate in (collective, c10d):
+            if candidate >= 0:
+                kinds = classify_collective(host.names[candidate].split(":", 1)[-1])
+                if kinds:
+                    break
+        if kinds is None and rpc >= 0:
+            values, types = host.comm_inputs.get(rpc, ([], []))
+            for s in _string_inputs(values, types):
+                kinds = classify_collective(s)
+                if kinds:
+                    break
+        if kinds is None:
+            kinds = classify_collective(fallback_name)
+        if kinds is None:
+            return None
+        size = 0
+        for source in (collective, rpc, c10d):
+            if source >= 0 and source in host.comm_inputs:
+                size = tensor_bytes(*host.comm_inputs[source])
+                if size:
+                    break
+        info = {"node_type": kinds[0], "comm_type": kinds[1], "comm_size": size, "pg_name": default_pg}
+        if rpc >= 0:
+            values, types = host.comm_inputs.get(rpc, ([], []))
+            strings = _string_inputs(values, types)
+            names = [s for s in strings if classify_collective(s)]
+            if names and strings.index(names[0]) > 0:  # torch >= 2.3: (..., pg_name, pg_desc, collective, ...)
+                info["pg_name"] = strings[0]
+        if kinds[0] in (COMM_SEND_NODE, COMM_RECV_NODE) and c10d >= 0:
+            values, types = host.comm_inputs.get(c10d, ([], []))
+            ints = _int_inputs(values, types)
+            if ints:
+                peer = ints[0]
+                if kinds[0] == COMM_SEND_NODE:
+                    info.update(comm_src=linked.rank, comm_dst=peer)
+                else:
+                    info.update(comm_src=peer, comm_dst=linked.rank)
+                info["comm_tag"] = ints[1] if len(ints) > 1 else 0
+        return info
+
+    for i in gpu_nodes:
+        g = linked.src[i]
+        name = dev.gpu_names[g]
+        if "nccl" not in name.lower() and "rccl" not in name.lower():
+            continue
+        launcher = linked.parent[i]
+        h = linked.host_index[launcher] if launcher >= 0 else -1
+        kernel_hint = name
+        if "SendRecv" in name and h >= 0:
+            kernel_hint = ""  # SendRecv kernels carry all-to-all, send or recv: the host op says which
+        info = describe(h, kernel_hint) if h >= 0 else describe_kernel_only(name)
+        if info is None:
+            info = describe_kernel_only(name)
+        if info is None:
+            continue
+        if g in dev.gpu_pg_name:
+            info["pg_name"] = dev.gpu_pg_name[g]
+        linked.node_type[i] = info.pop("node_type")
+        linked.comm[i] = info
+        comm_types[info["comm_type"]] += 1
+    for i, kind in enumerate(linked.kind):
+        if kind != HOST_OP:
+            continue
+        h = linked.host_index[i]
+        if not host.names[h].startswith(CPU_COLLECTIVE_PREFIXES):
+            continue
+        info = describe(h, host.names[h])
+        if info is None:
+            continue
+        linked.node_type[i] = info.pop("node_type")
+        linked.comm[i] = info
+        comm_types[info["comm_type"]] += 1
+    linked.stats["comm_nodes"] = len(linked.comm)
+
+
+def describe_kernel_only(name: str) -> dict | None:
+    kinds = classify_collective(name.replace("SendRecv", "alltoall"))
+    if kinds is None:
+        return None
+    return {"node_type": kinds[0], "comm_type": kinds[1], "comm_size": 0, "pg_name": ""}
+
+
+def _build_dependencies(linked: LinkedTrace, syncs: list[tuple[int, int, float]]) -> None:
+    """Data dependencies that a simulator can execute and that hold in the traced timeline.
+
+    - each lane (CPU thread, GPU stream) runs its nodes in order (callers before callees);
+    - a node waits for what finished on the other lanes of its group (CPU threads; streams of one GPU) before it
+      started, never for what merely started before it;
+    - GPU work waits for the CPU op that launched it, a callee on another thread for its caller;
+    - the first CPU op after a synchronising runtime call waits for the GPU work that had finished by then.
+    Every edge goes from an earlier start to a later one (ties only inside a lane), so the graph is acyclic.
+
+    Time a CPU op spent blocked (idle on its thread while the lane it then depends on was busy, or inside a
+    synchronising call while the GPU was busy) is already on the path through that other lane; it is recorded in
+    `wait` and left out of the op's .et duration so the critical path does not count it twice.
+    """
+    n = len(linked.kind)
+    ts, dur, lane_of, kind = linked.ts, linked.dur, linked.lane, linked.kind
+    deps: list[list[int]] = [[] for _ in range(n)]
+    lane_nodes: dict[int, list[int]] = defaultdict(list)
+    for i in range(n):
+        lane_nodes[lane_of[i]].append(i)
+    tiebreak = _tiebreak_keys(linked)
+    # The step annotation's own time is the thread's time between operators, spread over the whole step: it goes
+    # last on its lane, so that paths leaving the thread mid-step do not carry the rest of the step's gaps.
+    step_node = [kind[i] != GPU_OP and linked.name(i).startswith(STEP_PREFIX) for i in range(n)]
+    for lane, nodes in lane_nodes.items():
+        nodes.sort(key=lambda i: (ts[i] + dur[i], 1, 0, tiebreak[i]) if step_node[i] else
+                   (ts[i], 0, -dur[i], tiebreak[i]))
+        for a, b in zip(nodes, nodes[1:]):
+            deps[b].append(a)
+    position = [0] * n
+    for nodes in lane_nodes.values():
+        for p, i in enumerate(nodes):
+            position[i] = p
+    for i in range(n):  # a caller placed after its callee cannot be their ctrl dependency
+        p = linked.parent[i]
+        if p >= 0 and lane_of[p] == lane_of[i] and position[p] > position[i]:
+            linked.parent[i] = -1
+
+    # callers on another lane (GPU work after its launch; a gloo collective after the c10d op that enqueued it)
+    for i in range(n):
+        p = linked.parent[i]
+        if p >= 0 and lane_of[p] != lane_of[i]:
+            if ts[p] <= ts[i] or kind[i] == GPU_OP:
+                deps[i].append(p)
+            else:
+                linked.parent[i] = -1  # a ctrl dep must also be a data ancestor; this one is not
+
+    busy = {lane: _BusyTime([ts[i] for i in nodes], [ts[i] + dur[i] for i in nodes])
+            for lane, nodes in lane_nodes.items()}
+    wait = linked.wait
+
+    # what finished on the other lanes before a node started
+    groups: dict[Any, list[int]] = defaultdict(list)
+    for lane, key in enumerate(linked.lanes):
+        groups[("cpu",) if key[0] == "cpu" else ("gpu", key[1])].append(lane)
+    inter_thread = linked.inter_thread_dep
+    for group_key, group_lanes in groups.items():
+        if len(group_lanes) < 2:
+            continue
+        on_cpu = group_key[0] == "cpu"
+        by_end = {}
+        for lane in group_lanes:
+            nodes = [i for i in lane_nodes[lane] if dur[i] > 0]
+            nodes.sort(key=lambda i: (ts[i] + dur[i], ts[i]))
+            by_end[lane] = nodes
+        for target in group_lanes:
+            targets = lane_nodes[target]
+            own_ends = sorted(ts[i] + dur[i] for i in targets)
+            waited: dict[int, float] = {}  # target node -> longest overlap with a lane it now depends on
+            for source in group_lanes:
+                if source == target:
+                    continue
+                finished = by_end[source]
+                j = 0
+                best = -1  # deepest position in the source lane among the finished nodes
+                last_added = -1
+                for i in targets:
+                    start = ts[i]
+                    while j < len(finished) and ts[finished[j]] + dur[finished[j]] <= start \
+                            and ts[finished[j]] < start:
+                        if position[finished[j]] > best:
+                            best = position[finished[j]]
+                        j += 1
+                    if best > last_added:
+                        src = lane_nodes[source][best]
+                        deps[i].append(src)
+                        last_added = best
+                        if on_cpu:
+                            prev = inter_thread.get(i)
+                            if prev is None or ts[src] + dur[src] > ts[prev] + dur[prev]:
+                                inter_thread[i] = src
+                            q = bisect.bisect_right(own_ends, start) - 1
+                            if q >= 0:  # idle on its own thread since own_ends[q]: blocked while `source` worked?
+                                overlap = busy[source].overlap(own_ends[q], start)
+                                if overlap > waited.get(i, 0.0):
+                                    waited[i] = overlap
+            for i, overlap in waited.items():
+                p = position[i]
+                if p == 0:
+                    continue
+                holder = _innermost_around(linked, lane_nodes[target][p - 1], (own_ends_before(own_ends, ts[i]) + ts[i]) / 2)
+                if holder >= 0:
+                    wait[holder] += overlap
+
+    # CPU waits for GPU work at synchronising calls
+    gpu_lanes_of_device: dict[int, list[int]] = defaultdict(list)
+    for lane, key in enumerate(linked.lanes):
+        if key[0] == "gpu":
+            gpu_lanes_of_device[key[1]].append(lane)
+    device_busy = {device: _BusyTime([ts[i] for lane in lanes for i in lane_nodes[lane]],
+                                     [ts[i] + dur[i] for lane in lanes for i in lane_nodes[lane]])
+                   for device, lanes in gpu_lanes_of_device.items()}
+    gpu_by_end: dict[int, tuple[list[float], list[int]]] = {}
+    for lanes in gpu_lanes_of_device.values():
+        for lane in lanes:
+            nodes = sorted(lane_nodes[lane], key=lambda i: ts[i] + dur[i])
+            gpu_by_end[lane] = ([ts[i] + dur[i] for i in nodes], nodes)
+    lane_starts = {lane: [ts[i] for i in nodes] for lane, nodes in lane_nodes.items()}
+    dev = linked.device
+    sync_edges = 0
+    for lane, r, end in syncs:
+        holder = linked.launcher_of_rt.get(r, -1)
+        if holder >= 0 and device_busy:
+            blocked = max(b.overlap(dev.rt_ts[r], end) for b in device_busy.values())
+            wait[holder] += blocked
+        starts = lane_starts[lane]
+        p = bisect.bisect_left(starts, end)
+        if p >= len(starts):
+            continue
+        waiter = lane_nodes[lane][p]
+        for lanes in gpu_lanes_of_device.values():
+            for gl in lanes:
+                ends, nodes = gpu_by_end[gl]
+                q = bisect.bisect_right(ends, end) - 1
+                if q < 0:
+                    continue
+                gnode = nodes[q]  # a stream runs in order: the last to finish is the deepest finished
+                if gnode not in deps[waiter] and ts[gnode] < ts[waiter]:
+                    deps[waiter].append(gnode)
+                    linked.sync_deps.setdefault(waiter, []).append(gnode)
+                    sync_edges += 1
+    for i in range(n):
+        if len(deps[i]) > 1:
+            deps[i] = list(dict.fromkeys(deps[i]))
+        if wait[i] > linked.excl[i]:
+            wait[i] = linked.excl[i]
+    linked.deps = deps
+    linked.stats["sync_edges"] = sync_edges
+    linked.stats["lanes"] = len(linked.lanes)
+    linked.stats["wait_us"] = round(sum(wait), 1)
+
+
+def own_ends_before(own_ends: list[float], t: float) -> float:
+    q = bisect.bisect_right(own_ends, t) - 1
+    return own_ends[q] if q >= 0 else t
+
+
+def _innermost_around(linked: LinkedTrace, node: int, t: float) -> int:
+    """The innermost node on `node`'s thread that is `node` or encloses it and whose span contains time t."""
+    ts, dur = linked.ts, linked.dur
+    depth = 0
+    while node >= 0 and depth < 10000:
+        if ts[node] <= t <= ts[node] + dur[node]:
+            return node
+        node = linked.lane_parent[node]
+        depth += 1
+    return -1
+
+
+class _BusyTime:
+    """Union of time intervals, answering 'how long was it busy between a and b' in O(log n)."""
+
+    def __init__(self, starts: list[float], ends: list[float]):
+        merged: list[list[float]] = []
+        for start, end in sorted(zip(starts, ends)):
+            if merged and start <= merged[-1][1]:
+                if end > merged[-1][1]:
+                    merged[-1][1] = end
+            else:
+                merged.append([start, end])
+        self.starts = [m[0] for m in merged]
+        self.ends = [m[1] for m in merged]
+        self.before = [0.0]  # busy time before interval k
+        for start, end in merged:
+            self.before.append(self.before[-1] + end - start)
+
+    def busy_until(self, t: float) -> float:
+        k = bisect.bisect_right(self.starts, t)
+        if k == 0:
+            return 0.0
+        return self.before[k - 1] + min(t, self.ends[k - 1]) - self.starts[k - 1]
+
+    def overlap(self, a: float, b: float) -> float:
+        return max(0.0, self.busy_until(b) - self.busy_until(a)) if b > a else 0.0
+
+
+def _tiebreak_keys(linked: LinkedTrace) -> list:
+    """Order among nodes with equal start and duration: callers first (rf_id/External id grow at op start)."""
+    dev = linked.device
+    keys = []
+    for i, kind in enumerate(linked.kind):
+        if kind == GPU_OP:
+            keys.append((dev.gpu_corr[linked.src[i]], i))
+        else:
+            keys.append((dev.cpu_ext[linked.src[i]], linked.host.rf_ids[linked.host_index[i]]
+                         if linked.host_index[i] >= 0 else -1, i))
+    return keys
+
+
+def _assign_ids(linked: LinkedTrace) -> None:
+    """Ids as chakra_trace_link numbers them: host nodes in id order, each followed by the GPU ops it launched."""
+    host = linked.host
+    node_of_host: dict[int, int] = {}
+    for i, h in enumerate(linked.host_index):
+        if h >= 0:
+            node_of_host[h] = i
+    gpu_children: dict[int, list[int]] = defaultdict(list)
+    for i, kind in enumerate(linked.kind):
+        if kind == GPU_OP:
+            gpu_children[linked.parent[i]].append(i)
+    ids = [-1] * len(linked.kind)
+    next_id = 0
+    for h in sorted(range(len(host)), key=lambda x: host.ids[x]):
+        i = node_of_host.get(h)
+        if i is not None:
+            ids[i] = next_id
+        next_id += 1
+        if i is not None:
+            for g in sorted(gpu_children.get(i, ()), key=lambda x: linked.ts[x]):
+                ids[g] = next_id
+                next_id += 1
+    for i, kind in enumerate(linked.kind):
+        if kind == KINETO_OP:
+            ids[i] = next_id
+            next_id += 1
+            for g in sorted(gpu_children.get(i, ()), key=lambda x: linked.ts[x]):
+                ids[g] = next_id
+                next_id += 1
+    linked.node_id = ids

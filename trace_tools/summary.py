@@ -1,0 +1,143 @@
+"""CONVERSION_SUMMARY.md per run and the table printed after a conversion."""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import re
+import tempfile
+from dataclasses import asdict
+from pathlib import Path
+
+from .pipeline import RankResult, RunResult, rank_result_from_dict
+
+SUMMARY_NAME = "CONVERSION_SUMMARY.md"
+_STATUS_RE = re.compile(r"<!-- trace_tools-status\n(.*?)\n-->", re.S)
+# Results kept in the summary for convert_remaining.py (the collectives sequence is long; it is re-read from the .et)
+_KEPT_FIELDS = [f for f in RankResult.__dataclass_fields__ if f != "collectives"]
+
+
+def _us(value: float) -> str:
+    return f"{value:,.0f}" if value else "-"
+
+
+def _bytes(value: int) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if value >= size:
+            return f"{value / size:.1f} {unit}"
+    return f"{value} B"
+
+
+def node_counts(rank: RankResult) -> str:
+    return ", ".join(f"{count} {name}" for name, count in sorted(rank.nodes_by_type.items())) or "-"
+
+
+def comm_text(rank: RankResult) -> str:
+    if not rank.comm_ops:
+        return "none"
+    kinds = ", ".join(f"{count} {name}" for name, count in sorted(rank.comm_by_type.items()))
+    return f"{kinds or rank.comm_ops} ({_bytes(rank.comm_bytes)})"
+
+
+def ratio_text(rank: RankResult) -> str:
+    if not rank.traced_step_us or not rank.critical_path_us:
+        return "-"
+    return f"{rank.critical_path_us / rank.traced_step_us:.3f}"
+
+
+def render_run_summary(result: RunResult) -> str:
+    run = result.run
+    ok = sum(1 for r in result.ranks if r.ok)
+    lines = [
+        f"# Conversion summary: {run.name}",
+        "",
+        f"Converted {datetime.datetime.now().strftime('%Y-%m-%d %H:%M:%S')} by trace_tools from `{run.folder}`: "
+        f"{ok} of {len(result.ranks)} ranks converted.",
+        "",
+        f"ASTRA-sim: `--workload-configuration={result.output_dir / run.name}` (reads `{run.name}.<rank>.et`).",
+        "",
+        "| rank | status | nodes | communication | traced step (µs) | critical path (µs) | ratio | host ops matched | conversion (s) |",
+        "|---:|---|---|---|---:|---:|---:|---|---:|",
+    ]
+    for r in result.ranks:
+        if r.ok:
+            matched = f"{r.host_ops_matched}/{r.host_ops} ({r.match_rate:.1%}, {r.match_mode})"
+            lines.append(f"| {r.rank} | ✅ ok | {node_counts(r)} | {comm_text(r)} | {_us(r.traced_step_us)} | "
+                         f"{_us(r.critical_path_us)} | {ratio_text(r)} | {matched} | {r.conversion_s:.2f} |")
+        else:
+            lines.append(f"| {r.rank} | ❌ failed | - | - | - | - | - | - | {r.conversion_s:.2f} |")
+    failures = [r for r in result.ranks if not r.ok]
+    if failures:
+        lines += ["", "## Failures", ""]
+        lines += [f"- rank {r.rank}: {r.error}" for r in failures]
+    lines += ["", "## Checks", ""]
+    if result.agreement_problems:
+        lines.append("- ❌ the ranks' collectives disagree (a simulator would deadlock):")
+        lines += [f"  - {p}" for p in result.agreement_problems]
+    elif failures:
+        lines.append("- collectives across ranks: not compared (some ranks failed)")
+    elif len(result.ranks) > 1:
+        count = result.ranks[0].comm_ops
+        lines.append(f"- ✅ collectives agree across the {len(result.ranks)} ranks ({count} per rank, same types "
+                     "and sizes in the same order per process group)")
+    lines.append("- every .et was decoded after writing: all dependencies resolve, no cycle, every node is issued by "
+                 "a dependency-respecting walk, only node types ASTRA-sim accepts")
+    lines.append("- ratio = critical path (collectives at their traced durations) / traced step time "
+                 "(`ProfilerStep#N` in the device trace, or the traced span when there is none)")
+    for r in result.ranks:
+        for warning in r.warnings:
+            lines.append(f"- rank {r.rank}: {warning}")
+    if result.note:
+        lines.append(f"- {result.note}")
+    status = {str(r.rank): {k: v for k, v in asdict(r).items() if k in _KEPT_FIELDS} for r in result.ranks}
+    lines += ["", "<!-- trace_tools-status", json.dumps(status, sort_keys=True), "-->", ""]
+    return "\n".join(lines)
+
+
+def write_run_summary(result: RunResult) -> Path:
+    path = result.output_dir / SUMMARY_NAME
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix="." + SUMMARY_NAME, dir=path.parent)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(render_run_summary(result))
+    os.replace(tmp, path)
+    return path
+
+
+def read_previous_results(output_dir: Path) -> dict[int, RankResult] | None:
+    """Per-rank results recorded in an earlier CONVERSION_SUMMARY.md (None when there is none)."""
+    path = output_dir / SUMMARY_NAME
+    try:
+        match = _STATUS_RE.search(path.read_text(encoding="utf-8"))
+    except OSError:
+        return None
+    if not match:
+        return None
+    try:
+        status = json.loads(match.group(1))
+    except ValueError:
+        return None
+    return {int(rank): rank_result_from_dict(data) for rank, data in status.items()}
+
+
+def render_table(results: list[RunResult]) -> str:
+    """The table printed after converting: one line per rank."""
+    rows = [("run", "rank", "status", "nodes", "communication", "step µs", "crit. path µs", "ratio", "matched", "s")]
+    for result in results:
+        for r in result.ranks:
+            if r.ok:
+                rows.append((result.run.name, str(r.rank), "ok", str(r.nodes), comm_text(r), _us(r.traced_step_us),
+                             _us(r.critical_path_us), ratio_text(r), f"{r.match_rate:.1%}", f"{r.conversion_s:.2f}"))
+            else:
+                rows.append((result.run.name, str(r.rank), "FAILED", "-", "-", "-", "-", "-", "-",
+                             f"{r.conversion_s:.2f}"))
+    widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]
+    out = ["  ".join(cell.ljust(widths[c]) for c, cell in enumerate(row)).rstrip() for row in rows]
+    out.insert(1, "  ".join("-" * w for w in widths))
+    for result in results:
+        for r in result.ranks:
+            if not r.ok:
+                out.append(f"error: {r.error}")
+        for problem in result.agreement_problems:
+            out.append(f"error: {result.run.name}: {problem}")
+    return "\n".join(out)

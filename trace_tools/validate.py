@@ -1,0 +1,217 @@
+"""Check a written .et the way a simulator will use it: decode, resolve, walk, time, and compare ranks."""
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+from chakra.schema.protobuf.et_def_pb2 import (
+    ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, BROADCAST, COMM_COLL_NODE, COMM_RECV_NODE, COMM_SEND_NODE, COMP_NODE,
+    REDUCE_SCATTER, GlobalMetadata, Node,
+)
+
+from .link import COMM_TYPE_NAMES, NODE_TYPE_NAMES
+
+# Node types ASTRA-sim's workload layer issues (it aborts on METADATA_NODE and skips INVALID_NODE).
+ACCEPTED_NODE_TYPES = {COMP_NODE, COMM_COLL_NODE, COMM_SEND_NODE, COMM_RECV_NODE}
+# Collectives ASTRA-sim implements (BROADCAST replays its traced duration).
+ACCEPTED_COMM_TYPES = {ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, ALL_TO_ALL, BROADCAST}
+
+
+class EtFormatError(Exception):
+    """The file is not a sequence of length-delimited Chakra messages."""
+
+
+def iter_et_messages(path: str | Path) -> Iterator[bytes]:
+    """Raw messages of a length-delimited .et (GlobalMetadata first), decoded from memory in one pass."""
+    data = Path(path).read_bytes()
+    pos, end = 0, len(data)
+    while pos < end:
+        size = shift = 0
+        while True:
+            if pos >= end:
+                raise EtFormatError(f"{path}: truncated length prefix at byte {pos}")
+            byte = data[pos]
+            pos += 1
+            size |= (byte & 0x7F) << shift
+            if not byte & 0x80:
+                break
+            shift += 7
+            if shift > 63:
+                raise EtFormatError(f"{path}: bad length prefix at byte {pos}")
+        if pos + size > end:
+            raise EtFormatError(f"{path}: truncated message at byte {pos} ({size} bytes announced)")
+        yield data[pos:pos + size]
+        pos += size
+
+
+def read_et(path: str | Path) -> tuple[GlobalMetadata, list[Node]]:
+    messages = iter_et_messages(path)
+    metadata = GlobalMetadata()
+    try:
+        metadata.ParseFromString(next(messages))
+    except StopIteration:
+        raise EtFormatError(f"{path}: empty .et") from None
+    nodes = []
+    for blob in messages:
+        node = Node()
+        node.ParseFromString(blob)
+        nodes.append(node)
+    return metadata, nodes
+
+
+def attr_value(node: Node, name: str):
+    for attr in node.attr:
+        if attr.name == name:
+            return getattr(attr, attr.WhichOneof("value")) if attr.WhichOneof("value") else None
+    return None
+
+
+@dataclass
+class EtReport:
+    """What validate_et found in one .et."""
+
+    path: str
+    nodes: int = 0
+    nodes_by_type: dict[str, int] = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)
+    visited: int = 0
+    critical_path_us: float = 0.0
+    traced_step_us: float = 0.0
+    rank: int | None = None
+    # (process group, comm type name, bytes) of every collective in start order
+    collectives: list[tuple[str, str, int]] = field(default_factory=list)
+    comm_bytes: int = 0
+    p2p: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    @property
+    def critical_path_ratio(self) -> float:
+        return self.critical_path_us / self.traced_step_us if self.traced_step_us else 0.0
+
+
+def validate_et(path: str | Path) -> EtReport:
+    """Decode the .et and check it: dependencies resolve, node types are accepted, collectives are complete, and a
+    walk that issues every node whose dependencies are done (as ASTRA-sim's feeder does) reaches all nodes.
+    Also computes the critical path (longest dependency chain of durations)."""
+    report = EtReport(path=str(path))
+    try:
+        metadata, nodes = read_et(path)
+    except (EtFormatError, OSError) as e:
+        report.problems.append(str(e))
+        return report
+    except Exception as e:  # protobuf decode errors
+        report.problems.append(f"{path}: not a Chakra .et ({e})")
+        return report
+    meta = {a.name: getattr(a, a.WhichOneof("value")) for a in metadata.attr if a.WhichOneof("value")}
+    report.rank = meta.get("rank")
+    report.traced_step_us = float(meta.get("traced_step_micros", 0))
+    report.nodes = len(nodes)
+    by_id: dict[int, int] = {}
+    for index, node in enumerate(nodes):
+        if node.id in by_id:
+            report.problems.append(f"duplicate node id {node.id}")
+        by_id[node.id] = index
+    type_counts: Counter = Counter()
+    dangling = 0
+    first_dangling = ""
+    for node in nodes:
+        type_counts[NODE_TYPE_NAMES.get(node.type, str(node.type))] += 1
+        if node.type not in ACCEPTED_NODE_TYPES:
+            report.problems.append(f"node {node.id} ({node.name}) has type {node.type}, which ASTRA-sim rejects")
+        for dep in list(node.data_deps) + list(node.ctrl_deps):
+            if dep not in by_id:
+                dangling += 1
+                first_dangling = first_dangling or f"node {node.id} depends on missing node {dep}"
+        if attr_value(node, "is_cpu_op") is None:
+            report.problems.append(f"node {node.id} ({node.name}) has no is_cpu_op attribute")
+        if node.type in (COMM_COLL_NODE, COMM_SEND_NODE, COMM_RECV_NODE):
+            if attr_value(node, "is_cpu_op"):
+                report.problems.append(f"communication node {node.id} is marked is_cpu_op (ASTRA-sim would not send it)")
+            size = attr_value(node, "comm_size")
+            if size is None:
+                report.problems.append(f"communication node {node.id} ({node.name}) has no comm_size")
+            if node.type == COMM_COLL_NODE and attr_value(node, "comm_type") not in ACCEPTED_COMM_TYPES:
+                report.problems.append(f"collective {node.id} ({node.name}) has comm_type "
+                                       f"{attr_value(node, 'comm_type')}, which ASTRA-sim does not implement")
+    if dangling:
+        report.problems.append(f"{dangling} dependencies on missing nodes ({first_dangling})")
+    report.nodes_by_type = dict(type_counts)
+    if dangling:
+        return report
+    # Issue loop: a node runs when all its data and ctrl dependencies are done (ASTRA-sim's feeder needs both).
+    children: list[list[int]] = [[] for _ in nodes]
+    missing = [0] * len(nodes)
+    for index, node in enumerate(nodes):
+        parents = set(node.data_deps) | set(node.ctrl_deps)
+        missing[index] = len(parents)
+        for dep in parents:
+            children[by_id[dep]].append(index)
+    finish = [0.0] * len(nodes)
+    ready_at = [0.0] * len(nodes)
+    ready = [i for i, m in enumerate(missing) if m == 0]
+    visited = 0
+    while ready:
+        i = ready.pop()
+        visited += 1
+        finish[i] = ready_at[i] + nodes[i].duration_micros
+        for c in children[i]:
+            if finish[i] > ready_at[c]:
+                ready_at[c] = finish[i]
+            missing[c] -= 1
+            if missing[c] == 0:
+                ready.append(c)
+    report.visited = visited
+    if visited != len(nodes):
+        report.problems.append(f"only {visited} of {len(nodes)} nodes can be issued: a dependency cycle")
+    report.critical_path_us = max(finish, default=0.0)
+    collectives = []
+    for node in nodes:
+        if node.type == COMM_COLL_NODE:
+            size = attr_value(node, "comm_size") or 0
+            report.comm_bytes += size
+            comm_type = COMM_TYPE_NAMES.get(attr_value(node, "comm_type"), str(attr_value(node, "comm_type")))
+            collectives.append((node.start_time_micros, node.id, str(attr_value(node, "pg_name") or ""),
+                                comm_type, size))
+        elif node.type in (COMM_SEND_NODE, COMM_RECV_NODE):
+            report.p2p += 1
+            report.comm_bytes += attr_value(node, "comm_size") or 0
+    collectives.sort()
+    report.collectives = [(pg, comm_type, size) for _, _, pg, comm_type, size in collectives]
+    return report
+
+
+def collectives_agree(collectives_by_rank: dict[int, list[tuple[str, str, int]]]) -> list[str]:
+    """Problems that would deadlock a simulator: ranks whose collectives differ in count, order, type or size
+    within a process group (all-to-all sizes may differ per rank, with uneven splits)."""
+    problems: list[str] = []
+    if len(collectives_by_rank) < 2:
+        return problems
+    per_group: dict[str, dict[int, list[tuple[str, int]]]] = defaultdict(dict)
+    for rank, collectives in collectives_by_rank.items():
+        groups: dict[str, list[tuple[str, int]]] = defaultdict(list)
+        for pg, comm_type, size in collectives:
+            groups[pg].append((comm_type, size))
+        for pg in set(groups) | set(per_group):
+            per_group[pg][rank] = groups.get(pg, [])
+    for pg, by_rank in sorted(per_group.items()):
+        label = f"process group {pg!r}" if pg else "the default process group"
+        ranks = sorted(by_rank)
+        reference_rank = ranks[0]
+        reference = by_rank[reference_rank]
+        for rank in ranks[1:]:
+            sequence = by_rank[rank]
+            if len(sequence) != len(reference):
+                problems.append(f"{label}: rank {rank} has {len(sequence)} collectives, rank {reference_rank} "
+                                f"has {len(reference)}")
+                continue
+            for n, ((t1, s1), (t2, s2)) in enumerate(zip(reference, sequence)):
+                if t1 != t2 or (s1 != s2 and t1 != "ALL_TO_ALL"):
+                    problems.append(f"{label}: collective #{n + 1} is {t1} of {s1} bytes on rank {reference_rank} "
+                                    f"but {t2} of {s2} bytes on rank {rank}")
+                    break
+    return problems
