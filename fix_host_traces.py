@@ -7,6 +7,13 @@ import time
 from trace_tools.repair import DEFAULT_MIN_NODES, find_host_traces, repair_host_trace
 
 
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, not {value}")
+    return value
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description="Repair host traces where it is safe: several JSON documents concatenated (keeps the last "
@@ -20,7 +27,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="host trace files, or folders searched for host.<rank>.json[.gz] and "
                              "<name>_host.json[.gz] (default: ./outputs)")
     parser.add_argument("--check", action="store_true", help="only report what is wrong; change nothing")
-    parser.add_argument("--min-nodes", type=int, default=DEFAULT_MIN_NODES, metavar="N",
+    parser.add_argument("--min-nodes", type=positive_int, default=DEFAULT_MIN_NODES, metavar="N",
                         help="refuse a truncated trace with fewer complete nodes than this (default: %(default)s)")
     parser.add_argument("--no-backup", action="store_true", help="do not keep the original as <file>.orig")
     return parser.parse_args(argv)

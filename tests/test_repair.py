@@ -3,6 +3,7 @@ import gzip
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import orjson
@@ -213,6 +214,53 @@ def test_truncation_inside_the_header_is_refused(tmp_path, gpt2_text):
     original = gpt2_text[:60]
     path = write(tmp_path, "host.0.json", original)
     assert_refused_untouched(repair_host_trace(path), path, original, "truncated inside the header")
+
+
+def assert_every_cut_is_repaired_to_a_prefix_or_refused(tmp_path, text: bytes, cuts: int):
+    original = orjson.loads(text)
+    outcomes = set()
+    for k in range(1, cuts + 1):
+        cut = len(text) * k // (cuts + 1)
+        path = write(tmp_path, f"host.{k}.json", text[:cut])
+        result = repair_host_trace(path)
+        if result.status == "repaired":
+            repaired = load(path)
+            assert repaired["nodes"] == original["nodes"][: result.nodes_kept], f"cut at byte {cut}"
+            assert repaired["schema"] == original["schema"]
+            outcomes.add("repaired")
+        else:
+            assert result.status == "failed"
+            assert "too little to recover" in result.line() or "truncated inside the header" in result.line()
+            outcomes.add("refused")
+    return outcomes
+
+
+def test_truncation_anywhere_keeps_exactly_the_complete_nodes(tmp_path, gpt2_text):
+    assert assert_every_cut_is_repaired_to_a_prefix_or_refused(tmp_path, gpt2_text, 25) == {"repaired"}
+
+
+def test_truncation_of_schema_1_0_1_traces_keeps_exactly_the_complete_nodes(tmp_path, shared_fixtures):
+    text = unzip(shared_fixtures / "gpu" / "hta_simple_add_a100_1r" / "host.0.json.gz")  # 38 nodes, schema 1.0.1
+    assert orjson.loads(text)["schema"] == "1.0.1"
+    assert assert_every_cut_is_repaired_to_a_prefix_or_refused(tmp_path, text, 12) == {"repaired", "refused"}
+
+
+@pytest.mark.slow
+def test_large_truncated_trace_is_repaired_in_linear_time(tmp_path, gpt2):
+    # ~25 MB: the GPT-2 step repeated with fresh ids, the size of a real model's host trace.
+    nodes = []
+    for copy in range(11):
+        offset = copy * 100000
+        nodes.extend(dict(node, id=node["id"] + offset, ctrl_deps=node["ctrl_deps"] + offset) for node in gpt2["nodes"])
+    text = json.dumps(dict(gpt2, nodes=nodes)).encode()
+    assert len(text) > 20e6
+    path = write(tmp_path, "host.0.json", text[: len(text) * 9 // 10])
+    started = time.perf_counter()
+    result = repair_host_trace(path)
+    elapsed = time.perf_counter() - started
+    assert result.status == "repaired"
+    assert load(path)["nodes"] == nodes[: result.nodes_kept]
+    assert elapsed < 30, f"{elapsed:.1f} s"  # about 1.5 s here; a quadratic walk would take minutes
 
 
 # --- duplicate node ids -----------------------------------------------------------------------------------

@@ -508,20 +508,23 @@ def _analyse_scan(path: Path, scan: _Scan, raw: _Raw, min_nodes: int) -> _Analys
     damaged = bool(scan.garbage) or (scan.bad_char_pos is not None)
     if damaged:
         evidence = _damage_evidence(scan, headers, distinct_pids)
+        if headers >= 2:
+            mixed = f"two writers mixed their text in this file ({evidence})"
+        else:
+            mixed = f"damaged text ({evidence}): another process wrote into this file, or it was corrupted"
         if hosts and len({d.pid for d in hosts}) == 1:
             keep = hosts[-1]
             dropped = end - (keep.end - keep.start)
             what = "the one complete document" if len(hosts) == 1 else f"the last of {len(hosts)} complete documents"
             action = f"kept {what} (pid {keep.pid}, {{nodes}} nodes), dropped {dropped} bytes of other text"
-            return _plan_for(path, keep, f"two writers mixed their text in this file ({evidence})", TWO_WRITERS,
-                             action, min_nodes)
+            return _plan_for(path, keep, mixed, TWO_WRITERS, action, min_nodes)
         if complete and not hosts and headers == 0:
             first = complete[0]
             kind, why = _schema_problem(first.fields, first.nodes_is_list) or (NOT_HOST_TRACE, "not a host trace")
             return refuse(kind, f"{why}; and the file holds other text ({evidence})")
         if hosts:
             pids = ", ".join(str(d.pid) for d in hosts)
-            return refuse(TWO_WRITERS, f"two writers mixed their text in this file ({evidence}); {len(hosts)} complete "
+            return refuse(TWO_WRITERS, f"{mixed}; {len(hosts)} complete "
                                        f"documents from different processes (pids {pids}), cannot tell which is right: "
                                        "trace again with one output file per process")
         if headers <= 1 and scan.bad_char_pos is None and not complete:
@@ -535,8 +538,8 @@ def _analyse_scan(path: Path, scan: _Scan, raw: _Raw, min_nodes: int) -> _Analys
             return refuse(INVALID_JSON, f"invalid JSON at {_line_col(text, where)} (byte {where}): {msg}")
         if headers == 0 and scan.bad_char_pos is not None and text[_skip_ws(text, 0)] not in "{[":
             return refuse(NOT_JSON, f"not JSON (starts with {raw.data.lstrip()[:16]!r})")
-        return refuse(TWO_WRITERS, f"two writers mixed their text in this file ({evidence}); no complete document "
-                                   "can be isolated safely: trace again with one output file per process")
+        return refuse(TWO_WRITERS, f"{mixed}; no complete document can be isolated safely: "
+                                   "trace again with one output file per process")
 
     # Clean text: one or more documents back to back, the last maybe cut short.
     if len(complete) >= 2 or (complete and truncated):
