@@ -1,0 +1,53 @@
+"""Causal-LM pretraining of GPT-2 from its config: a SQuAD example becomes `question + " " + context`."""
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):
+    # Run as `python gpt2/train.py` (also under torchrun): import from the repository root, not from gpt2/,
+    # whose model.py/config.py would otherwise shadow same-named modules.
+    _ROOT = Path(__file__).resolve().parent.parent
+    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _ROOT / "gpt2"]
+    sys.path.insert(0, str(_ROOT))
+
+from transformers import DataCollatorForLanguageModeling
+
+from gpt2.config import DEFAULT_MODEL_NAME, GPT2_SIZES
+from gpt2.model import (GPT2LMHeadModel, build_gpt2_model, finalize_gpt2_config, gpt2_tokenizer_request,
+                        prepare_gpt2_tokenizer, resolve_gpt2_config)
+from utils.trainer import ModelFamily, main as run_training
+
+
+def encode_gpt2(tokenizer, examples, max_length: int):
+    """One text per example; texts longer than max_length continue in further windows (overflow)."""
+    texts = [ex.text if ex.text_pair is None else f"{ex.text} {ex.text_pair}" for ex in examples]
+    return tokenizer(texts, truncation=True, max_length=max_length, return_overflowing_tokens=True)
+
+
+def gpt2_collator(tokenizer, max_length: int):
+    """Labels are the input ids (the model shifts them); padding becomes -100. Every batch is padded to
+    max_length, so all steps have one shape (steady torch.compile graphs, comparable traces)."""
+    return DataCollatorForLanguageModeling(tokenizer, mlm=False, pad_to_multiple_of=max_length)
+
+
+GPT2_FAMILY = ModelFamily(
+    name="gpt2",
+    title="Causal-LM pretraining of GPT-2 (from its config) on SQuAD, a SQuAD JSON file or a JSONL corpus.",
+    model_class=GPT2LMHeadModel,
+    default_model_name=DEFAULT_MODEL_NAME,
+    size_names=tuple(GPT2_SIZES),
+    resolve_config=resolve_gpt2_config,
+    tokenizer_request=gpt2_tokenizer_request,
+    prepare_tokenizer=prepare_gpt2_tokenizer,
+    finalize_config=finalize_gpt2_config,
+    build_model=build_gpt2_model,
+    encode=encode_gpt2,
+    make_collator=gpt2_collator,
+)
+
+
+def main(argv=None) -> int:
+    return run_training(GPT2_FAMILY, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,136 @@
+"""The torchrun environment and the process group: one process or DDP, NCCL on GPUs and gloo on CPUs."""
+import contextlib
+import datetime
+import logging
+import os
+from dataclasses import dataclass
+from typing import Iterator, Optional
+
+import torch
+import torch.distributed as dist
+
+from utils.errors import UsageError
+
+logger = logging.getLogger(__name__)
+
+PROCESS_GROUP_TIMEOUT = datetime.timedelta(minutes=30)
+
+
+@dataclass(frozen=True)
+class DistributedContext:
+    """Where this process sits in the run. One process is rank 0 of a world of 1 with no process group."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+    backend: Optional[str]
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main_process(self) -> bool:
+        return self.rank == 0
+
+    def barrier(self) -> None:
+        if not self.is_distributed:
+            return
+        if self.backend == "nccl":
+            dist.barrier(device_ids=[self.device.index])
+        else:
+            dist.barrier()
+
+    @contextlib.contextmanager
+    def main_process_first(self) -> Iterator[None]:
+        """Rank 0 runs the block first (downloads, tokenizer training, caches); the others then reuse its result."""
+        if not self.is_main_process:
+            self.barrier()
+        yield
+        if self.is_main_process:
+            self.barrier()
+
+    def broadcast_object(self, value):
+        """Rank 0's value on every rank (e.g. which data source it fell back to), so all ranks decide alike."""
+        if not self.is_distributed:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def all_gather_object(self, value) -> list:
+        if not self.is_distributed:
+            return [value]
+        gathered = [None] * self.world_size
+        dist.all_gather_object(gathered, value)
+        return gathered
+
+
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise UsageError(f"environment variable {name}={raw!r} is not an integer") from None
+
+
+def read_torchrun_env() -> tuple:
+    """(rank, local_rank, world_size) as torchrun sets them; (0, 0, 1) for a plain `python train.py`."""
+    world_size = _env_int("WORLD_SIZE", 1)
+    rank = _env_int("RANK", 0)
+    local_rank = _env_int("LOCAL_RANK", rank)
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise UsageError(f"RANK={rank} does not fit WORLD_SIZE={world_size}")
+    return rank, local_rank, world_size
+
+
+def check_num_gpus(num_gpus: Optional[int], world_size: int) -> None:
+    """--num-gpus is the number of training processes the user expects (GPUs, or CPU ranks without CUDA)."""
+    if num_gpus is None or num_gpus == world_size:
+        return
+    if world_size == 1:
+        hint = f"launch with `torchrun --nproc_per_node={num_gpus} ...`"
+    else:
+        hint = f"pass --num-gpus {world_size} or start torchrun with --nproc_per_node={num_gpus}"
+    raise UsageError(f"--num-gpus {num_gpus} but WORLD_SIZE is {world_size}: {hint}")
+
+
+@contextlib.contextmanager
+def distributed_context(num_gpus: Optional[int] = None) -> Iterator[DistributedContext]:
+    """Set up this process's device and (under torchrun) the process group; always tear the group down.
+
+    On success every rank meets at a barrier first, so no rank exits while another still writes a checkpoint.
+    On an error there is no barrier (the other ranks may never reach it); destroying the group lets torchrun
+    stop the rest.
+    """
+    rank, local_rank, world_size = read_torchrun_env()
+    check_num_gpus(num_gpus, world_size)
+    if torch.cuda.is_available():
+        if local_rank >= torch.cuda.device_count():
+            raise UsageError(f"LOCAL_RANK {local_rank} but only {torch.cuda.device_count()} CUDA device(s) are visible; "
+                             "lower --nproc_per_node or check CUDA_VISIBLE_DEVICES")
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    backend = None
+    if world_size > 1:
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        try:
+            dist.init_process_group(backend=backend, rank=rank, world_size=world_size, timeout=PROCESS_GROUP_TIMEOUT)
+        except (RuntimeError, ValueError) as exc:
+            raise UsageError(f"could not start the {backend} process group for rank {rank}/{world_size} "
+                             f"({exc}); launch multi-process runs with torchrun") from exc
+    ctx = DistributedContext(rank=rank, local_rank=local_rank, world_size=world_size, device=device, backend=backend)
+    succeeded = False
+    try:
+        yield ctx
+        succeeded = True
+    finally:
+        if backend is not None and dist.is_initialized():
+            if succeeded:
+                ctx.barrier()
+            dist.destroy_process_group()

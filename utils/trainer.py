@@ -1,0 +1,748 @@
+"""The one training loop behind gpt2/train.py and bert/train.py: arguments, setup, steps, evaluation, checkpoints."""
+import argparse
+import contextlib
+import datetime
+import gc
+import logging
+import math
+import platform
+import random
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, List, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+from tqdm.auto import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
+
+from utils.chakra_tracer import add_tracing_arguments, build_tracer, tracing_window_steps
+from utils.checkpointing import (BEST_MODEL, FINAL_MODEL, INITIAL_MODEL, capture_rng_state, check_resumable,
+                                 checkpoint_name, load_resume_state, read_training_info, restore_rng_state,
+                                 weights_fingerprint, write_checkpoint)
+from utils.data_utils import (BatchStream, RepeatedBatch, TextExample, TextSplits, build_dataloader,
+                              check_data_flags, load_text_splits, tokenize_examples)
+from utils.distributed import DistributedContext, distributed_context
+from utils.errors import NonFiniteLossError, UsageError
+from utils.metrics import MetricSinks, count_parameters, flops_per_token, peak_flops_per_gpu
+from utils.tokenization import TokenizerRequest, load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+TEST_MODE_STEPS = 10
+EVAL_SEED_OFFSET = 1_000_003  # eval masks/dropout come from their own seed: same masks at every evaluation
+LOG_FILE = "training_rank_{rank}.log"
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    """What differs between GPT-2 and BERT. Everything else (loop, DDP, logs, checkpoints, tracing) is shared.
+
+    Args:
+        name: "gpt2" or "bert": default save dir, trace name prefix, tokenizer cache prefix.
+        title: one line for --help.
+        model_class: GPT2LMHeadModel or BertForMaskedLM (from_pretrained on --resume-from).
+        default_model_name: --model-name default.
+        size_names: the accepted --model-name sizes (besides a local directory).
+        resolve_config: --model-name -> config before the tokenizer is known (raises UsageError when unknown).
+        tokenizer_request: (model name, config) -> where to look for a tokenizer and how to train a stand-in.
+        prepare_tokenizer: fixes a loaded tokenizer up (GPT-2 has no pad token).
+        finalize_config: sets vocabulary size and special token ids from the tokenizer.
+        build_model: (config, attention implementation) -> a freshly initialised model.
+        encode: (tokenizer, examples, max length) -> tokenizer output with overflow windows.
+        make_collator: (tokenizer, max length) -> collate function producing model inputs with labels.
+    """
+
+    name: str
+    title: str
+    model_class: type
+    default_model_name: str
+    size_names: tuple
+    resolve_config: Callable
+    tokenizer_request: Callable
+    prepare_tokenizer: Callable
+    finalize_config: Callable
+    build_model: Callable
+    encode: Callable
+    make_collator: Callable
+
+
+# ------------------------------------------------------------------------------------------------- arguments
+def build_arg_parser(family: ModelFamily) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=f"{family.name}/train.py", description=family.title,
+                                     epilog="One process: python {0}/train.py ...; N processes: torchrun "
+                                            "--nproc_per_node=N {0}/train.py ... (see docs/TRAINING.md)"
+                                            .format(family.name))
+    model = parser.add_argument_group("model")
+    model.add_argument("--model-name", default=family.default_model_name,
+                       help=f"{', '.join(family.size_names)}, or a directory with a config.json "
+                            "(trained from scratch; default: %(default)s)")
+    model.add_argument("--tokenizer-path", default=None,
+                       help="tokenizer directory; default: /workspace/pretrained_models/<model-name>, then the hub, "
+                            "then a tokenizer trained on the training text")
+    model.add_argument("--attn-implementation", choices=["sdpa", "eager", "flash_attention_2"], default="sdpa",
+                       help="attention kernel (default: %(default)s; flash_attention_2 needs a GPU and flash-attn)")
+
+    data = parser.add_argument_group("data")
+    data.add_argument("--squad-file", default=None, help="a local SQuAD v1.1/v2.0 JSON file instead of the hub's SQuAD")
+    data.add_argument("--dataset-path", default=None,
+                      help="a JSONL corpus of {\"text\": ...} lines (UTF-8), or a directory of *.jsonl files")
+    data.add_argument("--cache-dir", default=None, help="Hugging Face datasets/tokenizer cache directory")
+    data.add_argument("--max-seq-length", type=int, default=512,
+                      help="tokens per sequence; every batch is padded to it (default: %(default)s)")
+    data.add_argument("--validation-fraction", type=float, default=0.1,
+                      help="share of a local dataset held out for validation (default: %(default)s)")
+    data.add_argument("--eval-batches", type=int, default=50,
+                      help="validation batches per evaluation and rank, 0 for all (default: %(default)s)")
+
+    train = parser.add_argument_group("training")
+    train.add_argument("--batch-size", type=int, default=4, help="sequences per rank and micro-step (default: %(default)s)")
+    train.add_argument("--learning-rate", type=float, default=5e-5, help="peak learning rate (default: %(default)s)")
+    train.add_argument("--weight-decay", type=float, default=0.01,
+                       help="AdamW weight decay of matrices; biases and norms get none (default: %(default)s)")
+    train.add_argument("--num-epochs", type=int, default=3, help="epochs when --max-steps is not given (default: %(default)s)")
+    train.add_argument("--max-steps", type=int, default=None, help="optimizer steps; overrides --num-epochs")
+    train.add_argument("--warmup-steps", type=int, default=None,
+                       help="linear warm-up steps, then decay to 0 (default: 10%% of the optimizer steps)")
+    train.add_argument("--lr-scheduler", default="linear", choices=["linear", "cosine", "constant_with_warmup"],
+                       help="transformers.get_scheduler type (default: %(default)s)")
+    train.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping, 0 to disable (default: %(default)s)")
+    train.add_argument("--gradient-accumulation-steps", type=int, default=1,
+                       help="micro-batches per optimizer step; DDP all-reduces only on the last (default: %(default)s)")
+    train.add_argument("--seed", type=int, default=42, help="random seed (default: %(default)s)")
+    train.add_argument("--test", action="store_true",
+                       help=f"quick check: stop after {TEST_MODE_STEPS} optimizer steps (or --max-steps)")
+    train.add_argument("--overfit-one-batch", action="store_true",
+                       help="train on the first batch over and over: a model that cannot drive its loss down has a bug")
+
+    out = parser.add_argument_group("checkpoints and logs")
+    out.add_argument("--save-dir", default=f"./checkpoints/{family.name}", help="checkpoint directory (default: %(default)s)")
+    out.add_argument("--save-steps", type=int, default=500, help="checkpoint-<step>/ every N steps, 0 for none (default: %(default)s)")
+    out.add_argument("--no-save-initial", action="store_true", help="do not save initial_model/ before the first step")
+    out.add_argument("--resume-from", default=None, metavar="DIR",
+                     help="continue from a checkpoint directory: weights, optimizer, scheduler, RNG and data position")
+    out.add_argument("--logging-steps", type=int, default=10, help="log line every N steps (default: %(default)s)")
+    out.add_argument("--eval-steps", type=int, default=500,
+                     help="validate every N steps (and at the end), 0 for only at the end (default: %(default)s)")
+    out.add_argument("--log-dir", default="./logs", help="training_rank_<r>.log and TensorBoard runs (default: %(default)s)")
+    out.add_argument("--report-to", choices=["tensorboard", "wandb", "none"], default="tensorboard",
+                     help="metric sink (default: %(default)s; wandb logs offline without WANDB_API_KEY)")
+
+    dev = parser.add_argument_group("devices and speed")
+    dev.add_argument("--num-gpus", type=int, default=None,
+                     help="expected number of processes (GPUs, or CPU ranks); checked against torchrun's WORLD_SIZE")
+    dev.add_argument("--precision", choices=["bf16", "fp16", "fp32"], default=None,
+                     help="autocast precision; fp16 uses a gradient scaler (default: bf16 on GPUs that support it, "
+                          "else fp16; fp32 on the CPU)")
+    dev.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,
+                     help="torch.compile the model (default: off)")
+    dev.add_argument("--peak-tflops", type=float, default=None,
+                     help="peak TFLOP/s of one GPU for MFU, for GPUs not in utils/metrics.py's table")
+    add_tracing_arguments(parser)
+    return parser
+
+
+def validate_args(args: argparse.Namespace, family: ModelFamily) -> None:
+    """Every check that needs no process group, so a bad flag fails at once with one line."""
+    for flag in ("batch_size", "gradient_accumulation_steps", "logging_steps", "num_epochs"):
+        if getattr(args, flag) < 1:
+            raise UsageError(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
+    for flag in ("save_steps", "eval_steps", "eval_batches"):
+        if getattr(args, flag) < 0:
+            raise UsageError(f"--{flag.replace('_', '-')} must be 0 or more, got {getattr(args, flag)}")
+    if args.max_steps is not None and args.max_steps < 1:
+        raise UsageError(f"--max-steps must be at least 1, got {args.max_steps}")
+    if args.warmup_steps is not None and args.warmup_steps < 0:
+        raise UsageError(f"--warmup-steps must be 0 or more, got {args.warmup_steps}")
+    if args.max_seq_length < 16:
+        raise UsageError(f"--max-seq-length must be at least 16, got {args.max_seq_length}")
+    if not 0 < args.validation_fraction < 1:
+        raise UsageError(f"--validation-fraction must be between 0 and 1, got {args.validation_fraction}")
+    if not args.learning_rate > 0:
+        raise UsageError(f"--learning-rate must be positive, got {args.learning_rate}")
+    if args.enable_tracing and args.max_steps is not None and args.max_steps < tracing_window_steps(args):
+        raise UsageError(f"--max-steps {args.max_steps} is shorter than the trace window of "
+                         f"{tracing_window_steps(args)} steps; raise --max-steps or lower the --trace-*-steps")
+    if args.resume_from:
+        check_resumable(Path(args.resume_from))
+    else:
+        family.resolve_config(args.model_name)
+    check_data_flags(args.squad_file, args.dataset_path)
+
+    cuda = torch.cuda.is_available()
+    if args.precision is None:
+        args.precision = ("bf16" if torch.cuda.is_bf16_supported() else "fp16") if cuda else "fp32"
+    if args.precision == "fp16" and not cuda:
+        raise UsageError("--precision fp16 needs a CUDA GPU (it trains with a gradient scaler); use bf16 or fp32 on the CPU")
+    if args.precision == "bf16" and cuda and not torch.cuda.is_bf16_supported():
+        raise UsageError(f"--precision bf16: {torch.cuda.get_device_name()} has no bf16 support; use --precision fp16")
+    if args.attn_implementation == "flash_attention_2":
+        if not cuda or args.precision == "fp32":
+            raise UsageError("--attn-implementation flash_attention_2 needs a CUDA GPU and --precision bf16 or fp16")
+        try:
+            import flash_attn  # noqa: F401
+        except ImportError:
+            raise UsageError("--attn-implementation flash_attention_2 needs the flash-attn package "
+                             "(pip install flash-attn --no-build-isolation); or use sdpa") from None
+
+
+def effective_max_steps(args: argparse.Namespace, steps_per_epoch: int) -> int:
+    """--max-steps, else --test's 10 (longer if the trace window needs it), else the trace window, else epochs."""
+    if args.max_steps is not None:
+        return args.max_steps
+    window = tracing_window_steps(args) if args.enable_tracing else 0
+    if args.test:
+        return max(TEST_MODE_STEPS, window)
+    if window:
+        return window
+    return args.num_epochs * steps_per_epoch
+
+
+# --------------------------------------------------------------------------------------------------- logging
+class _ConsoleFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        message = record.getMessage()
+        if record.levelno >= logging.ERROR:
+            return f"error: {message}"
+        if record.levelno >= logging.WARNING:
+            return f"warning: {message}"
+        return message
+
+
+class _BelowWarning(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno < logging.WARNING
+
+
+def setup_logging(log_dir: Path, rank: int, world_size: int) -> list:
+    """Rank 0 logs to the console (info to stdout, warnings and errors to stderr); every rank to its own file."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    root = logging.getLogger()
+    root.setLevel(logging.INFO)
+    handlers = []
+    log_file = logging.FileHandler(log_dir / LOG_FILE.format(rank=rank), mode="a", encoding="utf-8")
+    log_file.setFormatter(logging.Formatter(f"%(asctime)s rank {rank}/{world_size} %(levelname)s %(name)s: %(message)s"))
+    handlers.append(log_file)
+    if rank == 0:
+        stdout = logging.StreamHandler(sys.stdout)
+        stdout.addFilter(_BelowWarning())
+        stderr = logging.StreamHandler(sys.stderr)
+        stderr.setLevel(logging.WARNING)
+        for handler in (stdout, stderr):
+            handler.setFormatter(_ConsoleFormatter())
+            handlers.append(handler)
+    for handler in handlers:
+        root.addHandler(handler)
+    return handlers
+
+
+def teardown_logging(handlers: list) -> None:
+    root = logging.getLogger()
+    for handler in handlers:
+        root.removeHandler(handler)
+        handler.close()
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)  # seeds every CUDA device too
+
+
+# --------------------------------------------------------------------------------------------------- trainer
+class Trainer:
+    """Owns one rank's model, data, optimizer and checkpoints for a run; `setup()` then `train()`."""
+
+    def __init__(self, args: argparse.Namespace, family: ModelFamily, ctx: DistributedContext):
+        self.args, self.family, self.ctx = args, family, ctx
+        self.device = ctx.device
+        self.save_dir = Path(args.save_dir)
+        self.step = 0
+        self.tokens_seen = 0
+        self.elapsed_before = 0.0       # seconds trained before a resume
+        self.last_loss: Optional[float] = None
+        self.last_lr: Optional[float] = None
+        self.last_val_loss: Optional[float] = None
+        self.best_val_loss = math.inf
+        self.best_step: Optional[int] = None
+        self.last_eval_step: Optional[int] = None
+        self.last_checkpoint: Optional[Path] = None
+        self.stop_signal: Optional[int] = None
+        self.resumed = False
+        self._start_time = time.perf_counter()
+
+    # ---- setup -----------------------------------------------------------------------------------------------
+    def setup(self) -> None:
+        args, ctx = self.args, self.ctx
+        seed_everything(args.seed)  # identical model initialisation on every rank
+        self.splits = self._load_text()
+        resume_dir = Path(args.resume_from) if args.resume_from else None
+        self.tokenizer, self.tokenizer_source = self._load_tokenizer(resume_dir)
+        if resume_dir:
+            self.model = self.family.model_class.from_pretrained(str(resume_dir),
+                                                                 attn_implementation=args.attn_implementation)
+        else:
+            config = self.family.resolve_config(args.model_name)
+            self.family.finalize_config(config, self.tokenizer)
+            try:
+                self.model = self.family.build_model(config, args.attn_implementation)
+            except (ValueError, ImportError) as exc:
+                raise UsageError(f"--attn-implementation {args.attn_implementation}: {str(exc).splitlines()[0]}") from None
+        self.config = self.model.config
+        max_positions = getattr(self.config, "max_position_embeddings", None)
+        if max_positions and args.max_seq_length > max_positions:
+            logger.warning("--max-seq-length %d exceeds the model's %d positions; using %d",
+                           args.max_seq_length, max_positions, max_positions)
+            args.max_seq_length = max_positions
+        self.train_data, self.val_data = self._tokenize()
+        seed_everything(args.seed + ctx.rank)  # from here on: per-rank dropout and masking streams
+        self.model.to(self.device)
+
+        collator = self.family.make_collator(self.tokenizer, args.max_seq_length)
+        pin = self.device.type == "cuda"
+        self.train_loader = build_dataloader(self.train_data, collator, batch_size=args.batch_size, rank=ctx.rank,
+                                             world_size=ctx.world_size, seed=args.seed, train=True, pin_memory=pin)
+        self.val_loader = build_dataloader(self.val_data, collator, batch_size=args.batch_size, rank=ctx.rank,
+                                           world_size=ctx.world_size, seed=args.seed, train=False, pin_memory=pin)
+        if len(self.train_loader) == 0:
+            raise UsageError(f"{self.splits.source}: {len(self.train_data)} training sequences are fewer than "
+                             f"--batch-size {args.batch_size} x {ctx.world_size} rank(s); use more data or a smaller batch")
+        steps_per_epoch = max(1, len(self.train_loader) // args.gradient_accumulation_steps)
+        self.max_steps = effective_max_steps(args, steps_per_epoch)
+        self.warmup_steps = args.warmup_steps if args.warmup_steps is not None else int(0.1 * self.max_steps)
+
+        self.optimizer = self._build_optimizer()
+        from transformers import get_scheduler
+        self.scheduler = get_scheduler(args.lr_scheduler, optimizer=self.optimizer,
+                                       num_warmup_steps=self.warmup_steps, num_training_steps=self.max_steps)
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=args.precision == "fp16")
+        self.stream = RepeatedBatch(self.train_loader) if args.overfit_one_batch else BatchStream(self.train_loader)
+        if resume_dir:
+            self._restore(resume_dir)
+
+        self.eval_model = torch.compile(self.model) if args.compile else self.model
+        self.train_model = self.eval_model
+        if ctx.is_distributed:
+            self.train_model = DistributedDataParallel(
+                self.eval_model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+        self.n_params, compute_params = count_parameters(self.model)
+        self.flops_per_token = flops_per_token(compute_params, self.config.num_hidden_layers,
+                                               self.config.hidden_size, args.max_seq_length)
+        self.peak_flops = peak_flops_per_gpu(self.device, args.precision, args.peak_tflops)
+        self.tokens_per_step = ctx.world_size * args.gradient_accumulation_steps * args.batch_size * args.max_seq_length
+        self.sinks = MetricSinks(args.report_to, Path(args.log_dir), self.run_name(), vars(args), ctx.is_main_process)
+        self._log_setup(steps_per_epoch)
+
+    def run_name(self) -> str:
+        model = Path(self.args.model_name).name if Path(self.args.model_name).is_dir() else self.args.model_name
+        if model == "tiny":
+            model = f"{self.family.name}-tiny"  # gpt2 and bert tiny runs must not share trace folders
+        return model
+
+    def _load_text(self) -> TextSplits:
+        a, ctx = self.args, self.ctx
+        options = dict(squad_file=a.squad_file, dataset_path=a.dataset_path, cache_dir=a.cache_dir,
+                       validation_fraction=a.validation_fraction, seed=a.seed)
+        if a.squad_file or a.dataset_path or not ctx.is_distributed:
+            return load_text_splits(**options)
+        # The hub: rank 0 downloads (or finds it missing) first; the others follow its decision.
+        splits = None
+        with ctx.main_process_first():
+            if ctx.is_main_process:
+                splits = load_text_splits(**options)
+        from_hub = ctx.broadcast_object(splits.source.startswith("hub:") if splits else None)
+        return splits if splits is not None else load_text_splits(**options, allow_hub=from_hub)
+
+    def _load_tokenizer(self, resume_dir: Optional[Path]):
+        a = self.args
+        if resume_dir and not a.tokenizer_path:
+            from transformers import AutoTokenizer
+            return self.family.prepare_tokenizer(AutoTokenizer.from_pretrained(str(resume_dir))), str(resume_dir)
+        request: TokenizerRequest = self.family.tokenizer_request(a.model_name, self.family.resolve_config(a.model_name))
+        with self.ctx.main_process_first():  # rank 0 trains and caches a stand-in; the others load it
+            tokenizer, source = load_tokenizer(request, tokenizer_path=a.tokenizer_path, cache_dir=a.cache_dir,
+                                               training_texts=self.splits.all_texts)
+        return self.family.prepare_tokenizer(tokenizer), source
+
+    def _tokenize(self):
+        max_len = self.args.max_seq_length
+
+        def encode(examples: List[TextExample]):
+            return self.family.encode(self.tokenizer, examples, max_len)
+
+        train = tokenize_examples(encode, self.splits.train)
+        val = tokenize_examples(encode, self.splits.validation)
+        if len(val) == 0:
+            raise UsageError(f"{self.splits.source}: the validation split is empty after tokenization")
+        return train, val
+
+    def _build_optimizer(self) -> torch.optim.Optimizer:
+        """AdamW; matrices decay, biases and LayerNorm weights do not (the GPT-2/BERT recipe)."""
+        decay, no_decay = [], []
+        for param in self.model.parameters():
+            if param.requires_grad:
+                (decay if param.dim() >= 2 else no_decay).append(param)
+        groups = [{"params": decay, "weight_decay": self.args.weight_decay},
+                  {"params": no_decay, "weight_decay": 0.0}]
+        return torch.optim.AdamW(groups, lr=self.args.learning_rate, fused=self.device.type == "cuda")
+
+    def _restore(self, resume_dir: Path) -> None:
+        """Optimizer, scheduler, scaler, counters, data position and this rank's RNG streams."""
+        args, ctx = self.args, self.ctx
+        state, rng_states = load_resume_state(resume_dir)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.scaler.load_state_dict(state["scaler"])
+        self.step = int(state["step"])
+        self.tokens_seen = int(state["tokens_seen"])
+        self.elapsed_before = float(state["elapsed_seconds"])
+        self.last_loss, self.last_val_loss = state.get("last_loss"), state.get("last_val_loss")
+        self.best_val_loss = state.get("best_val_loss", math.inf)
+        self.best_step = state.get("best_step")
+        self.last_checkpoint = resume_dir
+        self.resumed = True
+        if not self.stream.load_state_dict(state["data"]):
+            logger.warning("%s was saved with a different batch size or dataset: data order restarts at the "
+                           "beginning of epoch %d", resume_dir, self.stream.epoch)
+        if rng_states is not None and len(rng_states) == ctx.world_size:
+            restore_rng_state(rng_states[ctx.rank], self.device)
+        else:
+            saved = len(rng_states) if rng_states else 0
+            logger.warning("%s holds RNG state for %d rank(s), this run has %d: dropout and masking will not "
+                           "repeat the original run", resume_dir, saved, ctx.world_size)
+        for key, flag in (("world_size", None), ("gradient_accumulation_steps", "--gradient-accumulation-steps")):
+            now = ctx.world_size if key == "world_size" else getattr(args, key)
+            if state.get(key) not in (None, now):
+                logger.warning("%s was trained with %s %s, this run uses %s", resume_dir, flag or "world size",
+                               state.get(key), now)
+        logger.info("resumed from %s at step %d (epoch %.2f)", resume_dir, self.step, self.stream.epochs_done)
+
+    def _log_setup(self, steps_per_epoch: int) -> None:
+        a, ctx = self.args, self.ctx
+        logger.info("%s %s: %s parameters, %s attention, precision %s%s, device %s x %d (%s)",
+                    self.family.name, self.run_name(), f"{self.n_params:,}", a.attn_implementation, a.precision,
+                    ", torch.compile" if a.compile else "", self.device.type, ctx.world_size, ctx.backend or "1 process")
+        logger.info("data: %s; %d train / %d validation sequences of up to %d tokens; tokenizer: %s (vocabulary %d)",
+                    self.splits.source, len(self.train_data), len(self.val_data), a.max_seq_length,
+                    self.tokenizer_source, len(self.tokenizer))
+        logger.info("steps: %d (%d per epoch, %d warm-up); global batch %d sequences = %d per rank x %d micro-steps "
+                    "x %d rank(s)", self.max_steps, steps_per_epoch, self.warmup_steps,
+                    a.batch_size * a.gradient_accumulation_steps * ctx.world_size, a.batch_size,
+                    a.gradient_accumulation_steps, ctx.world_size)
+
+    # ---- training ----------------------------------------------------------------------------------------------
+    def _autocast(self):
+        if self.args.precision == "fp32":
+            return contextlib.nullcontext()
+        dtype = torch.bfloat16 if self.args.precision == "bf16" else torch.float16
+        return torch.autocast(device_type=self.device.type, dtype=dtype)
+
+    def _to_device(self, batch: dict) -> dict:
+        return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+
+    def _optimizer_step(self) -> "tuple[float, Optional[float], bool]":
+        """All micro-steps of one optimizer step: (mean loss over ranks, grad norm, whether to stop now)."""
+        args, model = self.args, self.train_model
+        accumulation = args.gradient_accumulation_steps
+        model.train()
+        loss_sum = torch.zeros((), device=self.device)
+        for micro in range(accumulation):
+            batch = self._to_device(next(self.stream))
+            last = micro == accumulation - 1
+            # Only the last micro-step all-reduces gradients; the others accumulate locally.
+            sync = contextlib.nullcontext() if last or not self.ctx.is_distributed else model.no_sync()
+            with sync:
+                with self._autocast():
+                    loss = model(**batch).loss
+                self.scaler.scale(loss / accumulation).backward()
+            loss_sum += loss.detach().float()
+        # One small all-reduce per step: the logged loss is the global mean, and a NaN or a stop request on any
+        # rank is seen by all ranks at the same step (they must leave the loop together).
+        stats = torch.stack([loss_sum / accumulation,
+                             torch.tensor(float(self.stop_signal is not None), device=self.device)])
+        if self.ctx.is_distributed:
+            dist.all_reduce(stats)
+        mean_loss = stats[0].item() / self.ctx.world_size
+        if not math.isfinite(mean_loss):
+            where = self.last_checkpoint or "none (no checkpoint was saved yet)"
+            raise NonFiniteLossError(
+                f"loss is {mean_loss} at step {self.step + 1}; stopped before the optimizer step. Last good "
+                f"checkpoint: {where}. Lower --learning-rate, raise --warmup-steps, keep --max-grad-norm above 0, "
+                "or use --precision bf16/fp32 instead of fp16")
+        grad_norm = None
+        if args.max_grad_norm > 0:
+            self.scaler.unscale_(self.optimizer)
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), args.max_grad_norm)
+        self.last_lr = self.optimizer.param_groups[0]["lr"]
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return mean_loss, grad_norm, stats[1].item() > 0
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean validation loss over ranks; its own RNG seed, so training's random streams are untouched."""
+        model = self.eval_model  # not the DDP wrapper: evaluation needs no gradient sync
+        model.eval()
+        totals = torch.zeros(2, device=self.device)
+        devices = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(self.args.seed + EVAL_SEED_OFFSET + self.ctx.rank)
+            for index, batch in enumerate(self.val_loader):
+                if self.args.eval_batches and index >= self.args.eval_batches:
+                    break
+                with self._autocast():
+                    loss = model(**self._to_device(batch)).loss.float()
+                if torch.isfinite(loss):
+                    totals += torch.stack([loss, torch.ones((), device=self.device)])
+        if self.ctx.is_distributed:
+            dist.all_reduce(totals)
+        model.train()
+        self.last_eval_step = self.step
+        return (totals[0] / totals[1]).item() if totals[1] > 0 else math.nan
+
+    def _evaluate_and_keep_best(self) -> None:
+        val_loss = self.evaluate()
+        self.last_val_loss = val_loss
+        improved = math.isfinite(val_loss) and val_loss < self.best_val_loss
+        perplexity = math.exp(val_loss) if val_loss < 50 else math.inf
+        logger.info("eval at step %d | val loss %.4f | perplexity %.2f%s", self.step, val_loss, perplexity,
+                    " | best so far" if improved else "")
+        self.sinks.log({"eval/loss": val_loss, "eval/perplexity": perplexity}, self.step)
+        if improved:
+            self.best_val_loss, self.best_step = val_loss, self.step
+            self.save(BEST_MODEL, kind="best")
+
+    @contextlib.contextmanager
+    def _stop_on_signals(self):
+        """SIGTERM or Ctrl-C: finish the current step, save a checkpoint, exit. A second Ctrl-C stops at once."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+
+        def request_stop(signum, frame):
+            if self.stop_signal is not None:
+                if signum == signal.SIGINT and self.stop_signal == signal.SIGINT:
+                    raise KeyboardInterrupt
+                return  # e.g. torchrun's SIGTERM right after the user's Ctrl-C: keep stopping gracefully
+            self.stop_signal = signum
+            logger.warning("%s received: saving a checkpoint after this step, then stopping "
+                           "(Ctrl-C again to stop without saving)", signal.Signals(signum).name)
+
+        previous = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def _run_info(self) -> dict:
+        a = self.args
+        return {"model": self.run_name(), "family": self.family.name, "model_config": self.config.to_dict(),
+                "num_parameters": self.n_params, "batch_size_per_rank": a.batch_size,
+                "sequence_length": a.max_seq_length, "precision": a.precision, "compile": a.compile,
+                "attention": a.attn_implementation, "gradient_accumulation_steps": a.gradient_accumulation_steps,
+                "world_size": self.ctx.world_size, "data_source": self.splits.source,
+                "tokenizer_source": self.tokenizer_source}
+
+    def train(self) -> int:
+        """The loop; returns the process exit status (0, or 128 + signal number after a graceful stop)."""
+        args, ctx = self.args, self.ctx
+        if not self.resumed and not args.no_save_initial:
+            self.save(INITIAL_MODEL, kind="initial")
+        try:
+            stopped = self._loop()
+        finally:
+            self.sinks.close()
+        if stopped:
+            name = checkpoint_name(self.step)
+            if self.last_checkpoint != self.save_dir / name:
+                self.save(name, kind="interrupted")
+            logger.warning("stopped by %s at step %d; resume with --resume-from %s",
+                           signal.Signals(self.stop_signal or signal.SIGTERM).name, self.step, self.save_dir / name)
+            return 128 + int(self.stop_signal or signal.SIGTERM)
+        if self.step > 0 and self.last_eval_step != self.step:
+            self._evaluate_and_keep_best()
+        fingerprint = weights_fingerprint(self.model)
+        self.save(FINAL_MODEL, kind="final", extra={"weights_sha256": fingerprint})
+        self._check_ranks_agree(fingerprint)
+        logger.info("done: %d steps in %.1f s; final loss %s; best val loss %.4f at step %s; checkpoints in %s",
+                    self.step, self.elapsed(), f"{self.last_loss:.4f}" if self.last_loss is not None else "n/a",
+                    self.best_val_loss, self.best_step, self.save_dir)
+        return 0
+
+    def _loop(self) -> bool:
+        """Optimizer steps up to max_steps; True when a signal asked to stop early."""
+        args, ctx = self.args, self.ctx
+        if self.step >= self.max_steps:
+            logger.info("already at step %d of %d: nothing to train", self.step, self.max_steps)
+            return False
+        window_start, window_steps = time.perf_counter(), 0
+        with build_tracer(args, rank=ctx.rank, world_size=ctx.world_size, local_rank=ctx.local_rank,
+                          device=self.device, run_info=self._run_info()) as tracer, \
+                logging_redirect_tqdm(), self._stop_on_signals():
+            progress = tqdm(total=self.max_steps, initial=self.step, desc=f"{self.family.name} training",
+                            unit="step", disable=None if ctx.is_main_process else True, dynamic_ncols=True)
+            try:
+                while self.step < self.max_steps:
+                    loss, grad_norm, stop = self._optimizer_step()
+                    tracer.step()
+                    self.step += 1
+                    self.tokens_seen += self.tokens_per_step
+                    self.last_loss = loss
+                    window_steps += 1
+                    progress.update(1)
+                    progress.set_postfix(loss=f"{loss:.4f}", refresh=False)
+                    if self.step % args.logging_steps == 0 or self.step in (1, self.max_steps) or stop:
+                        now = time.perf_counter()
+                        self._log_step(loss, grad_norm, window_steps, now - window_start)
+                        window_start, window_steps = now, 0
+                    if args.eval_steps and self.step % args.eval_steps == 0:
+                        self._evaluate_and_keep_best()
+                    if args.save_steps and self.step % args.save_steps == 0:
+                        self.save(checkpoint_name(self.step), kind="checkpoint")
+                    if stop:
+                        return True
+            finally:
+                progress.close()
+        return False
+
+    def _log_step(self, loss: float, grad_norm, steps: int, seconds: float) -> None:
+        tokens_per_s = self.tokens_per_step * steps / max(seconds, 1e-9)
+        parts = [f"step {self.step}/{self.max_steps}", f"epoch {self.stream.epochs_done:.2f}", f"loss {loss:.4f}",
+                 f"lr {self.last_lr:.3g}"]
+        scalars = {"train/loss": loss, "train/learning_rate": self.last_lr, "train/tokens_per_second": tokens_per_s}
+        if grad_norm is not None:
+            scalars["train/grad_norm"] = float(grad_norm)
+            parts.append(f"grad norm {float(grad_norm):.3f}")
+        parts += [f"{tokens_per_s:,.0f} tok/s", f"{1000 * seconds / steps:.1f} ms/step"]
+        if self.peak_flops:
+            mfu = self.flops_per_token * tokens_per_s / (self.peak_flops * self.ctx.world_size)
+            scalars["train/mfu"] = mfu
+            parts.append(f"mfu {100 * mfu:.1f}%")
+        logger.info(" | ".join(parts))
+        self.sinks.log(scalars, self.step)
+
+    def release(self) -> None:
+        """Drop the DDP wrapper while the process group still exists.
+
+        Freed later, its reducer would destroy the gloo group from Python's garbage collection, joining gloo
+        threads that wait for the GIL the collector holds: a hang at exit.
+        """
+        for name in ("train_model", "eval_model", "model", "optimizer", "scheduler"):
+            if hasattr(self, name):
+                setattr(self, name, None)
+        gc.collect()
+
+    # ---- checkpoints -------------------------------------------------------------------------------------------
+    def elapsed(self) -> float:
+        return self.elapsed_before + time.perf_counter() - self._start_time
+
+    def save(self, name: str, kind: str, extra: Optional[dict] = None) -> Path:
+        """Every rank calls this (its RNG state is gathered); rank 0 writes the folder atomically."""
+        target = self.save_dir / name
+        rng_states = self.ctx.all_gather_object(capture_rng_state(self.device))
+        if self.ctx.is_main_process:
+            info = self._training_info(kind)
+            info.update(extra or {})
+            write_checkpoint(target, model=self.model, tokenizer=self.tokenizer, info=info,
+                             trainer_state=self._trainer_state(), rng_states=rng_states)
+            logger.info("saved %s (step %d)", target, self.step)
+        self.last_checkpoint = target
+        return target
+
+    def _trainer_state(self) -> dict:
+        return {"step": self.step, "data": self.stream.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
+                "tokens_seen": self.tokens_seen, "elapsed_seconds": self.elapsed(), "last_loss": self.last_loss,
+                "last_val_loss": self.last_val_loss, "best_val_loss": self.best_val_loss, "best_step": self.best_step,
+                "world_size": self.ctx.world_size, "batch_size": self.args.batch_size,
+                "gradient_accumulation_steps": self.args.gradient_accumulation_steps}
+
+    def _training_info(self, kind: str) -> dict:
+        import transformers
+        a = self.args
+        return {
+            "kind": kind, "step": self.step, "max_steps": self.max_steps, "epoch": round(self.stream.epochs_done, 4),
+            "loss": self.last_loss, "learning_rate": self.scheduler.get_last_lr()[0],
+            "val_loss": self.last_val_loss, "best_val_loss": self.best_val_loss if self.best_step is not None else None,
+            "best_step": self.best_step, "world_size": self.ctx.world_size,
+            "global_batch_size": a.batch_size * a.gradient_accumulation_steps * self.ctx.world_size,
+            "sequence_length": a.max_seq_length, "tokens_seen": self.tokens_seen,
+            "elapsed_seconds": round(self.elapsed(), 3), "model_name": a.model_name, "model_type": self.config.model_type,
+            "num_parameters": self.n_params, "data_source": self.splits.source, "tokenizer_source": self.tokenizer_source,
+            "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "versions": {"python": platform.python_version(), "torch": torch.__version__,
+                         "transformers": transformers.__version__},
+            "arguments": vars(a),
+        }
+
+    def _check_ranks_agree(self, fingerprint: str) -> None:
+        logger.info("final weights sha256 %s (rank %d)", fingerprint, self.ctx.rank)
+        fingerprints = self.ctx.all_gather_object(fingerprint)
+        if len(fingerprints) > 1:
+            if len(set(fingerprints)) == 1:
+                logger.info("weights identical on all %d ranks", len(fingerprints))
+            else:
+                logger.warning("weights differ between ranks: %s", fingerprints)
+
+
+# ------------------------------------------------------------------------------------------------ entry point
+def out_of_memory_advice(args: argparse.Namespace, rank: int) -> str:
+    return (f"CUDA out of memory on rank {rank} (--model-name {args.model_name}, --batch-size {args.batch_size}, "
+            f"--max-seq-length {args.max_seq_length}, --precision {args.precision}). Lower --batch-size (raise "
+            "--gradient-accumulation-steps to keep the global batch), lower --max-seq-length, use --precision bf16 "
+            "or fp16, or choose a smaller --model-name")
+
+
+def main(family: ModelFamily, argv: Optional[list] = None) -> int:
+    """Parse, check, train; the process exit status. Errors a user can fix print one `error:` line, no traceback."""
+    args = build_arg_parser(family).parse_args(argv)
+    handlers, rank = [], 0
+    try:
+        validate_args(args, family)
+        with distributed_context(args.num_gpus) as ctx:
+            rank = ctx.rank
+            handlers = setup_logging(Path(args.log_dir), ctx.rank, ctx.world_size)
+            _quiet_library_progress_bars()
+            trainer = Trainer(args, family, ctx)
+            try:
+                trainer.setup()
+                return trainer.train()
+            finally:
+                trainer.release()
+    except UsageError as exc:
+        _report_error(str(exc), handlers, show=rank == 0)  # every rank hits the same error; say it once
+        return 1
+    except torch.cuda.OutOfMemoryError:
+        _report_error(out_of_memory_advice(args, rank), handlers, show=True)
+        return 1
+    except KeyboardInterrupt:
+        _report_error("interrupted (Ctrl-C twice): stopped without saving a checkpoint", handlers, show=rank == 0)
+        return 130
+    finally:
+        teardown_logging(handlers)
+
+
+def _report_error(message: str, handlers: list, show: bool) -> None:
+    """Through the logging handlers when they exist (console on rank 0 and the rank's file), else to stderr."""
+    if handlers:
+        logger.error(message)
+    elif show:
+        print(f"error: {message}", file=sys.stderr)
+
+
+def _quiet_library_progress_bars() -> None:
+    """transformers 5 draws progress bars while saving and loading weights; the training bar is enough."""
+    try:
+        from transformers.utils import logging as hf_logging
+        hf_logging.disable_progress_bar()
+    except (ImportError, AttributeError):
+        pass
