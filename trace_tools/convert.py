@@ -246,10 +246,7 @@ def _merged_host_node(raw: dict, legacy: bool, new_id: dict[int, int], host_inde
         if isinstance(parent, int):
             node["ctrl_deps"] = new_id.get(parent, parent)
         return node
-    attrs = [{"name": key, "type": type_, "value": raw.get(key, default)}
-             for key, type_, default in (("rf_id", "uint64", 0), ("fw_parent", "uint64", 0), ("seq_id", "int64", -1),
-                                         ("scope", "uint64", 0), ("tid", "uint64", 0), ("fw_tid", "uint64", 0),
-                                         ("op_schema", "string", ""))]
+    attrs = _legacy_attrs(raw)
     parent = raw.get("parent")
     return {
         "id": new_id[raw["id"]],
@@ -263,6 +260,15 @@ def _merged_host_node(raw: dict, legacy: bool, new_id: dict[int, int], host_inde
     }
 
 
+_CHAKRA_ATTRS = (("rf_id", "uint64", 0), ("fw_parent", "uint64", 0), ("seq_id", "int64", -1), ("scope", "uint64", 0),
+                 ("tid", "uint64", 0), ("fw_tid", "uint64", 0), ("op_schema", "string", ""))
+
+
+def _legacy_attrs(fields: dict) -> list[dict]:
+    """The attrs list of the 1.0.2+/1.1.x layout from top-level fields (1.0.1) or defaults."""
+    return [{"name": key, "type": type_, "value": fields.get(key, default)} for key, type_, default in _CHAKRA_ATTRS]
+
+
 def _merged_gpu_node(linked: LinkedTrace, g: int, launcher_node: dict) -> dict:
     dev = linked.device
     src = linked.src[g]
@@ -273,28 +279,37 @@ def _merged_gpu_node(linked: LinkedTrace, g: int, launcher_node: dict) -> dict:
         "id": linked.node_id[g],
         "ctrl_deps": launcher_node["id"],
         "cat": dev.gpu_cat[src],
-        "name": dev.gpu_names[src],
+        "name": _chakra_kernel_name(dev.gpu_names[src]),
         "ph": "X",
         "inclusive_dur": linked.dur[g],
         "exclusive_dur": linked.excl[g],
         "ts": linked.ts[g],
         "stream": dev.gpu_stream[src],
     })
+    if node["name"] != dev.gpu_names[src]:
+        node["kernel_name"] = dev.gpu_names[src]
     comm = linked.comm.get(g)
     if comm and comm.get("pg_name"):
         node["pg_name"] = comm["pg_name"]
     return node
 
 
+def _chakra_kernel_name(name: str) -> str:
+    """NCCL < 2.19 names its kernels ncclKernel_*, later ones ncclDevKernel_*; chakra_converter only recognises a
+    SendRecv (all-to-all) kernel under the newer name, so the merged JSON uses it (the .et keeps the traced name)."""
+    return "ncclDevKernel_" + name[len("ncclKernel_"):] if name.startswith("ncclKernel_SendRecv") else name
+
+
 def _merged_kineto_node(linked: LinkedTrace, i: int) -> dict:
     parent = linked.lane_parent[i]
+    tid = linked.device.cpu_tid[linked.src[i]]
     return {
         "id": linked.node_id[i],
         "name": linked.name(i),
         "ctrl_deps": linked.node_id[parent] if parent >= 0 else None,
         "inputs": {"values": [], "shapes": [], "types": [], "strides": []},
         "outputs": {"values": [], "shapes": [], "types": [], "strides": []},
-        "attrs": [{"name": "rf_id", "type": "uint64", "value": 0}, {"name": "op_schema", "type": "string", "value": ""}],
+        "attrs": _legacy_attrs({"tid": tid if isinstance(tid, int) else 0}),
         "inclusive_dur": linked.dur[i],
         "exclusive_dur": linked.excl[i],
         "ts": linked.ts[i],

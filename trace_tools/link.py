@@ -429,6 +429,17 @@ def link_host_and_device(host: HostTrace, dev: DeviceTrace, rank: int = 0,
     if outside == len(matched_k):
         raise TraceError(host.path, f"the host trace and {dev.path} do not overlap in time")
 
+    if not steps:
+        # No step annotation: the main thread's host node stands for the thread's time between operators (Python),
+        # as ProfilerStep#N does otherwise. It gets the thread's span; its exclusive time is then that gap time.
+        thread_event = _time_main_thread_node(host, dev, match, matched, structural, window_start, window_end)
+        if thread_event is not None:
+            h, k = thread_event
+            match[h] = k
+            matched.append(h)
+            k_to_h[k] = h
+            kparent, kexcl, korder = kineto_nesting(dev)
+
     # ---- CPU nodes: matched host ops, and Kineto ops of the step that the host trace lacks --------------------
     emitted_k: list[int] = [match[h] for h in matched]
     matched_tids = {ktids[k] for k in emitted_k}
@@ -524,6 +535,9 @@ def link_host_and_device(host: HostTrace, dev: DeviceTrace, rank: int = 0,
         rt_start, rt_end = dev.rt_ts[r], dev.rt_ts[r] + dev.rt_dur[r]
         if dev.rt_names[r] not in SYNC_CALLS and min(rt_end, g_end) - max(rt_start, g_start) > 0.5 * (g_end - g_start) > 0:
             syncs.append((cpu_lane[launcher], r, rt_end))
+    if not steps and gpu_nodes:  # no step annotation: the step is the traced span, GPU work included
+        gpu_end = max(linked.ts[i] + linked.dur[i] for i in gpu_nodes)
+        linked.step_dur = max(window_end, gpu_end) - window_start
     stats["gpu_ops"] = len(gpu_nodes)
     stats["gpu_ops_in_device_trace"] = gpu_seen
     stats["gpu_ops_outside_step"] = dropped_gpu
@@ -546,6 +560,30 @@ def link_host_and_device(host: HostTrace, dev: DeviceTrace, rank: int = 0,
     stats["unmatched_host_ops"] = len(candidates) - len(matched)
     stats["structural_nodes_dropped"] = sum(structural)
     return linked
+
+
+def _time_main_thread_node(host: HostTrace, dev: DeviceTrace, match: list[int], matched: list[int],
+                           structural: list[bool], start: float, end: float) -> tuple[int, int] | None:
+    """Append a Kineto-table event spanning the main thread's traced window for the host's thread node of the
+    thread that ran the first matched operator; (host index, new Kineto index), or None."""
+    first = min(matched, key=lambda h: dev.cpu_ts[match[h]])
+    host_tid = host.tids[first]
+    kineto_tid = dev.cpu_tid[match[first]]
+    thread_nodes = [h for h in range(len(host)) if structural[h] and host.names[h].endswith("|thread]")
+                    and host.tids[h] == host_tid]
+    if not thread_nodes:
+        return None
+    lane_end = max(dev.cpu_ts[match[h]] + dev.cpu_dur[match[h]] for h in matched if dev.cpu_tid[match[h]] == kineto_tid)
+    k = len(dev.cpu_names)
+    dev.cpu_names.append(host.names[thread_nodes[0]])
+    dev.cpu_ts.append(start)
+    dev.cpu_dur.append(min(end, lane_end) - start)
+    dev.cpu_tid.append(kineto_tid)
+    dev.cpu_ext.append(-1)
+    dev.cpu_rf.append(-1)
+    dev.cpu_seq.append(-1)
+    dev.cpu_is_annotation.append(True)
+    return thread_nodes[0], k
 
 
 def _check_same_process(host: HostTrace, dev: DeviceTrace) -> None:
@@ -760,7 +798,8 @@ def _build_dependencies(linked: LinkedTrace, syncs: list[tuple[int, int, float]]
     tiebreak = _tiebreak_keys(linked)
     # The step annotation's own time is the thread's time between operators, spread over the whole step: it goes
     # last on its lane, so that paths leaving the thread mid-step do not carry the rest of the step's gaps.
-    step_node = [kind[i] != GPU_OP and linked.name(i).startswith(STEP_PREFIX) for i in range(n)]
+    step_node = [kind[i] != GPU_OP and (linked.name(i).startswith(STEP_PREFIX) or is_structural(linked.name(i)))
+                 for i in range(n)]
     for lane, nodes in lane_nodes.items():
         nodes.sort(key=lambda i: (ts[i] + dur[i], 1, 0, tiebreak[i]) if step_node[i] else
                    (ts[i], 0, -dur[i], tiebreak[i]))
@@ -787,6 +826,22 @@ def _build_dependencies(linked: LinkedTrace, syncs: list[tuple[int, int, float]]
     busy = {lane: _BusyTime([ts[i] for i in nodes], [ts[i] + dur[i] for i in nodes])
             for lane, nodes in lane_nodes.items()}
     wait = linked.wait
+
+    # A caller that blocked until the collective it enqueued on another thread was done (gloo broadcast_, a
+    # synchronous all_reduce): the overlap is waiting, already on the path through the collective.
+    lane_children: dict[int, list[int]] = defaultdict(list)
+    for i in range(n):
+        if linked.lane_parent and i < len(linked.lane_parent) and linked.lane_parent[i] >= 0:
+            lane_children[linked.lane_parent[i]].append(i)
+    for i in linked.comm:
+        p = linked.parent[i]
+        if p < 0 or kind[i] == GPU_OP or lane_of[p] == lane_of[i]:
+            continue
+        lo, hi = max(ts[p], ts[i]), min(ts[p] + dur[p], ts[i] + dur[i])
+        if hi - lo > 0.5 * dur[i] > 0:
+            children = lane_children.get(p, ())
+            inner = _BusyTime([ts[c] for c in children], [ts[c] + dur[c] for c in children]).overlap(lo, hi)
+            wait[p] += max(0.0, hi - lo - inner)
 
     # what finished on the other lanes before a node started
     groups: dict[Any, list[int]] = defaultdict(list)
