@@ -741,8 +741,9 @@ def _check_rendered(out: str, plan: _Plan) -> Optional[str]:
     return None
 
 
-def _is_read_only(path: Path) -> Optional[str]:
-    """Why path cannot be replaced in place, or None. Mode bits count even for root: a user's chmod a-w means 'keep'."""
+def read_only_reason(path: Path) -> Optional[str]:
+    """Why path cannot be replaced in place, or None. Mode bits count even for root (os.access says yes to root):
+    a user's chmod a-w, or a shared read-only copy of traces, means 'do not write here'."""
     directory = path.parent
     for target, what in ((path, "the file"), (directory, "its folder")):
         mode = target.stat().st_mode
@@ -815,7 +816,7 @@ def repair_host_trace(path, *, keep_original: bool = True, check_only: bool = Fa
         return RepairResult(path, "failed", diagnosis, diagnosis.problem)
     if check_only:
         return RepairResult(path, "needs_repair", diagnosis, f"{diagnosis.problem}; repairable: run fix_host_traces.py")
-    read_only = _is_read_only(path)
+    read_only = read_only_reason(path)
     if read_only:
         return RepairResult(path, "failed", diagnosis, f"{diagnosis.problem}; cannot repair: {read_only} "
                                                        "(copy the run to a writable folder, or chmod u+w)")
