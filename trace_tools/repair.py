@@ -744,8 +744,9 @@ def _check_rendered(out: str, plan: _Plan) -> Optional[str]:
 def read_only_reason(path: Path) -> Optional[str]:
     """Why path cannot be replaced in place, or None. Mode bits count even for root (os.access says yes to root):
     a user's chmod a-w, or a shared read-only copy of traces, means 'do not write here'."""
-    directory = path.parent
-    for target, what in ((path, "the file"), (directory, "its folder")):
+    path = Path(path)
+    targets = [(path, "the folder")] if path.is_dir() else [(path, "the file"), (path.parent, "its folder")]
+    for target, what in targets:
         mode = target.stat().st_mode
         if not os.access(target, os.W_OK) or not stat.S_IMODE(mode) & 0o222:
             return f"{what} is read-only"
