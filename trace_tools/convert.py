@@ -57,8 +57,9 @@ def global_metadata(linked: LinkedTrace) -> GlobalMetadata:
     return GlobalMetadata(version=ET_VERSION, attr=attrs)
 
 
-def build_node(linked: LinkedTrace, i: int) -> Node:
-    """The protobuf node of linked node i."""
+def build_node(linked: LinkedTrace, i: int) -> bytes:
+    """The serialized protobuf Node of linked node i: the linked fields, then the host node's tensors and
+    attributes (serialized once when the host trace was read; concatenated protobuf messages merge)."""
     host, dev = linked.host, linked.device
     ids = linked.node_id
     kind = linked.kind[i]
@@ -69,22 +70,13 @@ def build_node(linked: LinkedTrace, i: int) -> Node:
         node.ctrl_deps.append(ids[parent])
     if linked.deps[i]:
         node.data_deps.extend([ids[d] for d in linked.deps[i]])
-    h = linked.host_index[i]
-    if kind == GPU_OP and parent >= 0:
-        h = linked.host_index[parent]  # GPU ops carry their launcher's tensors, as in chakra_trace_link's output
-    if h >= 0:
-        io = host.io[h]
-        node.inputs.values, node.inputs.shapes, node.inputs.types = io[0], io[1], io[2]
-        node.outputs.values, node.outputs.shapes, node.outputs.types = io[3], io[4], io[5]
-        attrs = [_attr_int("rf_id", host.rf_ids[h]), _attr_int("fw_parent", host.fw_parents[h]),
-                 _attr_int("seq_id", host.seq_ids[h]), _attr_int("scope", host.scopes[h]),
-                 _attr_int("tid", host.tids[h]), _attr_int("fw_tid", host.fw_tids[h]),
-                 AttributeProto(name="op_schema", string_val=host.op_schemas[h])]
-    else:
-        tid = dev.cpu_tid[linked.src[i]] if kind == KINETO_OP else 0
-        attrs = [_attr_int("tid", tid if isinstance(tid, int) else 0)]
     node_type = linked.node_type[i]
     on_cpu = kind != GPU_OP and node_type not in (COMM_COLL_NODE, COMM_SEND_NODE, COMM_RECV_NODE)
+    attrs = node.attr
+    h = linked.host_index[i]
+    if h < 0 and kind == KINETO_OP:
+        tid = dev.cpu_tid[linked.src[i]]
+        attrs.append(_attr_int("tid", tid if isinstance(tid, int) else 0))
     attrs.append(AttributeProto(name="is_cpu_op", bool_val=on_cpu))
     if kind == GPU_OP:
         g = linked.src[i]
@@ -108,8 +100,12 @@ def build_node(linked: LinkedTrace, i: int) -> Node:
                 attrs.append(AttributeProto(name=key, int32_val=comm[key]))
     if linked.wait[i] >= 0.5:
         attrs.append(_attr_int("wait_micros", round(linked.wait[i])))
-    node.attr.extend(attrs)
-    return node
+    blob = node.SerializeToString()
+    if h >= 0:  # the host op's attributes (rf_id ... op_schema) first, as chakra writes them, then its tensors
+        return host.attr_fragments[h] + blob + host.io_fragments[h]
+    if kind == GPU_OP and parent >= 0 and linked.host_index[parent] >= 0:
+        return blob + host.io_fragments[linked.host_index[parent]]  # its launcher's tensors, as chakra_trace_link does
+    return blob
 
 
 def write_et(linked: LinkedTrace, out_path: str | Path) -> Path:
@@ -118,9 +114,24 @@ def write_et(linked: LinkedTrace, out_path: str | Path) -> Path:
     order = sorted(range(len(linked.kind)), key=lambda i: linked.node_id[i])
     with _atomic_output(out_path) as f:
         encodeMessage(f, global_metadata(linked))
+        write = f.write
         for i in order:
-            encodeMessage(f, build_node(linked, i))
+            blob = build_node(linked, i)
+            write(_varint(len(blob)))  # the length prefix protolib.encodeMessage writes
+            write(blob)
     return out_path
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        bits = value & 0x7F
+        value >>= 7
+        if value:
+            out.append(0x80 | bits)
+        else:
+            out.append(bits)
+            return bytes(out)
 
 
 class _atomic_output:

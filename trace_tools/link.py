@@ -281,6 +281,13 @@ def _align_by_name(a: list[str], b: list[str], window: int = 48) -> list[tuple[i
             i += 1
             j += 1
             continue
+        if i + 1 < na and j + 1 < nb and a[i] == b[j + 1] and a[i + 1] == b[j]:
+            # a caller and its callee with the same start and duration (whole-microsecond clocks) sort either way
+            pairs.append((i, j + 1))
+            pairs.append((i + 1, j))
+            i += 2
+            j += 2
+            continue
         skip_b = skip_a = None
         for d in range(1, window):
             if skip_b is None and j + d < nb and b[j + d] == a[i] and (i + 1 >= na or j + d + 1 >= nb
@@ -420,7 +427,7 @@ def link_host_and_device(host: HostTrace, dev: DeviceTrace, rank: int = 0,
     if steps:
         window_start = min(ts[k] for k in steps)
         window_end = max(ts[k] + kdur[k] for k in steps)
-        step_name = ", ".join(sorted({knames[k] for k in steps}))
+        step_name = _step_label(sorted({knames[k] for k in steps}, key=_step_number))
     else:
         window_start, window_end = span_start, span_end
         step_name = ""
@@ -560,6 +567,21 @@ def link_host_and_device(host: HostTrace, dev: DeviceTrace, rank: int = 0,
     stats["unmatched_host_ops"] = len(candidates) - len(matched)
     stats["structural_nodes_dropped"] = sum(structural)
     return linked
+
+
+def _step_number(name: str) -> int:
+    tail = name[len(STEP_PREFIX):]
+    return int(tail) if tail.isdigit() else -1
+
+
+def _step_label(names: list[str]) -> str:
+    """'ProfilerStep#3', or 'ProfilerStep#2..#5' for consecutive steps."""
+    if len(names) <= 2:
+        return ", ".join(names)
+    numbers = [_step_number(n) for n in names]
+    if -1 not in numbers and numbers == list(range(numbers[0], numbers[0] + len(numbers))):
+        return f"{STEP_PREFIX}{numbers[0]}..#{numbers[-1]}"
+    return f"{names[0]}, ... ({len(names)} steps)"
 
 
 def _time_main_thread_node(host: HostTrace, dev: DeviceTrace, match: list[int], matched: list[int],
@@ -989,15 +1011,16 @@ class _BusyTime:
 
 
 def _tiebreak_keys(linked: LinkedTrace) -> list:
-    """Order among nodes with equal start and duration: callers first (rf_id/External id grow at op start)."""
-    dev = linked.device
+    """Order among nodes with equal start and duration: callers first (the host's rf_id grows at op start)."""
+    dev, host = linked.device, linked.host
     keys = []
     for i, kind in enumerate(linked.kind):
         if kind == GPU_OP:
             keys.append((dev.gpu_corr[linked.src[i]], i))
+        elif kind == HOST_OP:
+            keys.append((host.rf_ids[linked.host_index[i]], i))
         else:
-            keys.append((dev.cpu_ext[linked.src[i]], linked.host.rf_ids[linked.host_index[i]]
-                         if linked.host_index[i] >= 0 else -1, i))
+            keys.append((dev.cpu_ext[linked.src[i]], i))
     return keys
 
 

@@ -183,15 +183,15 @@ def _iter_array_slices(path: Path, data: bytes, array_key: str, start: int, end:
     while pos < end:
         cut = _next_cut(data, pos + target, end, first_keys, pos + 4 * chunk_bytes)
         elements = None
-        for _ in range(32):
-            stop = end if cut is None else cut
+        for _ in range(64):
+            stop = end if cut is None else cut[0]
             try:
                 elements = orjson.loads(b"[" + data[pos:stop] + b"]")
                 break
             except orjson.JSONDecodeError:
                 if cut is None:
                     break
-                cut = _next_cut(data, cut + 1, end, first_keys, cut + 4 * chunk_bytes)
+                cut = _next_cut(data, cut[1] + 1, end, first_keys, cut[1] + 4 * chunk_bytes)
         if elements is None:
             # Not cuttable where we thought: let the whole parse say what is wrong (or just succeed).
             document = _loads(path, data)
@@ -203,7 +203,7 @@ def _iter_array_slices(path: Path, data: bytes, array_key: str, start: int, end:
         yield elements
         if cut is None:
             return
-        pos = cut
+        pos = cut[1]
         target = chunk_bytes
 
 
@@ -215,8 +215,12 @@ class _RestartWholeParse(Exception):
         self.remaining = remaining
 
 
-def _next_cut(data: bytes, pos: int, end: int, first_keys: set[bytes], give_up_filter_at: int) -> int | None:
-    """Position just after the comma between two array elements at or after `pos` (None: to the end)."""
+def _next_cut(data: bytes, pos: int, end: int, first_keys: set[bytes],
+              give_up_filter_at: int) -> tuple[int, int] | None:
+    """(end of an element, start of the next) for the first element boundary at or after `pos`; None: to the end.
+
+    A boundary is '}' ',' '{' whose '{' opens with a key that opens elements; whether it really ends an element
+    is settled by parsing the slice (a cut inside an element leaves it unbalanced, which never parses)."""
     while pos < end:
         match = _BOUNDARY.search(data, pos, end)
         if match is None:
@@ -224,7 +228,7 @@ def _next_cut(data: bytes, pos: int, end: int, first_keys: set[bytes], give_up_f
         brace = match.end() - 1
         key = _FIRST_KEY.match(data, brace)
         if not first_keys or (key is not None and key.group(1) in first_keys) or brace > give_up_filter_at:
-            return brace
+            return match.start() + 1, brace
         pos = match.end()
     return None
 
@@ -234,7 +238,12 @@ def _next_cut(data: bytes, pos: int, end: int, first_keys: set[bytes], give_up_f
 # ---------------------------------------------------------------------------------------------------------------
 @dataclass
 class HostTrace:
-    """Host execution trace as parallel columns (one entry per node, in file order)."""
+    """Host execution trace as parallel columns (one entry per node, in file order).
+
+    What only the .et needs (tensors, operator schema, the observer's attributes) is kept already serialized as
+    two chakra Node fragments per node: protobuf messages concatenate into one, so the writer appends the linked
+    fields to them instead of rebuilding every node, and a parsed trace stays a few bytes objects per node.
+    """
 
     path: str
     schema: str
@@ -248,13 +257,11 @@ class HostTrace:
     parents: list[int] = field(default_factory=list)
     rf_ids: list[int] = field(default_factory=list)
     tids: list[int] = field(default_factory=list)
-    fw_tids: list[int] = field(default_factory=list)
-    fw_parents: list[int] = field(default_factory=list)
     seq_ids: list[int] = field(default_factory=list)
-    scopes: list[int] = field(default_factory=list)
-    op_schemas: list[str] = field(default_factory=list)
-    # (inputs.values, inputs.shapes, inputs.types, outputs.values, outputs.shapes, outputs.types) as JSON bytes
-    io: list[tuple[bytes, bytes, bytes, bytes, bytes, bytes]] = field(default_factory=list)
+    # serialized Node(inputs=..., outputs=...): values, shapes and types as JSON text
+    io_fragments: list[bytes] = field(default_factory=list)
+    # serialized Node(attr=[rf_id, fw_parent, seq_id, scope, tid, fw_tid, op_schema]) as chakra's converter writes
+    attr_fragments: list[bytes] = field(default_factory=list)
     # Whole inputs of the few nodes that describe collectives: index -> (values, types)
     comm_inputs: dict[int, tuple[list, list]] = field(default_factory=dict)
     process_groups: list[dict] = field(default_factory=list)
@@ -319,8 +326,7 @@ def load_host_trace(path: str | Path, data: bytes | None = None, chunk_bytes: in
 
 
 def _reset_columns(trace: HostTrace) -> None:
-    for name in ("ids", "names", "parents", "rf_ids", "tids", "fw_tids", "fw_parents", "seq_ids", "scopes",
-                 "op_schemas", "io"):
+    for name in ("ids", "names", "parents", "rf_ids", "tids", "seq_ids", "io_fragments", "attr_fragments"):
         getattr(trace, name).clear()
     trace.comm_inputs.clear()
     trace.process_groups.clear()
@@ -353,9 +359,12 @@ def _dump(value: Any) -> bytes:
 
 
 def _append_host_nodes(trace: HostTrace, nodes: list) -> None:
+    from chakra.schema.protobuf.et_def_pb2 import AttributeProto, IOInfo, Node
+
     ids, names, parents, rf_ids = trace.ids, trace.names, trace.parents, trace.rf_ids
-    tids, fw_tids, fw_parents, seq_ids, scopes = trace.tids, trace.fw_tids, trace.fw_parents, trace.seq_ids, trace.scopes
-    op_schemas, io, comm_inputs = trace.op_schemas, trace.io, trace.comm_inputs
+    tids, seq_ids, comm_inputs = trace.tids, trace.seq_ids, trace.comm_inputs
+    io_fragments, attr_fragments = trace.io_fragments, trace.attr_fragments
+    interned = _INTERNED
     dump = _dump
     for node in nodes:
         if not isinstance(node, dict) or "id" not in node or "name" not in node:
@@ -363,6 +372,7 @@ def _append_host_nodes(trace: HostTrace, nodes: list) -> None:
         if not trace.layout:
             trace.layout = "chakra" if "attrs" in node or "ctrl_deps" in node else "legacy"
         name = node["name"]
+        name = interned.setdefault(name, name)
         index = len(ids)
         ids.append(node["id"])
         names.append(name)
@@ -371,29 +381,57 @@ def _append_host_nodes(trace: HostTrace, nodes: list) -> None:
             attrs = {a.get("name"): a.get("value") for a in node.get("attrs") or ()}
             inputs = node.get("inputs") or {}
             outputs = node.get("outputs") or {}
-            values, shapes, types = inputs.get("values"), inputs.get("shapes"), inputs.get("types")
-            io.append((dump(values), dump(shapes), dump(types),
-                       dump(outputs.get("values")), dump(outputs.get("shapes")), dump(outputs.get("types"))))
+            values, types = inputs.get("values"), inputs.get("types")
+            io = Node(inputs=IOInfo(values=dump(values), shapes=dump(inputs.get("shapes")), types=dump(types)),
+                      outputs=IOInfo(values=dump(outputs.get("values")), shapes=dump(outputs.get("shapes")),
+                                     types=dump(outputs.get("types"))))
         else:
             parents.append(_as_int(node.get("parent"), -1))
             attrs = node
             values, types = node.get("inputs"), node.get("input_types")
-            io.append((dump(values), dump(node.get("input_shapes")), dump(types),
-                       dump(node.get("outputs")), dump(node.get("output_shapes")), dump(node.get("output_types"))))
+            io = Node(inputs=IOInfo(values=dump(values), shapes=dump(node.get("input_shapes")), types=dump(types)),
+                      outputs=IOInfo(values=dump(node.get("outputs")), shapes=dump(node.get("output_shapes")),
+                                     types=dump(node.get("output_types"))))
+        io_fragments.append(io.SerializeToString())
         rf = attrs.get("rf_id")
-        rf_ids.append(rf if isinstance(rf, int) else -1)
-        tids.append(_as_int(attrs.get("tid"), 0))
-        fw_tids.append(_as_int(attrs.get("fw_tid"), 0))
-        fw_parents.append(_as_int(attrs.get("fw_parent"), 0))
+        rf = rf if isinstance(rf, int) else -1
+        rf_ids.append(rf)
+        tid = _as_int(attrs.get("tid"), 0)
+        tids.append(tid)
         seq = attrs.get("seq_id")
-        seq_ids.append(seq if isinstance(seq, int) else -1)
-        scopes.append(_as_int(attrs.get("scope"), 0))
+        seq = seq if isinstance(seq, int) else -1
+        seq_ids.append(seq)
         schema = attrs.get("op_schema")
-        op_schemas.append(schema if isinstance(schema, str) else "")
+        attr_fragments.append(b"".join((
+            Node(attr=[AttributeProto(name="rf_id", int64_val=rf)]).SerializeToString(),
+            piece("fw_parent", _as_int(attrs.get("fw_parent"), 0)), piece("seq_id", seq),
+            piece("scope", _as_int(attrs.get("scope"), 0)), piece("tid", tid),
+            piece("fw_tid", _as_int(attrs.get("fw_tid"), 0)),
+            piece("op_schema", schema if isinstance(schema, str) else ""))))
         if name.startswith(COMM_NAME_PREFIXES):
             comm_inputs[index] = (values if isinstance(values, list) else [], types if isinstance(types, list) else [])
         elif name == PROCESS_GROUP_INIT:
             trace.process_groups.extend(_parse_process_groups(values))
+
+
+# Operator names repeat thousands of times: one string object each.
+_INTERNED: dict[str, str] = {}
+# Serialized single-attribute Node fragments, by (name, value): most attribute values repeat across nodes.
+_ATTR_PIECES: dict[tuple, bytes] = {}
+
+
+def piece(name: str, value: int | str) -> bytes:
+    key = (name, value)
+    blob = _ATTR_PIECES.get(key)
+    if blob is None:
+        from chakra.schema.protobuf.et_def_pb2 import AttributeProto, Node
+
+        attr = AttributeProto(name=name, string_val=value) if isinstance(value, str) else \
+            AttributeProto(name=name, int64_val=value)
+        blob = Node(attr=[attr]).SerializeToString()
+        if len(_ATTR_PIECES) < 1 << 16:
+            _ATTR_PIECES[key] = blob
+    return blob
 
 
 def _parse_process_groups(values: Any) -> list[dict]:

@@ -1,6 +1,7 @@
 """Convert runs: each rank's host + device trace to a validated .et, ranks in parallel, with a summary per run."""
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import resource
@@ -82,8 +83,21 @@ def convert_rank(host_path: str | Path, device_path: str | Path, out_path: str |
                  merged_path: str | Path | None = None, validate: bool = True, run_name: str = "") -> RankResult:
     """Link one rank's traces, write the .et (and the merged JSON when asked), validate what was written.
 
-    Raises TraceError (one line, naming the file) for unusable inputs; nothing is left at out_path then.
+    Returns the result with timings (load, link, write, validate) and node counts. Raises TraceError (one line,
+    naming the file) for unusable inputs; nothing is left at out_path then.
     """
+    # The cyclic garbage collector would rescan the growing heap of parsed nodes again and again (it triples the
+    # time on a 55 MB trace); nothing built here holds reference cycles worth collecting.
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return _convert_rank(host_path, device_path, out_path, rank, merged_path, validate, run_name)
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def _convert_rank(host_path, device_path, out_path, rank, merged_path, validate, run_name) -> RankResult:
     result = RankResult(run=run_name, rank=rank)
     timings = result.timings
     started = time.perf_counter()

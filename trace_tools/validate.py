@@ -97,10 +97,30 @@ class EtReport:
 def validate_et(path: str | Path) -> EtReport:
     """Decode the .et and check it: dependencies resolve, node types are accepted, collectives are complete, and a
     walk that issues every node whose dependencies are done (as ASTRA-sim's feeder does) reaches all nodes.
-    Also computes the critical path (longest dependency chain of durations)."""
+    Also computes the critical path (longest dependency chain of durations). Nodes are decoded one at a time into
+    columns, so checking a large .et needs little memory."""
     report = EtReport(path=str(path))
+    ids: list[int] = []
+    deps: list[tuple] = []
+    durations: list[int] = []
+    type_counts: Counter = Counter()
+    collectives = []
     try:
-        metadata, nodes = read_et(path)
+        messages = iter_et_messages(path)
+        metadata = GlobalMetadata()
+        try:
+            metadata.ParseFromString(next(messages))
+        except StopIteration:
+            raise EtFormatError(f"{path}: empty .et") from None
+        node = Node()
+        for blob in messages:
+            node.Clear()
+            node.ParseFromString(blob)
+            ids.append(node.id)
+            deps.append(tuple(set(node.data_deps) | set(node.ctrl_deps)))
+            durations.append(node.duration_micros)
+            type_counts[NODE_TYPE_NAMES.get(node.type, str(node.type))] += 1
+            _check_node(node, report, collectives)
     except (EtFormatError, OSError) as e:
         report.problems.append(str(e))
         return report
@@ -110,79 +130,73 @@ def validate_et(path: str | Path) -> EtReport:
     meta = {a.name: getattr(a, a.WhichOneof("value")) for a in metadata.attr if a.WhichOneof("value")}
     report.rank = meta.get("rank")
     report.traced_step_us = float(meta.get("traced_step_micros", 0))
-    report.nodes = len(nodes)
-    by_id: dict[int, int] = {}
-    for index, node in enumerate(nodes):
-        if node.id in by_id:
-            report.problems.append(f"duplicate node id {node.id}")
-        by_id[node.id] = index
-    type_counts: Counter = Counter()
-    dangling = 0
-    first_dangling = ""
-    for node in nodes:
-        type_counts[NODE_TYPE_NAMES.get(node.type, str(node.type))] += 1
-        if node.type not in ACCEPTED_NODE_TYPES:
-            report.problems.append(f"node {node.id} ({node.name}) has type {node.type}, which ASTRA-sim rejects")
-        for dep in list(node.data_deps) + list(node.ctrl_deps):
-            if dep not in by_id:
-                dangling += 1
-                first_dangling = first_dangling or f"node {node.id} depends on missing node {dep}"
-        if attr_value(node, "is_cpu_op") is None:
-            report.problems.append(f"node {node.id} ({node.name}) has no is_cpu_op attribute")
-        if node.type in (COMM_COLL_NODE, COMM_SEND_NODE, COMM_RECV_NODE):
-            if attr_value(node, "is_cpu_op"):
-                report.problems.append(f"communication node {node.id} is marked is_cpu_op (ASTRA-sim would not send it)")
-            size = attr_value(node, "comm_size")
-            if size is None:
-                report.problems.append(f"communication node {node.id} ({node.name}) has no comm_size")
-            if node.type == COMM_COLL_NODE and attr_value(node, "comm_type") not in ACCEPTED_COMM_TYPES:
-                report.problems.append(f"collective {node.id} ({node.name}) has comm_type "
-                                       f"{attr_value(node, 'comm_type')}, which ASTRA-sim does not implement")
-    if dangling:
-        report.problems.append(f"{dangling} dependencies on missing nodes ({first_dangling})")
+    report.nodes = len(ids)
     report.nodes_by_type = dict(type_counts)
+    index_of: dict[int, int] = {}
+    for index, node_id in enumerate(ids):
+        if node_id in index_of:
+            report.problems.append(f"duplicate node id {node_id}")
+        index_of[node_id] = index
+    dangling = [(ids[i], d) for i, ds in enumerate(deps) for d in ds if d not in index_of]
     if dangling:
+        report.problems.append(f"{len(dangling)} dependencies on missing nodes (node {dangling[0][0]} depends on "
+                               f"missing node {dangling[0][1]})")
         return report
     # Issue loop: a node runs when all its data and ctrl dependencies are done (ASTRA-sim's feeder needs both).
-    children: list[list[int]] = [[] for _ in nodes]
-    missing = [0] * len(nodes)
-    for index, node in enumerate(nodes):
-        parents = set(node.data_deps) | set(node.ctrl_deps)
+    children: list[list[int]] = [[] for _ in ids]
+    missing = [0] * len(ids)
+    for index, parents in enumerate(deps):
         missing[index] = len(parents)
         for dep in parents:
-            children[by_id[dep]].append(index)
-    finish = [0.0] * len(nodes)
-    ready_at = [0.0] * len(nodes)
+            children[index_of[dep]].append(index)
+    finish = [0.0] * len(ids)
+    ready_at = [0.0] * len(ids)
     ready = [i for i, m in enumerate(missing) if m == 0]
     visited = 0
     while ready:
         i = ready.pop()
         visited += 1
-        finish[i] = ready_at[i] + nodes[i].duration_micros
+        done = ready_at[i] + durations[i]
+        finish[i] = done
         for c in children[i]:
-            if finish[i] > ready_at[c]:
-                ready_at[c] = finish[i]
+            if done > ready_at[c]:
+                ready_at[c] = done
             missing[c] -= 1
             if missing[c] == 0:
                 ready.append(c)
     report.visited = visited
-    if visited != len(nodes):
-        report.problems.append(f"only {visited} of {len(nodes)} nodes can be issued: a dependency cycle")
+    if visited != len(ids):
+        report.problems.append(f"only {visited} of {len(ids)} nodes can be issued: a dependency cycle")
     report.critical_path_us = max(finish, default=0.0)
-    collectives = []
-    for node in nodes:
-        if node.type == COMM_COLL_NODE:
-            size = attr_value(node, "comm_size") or 0
-            report.comm_bytes += size
-            comm_type = COMM_TYPE_NAMES.get(attr_value(node, "comm_type"), str(attr_value(node, "comm_type")))
-            collectives.append((node.start_time_micros, node.id, str(attr_value(node, "pg_name") or ""),
-                                comm_type, size))
-        elif node.type in (COMM_SEND_NODE, COMM_RECV_NODE):
-            report.p2p += 1
-            report.comm_bytes += attr_value(node, "comm_size") or 0
     collectives.sort()
     report.collectives = [(pg, comm_type, size) for _, _, pg, comm_type, size in collectives]
     return report
+
+
+def _check_node(node: Node, report: EtReport, collectives: list) -> None:
+    if node.type not in ACCEPTED_NODE_TYPES:
+        report.problems.append(f"node {node.id} ({node.name}) has type {node.type}, which ASTRA-sim rejects")
+    attrs = {a.name: getattr(a, a.WhichOneof("value")) for a in node.attr if a.WhichOneof("value")}
+    if "is_cpu_op" not in attrs:
+        report.problems.append(f"node {node.id} ({node.name}) has no is_cpu_op attribute")
+    if node.type not in (COMM_COLL_NODE, COMM_SEND_NODE, COMM_RECV_NODE):
+        return
+    if attrs.get("is_cpu_op"):
+        report.problems.append(f"communication node {node.id} is marked is_cpu_op (ASTRA-sim would not send it)")
+    size = attrs.get("comm_size")
+    if size is None:
+        report.problems.append(f"communication node {node.id} ({node.name}) has no comm_size")
+        size = 0
+    report.comm_bytes += size
+    if node.type == COMM_COLL_NODE:
+        comm_type = attrs.get("comm_type")
+        if comm_type not in ACCEPTED_COMM_TYPES:
+            report.problems.append(f"collective {node.id} ({node.name}) has comm_type {comm_type}, which ASTRA-sim "
+                                   "does not implement")
+        collectives.append((node.start_time_micros, node.id, str(attrs.get("pg_name", "")),
+                            COMM_TYPE_NAMES.get(comm_type, str(comm_type)), size))
+    else:
+        report.p2p += 1
 
 
 def collectives_agree(collectives_by_rank: dict[int, list[tuple[str, str, int]]]) -> list[str]:
