@@ -21,9 +21,10 @@ def write_json(path: Path, document, compress: bool = False) -> Path:
     return path
 
 
-def scaled_trace(host_doc: dict, device_doc: dict, copies: int) -> tuple[dict, dict]:
+def scaled_trace(host_doc: dict, device_doc: dict, copies: int, host_copies: list[int] | None = None) -> tuple[dict, dict]:
     """A host + device pair of `copies` consecutive traced steps made by repeating one real step: node ids,
-    rf_ids, External ids and timestamps shifted per copy, the observer's process/thread nodes kept once."""
+    rf_ids, External ids and timestamps shifted per copy, the observer's process/thread nodes kept once.
+    `host_copies` keeps only those steps in the host trace (a device trace covering more steps than the host)."""
     nodes = host_doc["nodes"]
     structural = {n["id"] for n in nodes if n["name"].startswith("[pytorch|profiler|") or "process_group" in n["name"]}
     id_span = max(n["id"] for n in nodes) + 1
@@ -34,11 +35,12 @@ def scaled_trace(host_doc: dict, device_doc: dict, copies: int) -> tuple[dict, d
              and e.get("cat") in ("cpu_op", "user_annotation")]
     t_span = max(e["ts"] + e.get("dur", 0) for e in timed) - min(e["ts"] for e in timed) + 100.0
     ext_span = max(e.get("args", {}).get("External id", 0) for e in timed) + 1
-    out_nodes = list(nodes)
+    keep = set(range(copies) if host_copies is None else host_copies)
+    out_nodes = [n for n in nodes if n["id"] in structural or 0 in keep]
     out_events = list(events)
     for c in range(1, copies):
         for n in nodes:
-            if n["id"] in structural:
+            if n["id"] in structural or c not in keep:
                 continue
             m = dict(n)
             m["id"] = n["id"] + c * id_span

@@ -37,10 +37,18 @@ class Run:
         if host and device:
             return None
         if not host and not device:
-            return f"rank {rank}: no host or device trace in {self.folder}"
+            return (f"{self.expected(rank, 'host')}: missing, and {self.expected(rank, 'device')} too "
+                    f"(the run has ranks {', '.join(str(r) for r in sorted(set(self.hosts) | set(self.devices)))})")
         if not host:
-            return f"rank {rank}: host trace missing beside {device.name}"
-        return f"rank {rank}: device trace missing beside {host.name}"
+            return f"{self.expected(rank, 'host')}: missing (its device trace {device.name} is there)"
+        return f"{self.expected(rank, 'device')}: missing (its host trace {host.name} is there)"
+
+    def expected(self, rank: int, kind: str) -> Path:
+        """The file a rank's trace would have, in the layout this run uses."""
+        present = next(iter(self.hosts.values()), None) or next(iter(self.devices.values()), None)
+        if present is not None and FLAT_FILE.match(present.name) and not TRACER_FILE.match(present.name):
+            return self.folder / (f"{self.name}_{kind}.json" if rank == 0 else f"{self.name}_{kind}.{rank}.json")
+        return self.folder / f"{kind}.{rank}.json"
 
 
 def _prefer(existing: Path | None, candidate: Path) -> Path:
