@@ -1,0 +1,189 @@
+"""Shared by the benchmarks: child processes with wall time and peak memory, step-time logs, tables, versions."""
+from __future__ import annotations
+
+import os
+import platform
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import Iterable, Sequence
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+BUNDLED_SQUAD = REPO_ROOT / "data" / "squad_sample.json"
+# Our trainer's per-step log line (utils/trainer.py, Trainer._log_step), e.g.
+# "step 3/10 | epoch 0.02 | loss 6.67 | lr 3.3e-05 | grad norm 10.8 | 95 tok/s | 537.6 ms/step".
+STEP_LINE = re.compile(r"\bstep (\d+)/(\d+) \|.*\| ([0-9][0-9.,]*) ms/step")
+OUR_LOG_FILE = "training_rank_0.log"
+
+
+class BenchError(Exception):
+    """The benchmark could not measure what it claims; said in one line, the command exits 1."""
+
+
+@dataclass
+class ChildRun:
+    """One finished child process: its exit status, wall time and peak resident memory."""
+
+    argv: list[str]
+    returncode: int
+    wall_s: float
+    peak_rss_mb: float
+    stdout: str
+    stderr: str
+    timed_out: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0 and not self.timed_out
+
+    def reason(self) -> str:
+        """The child's own last error line (or the last line it wrote), for a one-line failure message."""
+        if self.timed_out:
+            return "timed out"
+        lines = [line.strip() for line in (self.stderr + "\n" + self.stdout).splitlines() if line.strip()]
+        errors = [line for line in lines if line.lower().startswith(("error", "traceback")) or "Error:" in line]
+        last = errors[-1] if errors else (lines[-1] if lines else "no output")
+        return f"exit status {self.returncode}: {last[:300]}"
+
+
+def run_child(argv: Sequence[str], *, env: dict | None = None, cwd: str | Path = REPO_ROOT, cpu: int | None = None,
+              timeout_s: float | None = None) -> ChildRun:
+    """Run a command to its end; wall time, and peak RSS from the kernel's rusage of exactly this child.
+
+    os.wait4 gives the rusage of the one process waited for (and the descendants it waited for), unlike
+    RUSAGE_CHILDREN, which is the maximum over every child this process ever had. `cpu` pins the child (and
+    everything it starts) to one core. The child gets its own process group, so a timeout stops torchrun's
+    workers too.
+    """
+    argv = [str(a) for a in argv]
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        pin = (lambda: os.sched_setaffinity(0, {cpu})) if cpu is not None else None
+        started = time.perf_counter()
+        process = subprocess.Popen(argv, cwd=str(cwd), env=env, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
+                                   preexec_fn=pin, start_new_session=True)
+        expired = threading.Event()
+
+        def stop():
+            expired.set()
+            try:
+                os.killpg(process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+        timer = threading.Timer(timeout_s, stop) if timeout_s else None
+        if timer:
+            timer.start()
+        try:
+            _, status, usage = os.wait4(process.pid, 0)
+        finally:
+            if timer:
+                timer.cancel()
+        wall = time.perf_counter() - started
+        process.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        err.seek(0)
+        stdout = out.read().decode("utf-8", "replace")
+        stderr = err.read().decode("utf-8", "replace")
+    peak_mb = usage.ru_maxrss / (1 << 20) if sys.platform == "darwin" else usage.ru_maxrss / 1024
+    return ChildRun(argv, process.returncode, wall, peak_mb, stdout, stderr, expired.is_set())
+
+
+def one_core() -> int:
+    """The core single-core measurements run on: the last one this process may use (core 0 takes interrupts)."""
+    return max(os.sched_getaffinity(0))
+
+
+def child_env(threads: int | None = None, **extra: str) -> dict:
+    """The environment of a measured child: offline hub (the benchmarks use bundled data, so no network waits),
+    the repository importable, and a fixed thread count when given."""
+    env = dict(os.environ)
+    env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
+               PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    if threads is not None:
+        for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+            env[name] = str(threads)
+    env.update(extra)
+    return env
+
+
+def our_step_times(log_dir: Path) -> dict[int, float]:
+    """{optimizer step (1-based): seconds} from our trainer's rank-0 log, written with --logging-steps 1."""
+    path = Path(log_dir) / OUR_LOG_FILE
+    if not path.is_file():
+        raise BenchError(f"{path}: our trainer wrote no log, so its step times are unknown")
+    times = {}
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        match = STEP_LINE.search(line)
+        if match:
+            times[int(match.group(1))] = float(match.group(3).replace(",", "")) / 1000.0
+    if not times:
+        raise BenchError(f"{path}: no 'step N/M | ... | X ms/step' lines; has utils/trainer.py's log format changed?")
+    return times
+
+
+def steps_between(times: dict[int, float], first: int, last: int, what: str) -> list[float]:
+    """The step times of steps first..last (1-based, inclusive); BenchError when any is missing."""
+    missing = [s for s in range(first, last + 1) if s not in times]
+    if missing:
+        raise BenchError(f"{what}: no step time for step(s) {missing[:5]} (the run logged {len(times)} steps)")
+    return [times[s] for s in range(first, last + 1)]
+
+
+def median(values: Iterable[float]) -> float:
+    return statistics.median(list(values))
+
+
+def ratio(a: float | None, b: float | None) -> str:
+    return f"{a / b:.2f}x" if a and b else "n/a"
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """A Markdown table (readable in a terminal, pasteable into docs/BENCHMARKS.md); numbers right-aligned."""
+    cells = [[str(c) for c in headers]] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    numeric = [all(_looks_numeric(row[i]) for row in cells[1:]) and len(cells) > 1 for i in range(len(headers))]
+
+    def line(row):
+        return "| " + " | ".join(c.rjust(w) if n else c.ljust(w) for c, w, n in zip(row, widths, numeric)) + " |"
+
+    rule = "|" + "|".join(("-" * (w + 1) + ":") if n else ("-" * (w + 2)) for w, n in zip(widths, numeric)) + "|"
+    return "\n".join([line(cells[0]), rule] + [line(row) for row in cells[1:]])
+
+
+def _looks_numeric(text: str) -> bool:
+    return bool(re.fullmatch(r"[-+]?[0-9][0-9.,]*\s*(x|%|s|ms|MB)?|n/a|-", text.strip()))
+
+
+def package_version(name: str) -> str:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def machine_description(packages: Sequence[str] = ("torch", "transformers", "accelerate", "mlc-chakra")) -> str:
+    """CPU model, cores, load, Python and package versions: the context every result needs."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
+            cpu = next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    load = " / ".join(f"{x:.1f}" for x in os.getloadavg())
+    versions = ", ".join(f"{p} {package_version(p)}" for p in packages)
+    return (f"machine: {cpu}; {len(os.sched_getaffinity(0))} usable of {os.cpu_count()} cores; load average "
+            f"{load} (1/5/15 min); Python {platform.python_version()}; {versions}")
+
+
+def fail(message: str) -> int:
+    print(f"error: {message}", file=sys.stderr)
+    return 1
