@@ -86,9 +86,13 @@ def test_python_walk_issuing_nodes_whose_dependencies_are_done_visits_every_node
             by_id = {n.id: n for n in nodes}
             assert len(by_id) == len(nodes)
             children = {n.id: [] for n in nodes}
+            read = set()
             for n in nodes:
                 for dep in list(n.data_deps) + list(n.ctrl_deps):
                     assert dep in by_id, f"{rank.et_path}: node {n.id} depends on missing node {dep}"
+                    # the feeder reads a window of nodes: a dependency later in the file makes it read further
+                    assert dep in read, f"{rank.et_path}: node {n.id} comes before its dependency {dep}"
+                read.add(n.id)
                 for dep in set(n.data_deps):
                     children[dep].append(n.id)
             for newest_first in (True, False):

@@ -1,6 +1,7 @@
 """Write a linked trace as a Chakra .et (protobuf, length-delimited) and, optionally, as chakra_trace_link's JSON."""
 from __future__ import annotations
 
+import heapq
 import os
 import tempfile
 from pathlib import Path
@@ -111,7 +112,7 @@ def build_node(linked: LinkedTrace, i: int) -> bytes:
 def write_et(linked: LinkedTrace, out_path: str | Path) -> Path:
     """Write the .et atomically (temp file in the same folder, then rename): never a partial .et."""
     out_path = Path(out_path)
-    order = sorted(range(len(linked.kind)), key=lambda i: linked.node_id[i])
+    order = file_order(linked)
     with _atomic_output(out_path) as f:
         encodeMessage(f, global_metadata(linked))
         write = f.write
@@ -120,6 +121,38 @@ def write_et(linked: LinkedTrace, out_path: str | Path) -> Path:
             write(_varint(len(blob)))  # the length prefix protolib.encodeMessage writes
             write(blob)
     return out_path
+
+
+def file_order(linked: LinkedTrace) -> list[int]:
+    """Nodes in a dependency order (each after everything it depends on), by id among the ready ones.
+
+    ASTRA-sim's feeder reads a window of nodes and keeps reading while a node depends on one not read yet; with no
+    forward reference it never has to hold more than its window."""
+    n = len(linked.kind)
+    ids = linked.node_id
+    children: list[list[int]] = [[] for _ in range(n)]
+    waiting = [0] * n
+    for i in range(n):
+        parents = set(linked.deps[i])
+        if linked.parent[i] >= 0:
+            parents.add(linked.parent[i])
+        waiting[i] = len(parents)
+        for p in parents:
+            children[p].append(i)
+    ready = [(ids[i], i) for i in range(n) if waiting[i] == 0]
+    heapq.heapify(ready)
+    order = []
+    while ready:
+        _, i = heapq.heappop(ready)
+        order.append(i)
+        for c in children[i]:
+            waiting[c] -= 1
+            if waiting[c] == 0:
+                heapq.heappush(ready, (ids[c], c))
+    if len(order) != n:  # a cycle would be a linker bug; the validator names it, the file keeps every node
+        placed = set(order)
+        order.extend(sorted((i for i in range(n) if i not in placed), key=lambda i: ids[i]))
+    return order
 
 
 def _varint(value: int) -> bytes:
