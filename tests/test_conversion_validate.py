@@ -206,6 +206,20 @@ def test_flat_seed_layout_converts_to_name_dot_rank_et(tmp_path, capsys):
     assert (tmp_path / "gpt2_1gpu_quick_trace.0.et").is_file()
 
 
+def test_read_only_run_folder_is_converted_into_converted_name(tmp_path, capsys, monkeypatch):
+    folder = gpt2_run(tmp_path / "traces" / "gpt2_ro")
+    folder.chmod(0o555)
+    monkeypatch.chdir(tmp_path)
+    try:
+        assert cli.main([str(folder), "--no-progress"]) == 0
+    finally:
+        folder.chmod(0o755)
+    assert "is not writable: writing to converted/gpt2_ro" in capsys.readouterr().out
+    assert sorted(p.name for p in folder.iterdir()) == ["device.0.json.gz", "host.0.json"]
+    et = tmp_path / "converted" / "gpt2_ro" / "gpt2_ro.0.et"
+    assert et.is_file() and et.stat().st_mode & 0o044, "an ordinary readable file, not mkstemp's 0600"
+
+
 # ---- convert_remaining ---------------------------------------------------------------------------------------------
 def test_convert_remaining_redoes_only_missing_or_failed_ranks(tmp_path, capsys):
     folder = tmp_path / "bert"

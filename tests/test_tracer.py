@@ -326,3 +326,20 @@ def test_check_trace_file_names_the_problem(tmp_path):
             assert problem is not None and expected in problem, (name, problem)
     assert "not a Kineto trace" in check_trace_file(tmp_path / "ok.json", "device")
     assert check_trace_file(tmp_path / "kineto.json", "device") is None
+
+
+def test_stacks_table_sorts_by_self_device_time_on_cuda_else_self_cpu_time():
+    assert chakra_tracer.stacks_sort_key(False) == "self_cpu_time_total"
+    on_cuda = chakra_tracer.stacks_sort_key(True)
+    assert on_cuda in ("self_device_time_total", "self_cuda_time_total")
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        torch.randn(64, 64).matmul(torch.randn(64, 64))
+    assert "aten::matmul" in prof.key_averages().table(sort_by=on_cuda, row_limit=-1)
+
+
+def test_multi_rank_trace_without_process_group_warns_that_collectives_cannot_be_placed(tmp_path, caplog):
+    tracer = ChakraTracer(tmp_path, "nopg", rank=1, world_size=2, run_info={"model": "m"})
+    with caplog.at_level("WARNING", logger="utils.chakra_tracer"):
+        train(tiny_mlp(), tracer, steps=3)
+    assert "host.1.json: no '## process_group:init ##' node" in caplog.text
+    assert not (tmp_path / "nopg" / "run.json").exists()  # rank 1 never writes run.json

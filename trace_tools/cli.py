@@ -52,22 +52,14 @@ def main(argv: list[str] | None = None, remaining: bool = False) -> int:
             print(f"error: no traces found in {', '.join(args.paths)} (expected host.<rank>.json + "
                   "device.<rank>.json, or <name>_host.json + <name>_device.json, gzipped or not)", file=sys.stderr)
         return 2
-    only = None
-    previous = None
+    only = previous = None
     if remaining:
-        previous = {}
-        todo = 0
         several = len(runs) > 1
+        previous = {}
         for run in runs:
             out_dir, _ = output_dir_for(run, args.output_dir, several)
             previous[str(out_dir)] = read_previous_results(out_dir) or {}
-
-        def only(run, rank, _previous=previous, _several=several):
-            out_dir, _ = output_dir_for(run, args.output_dir, _several)
-            old = _previous[str(out_dir)].get(rank)
-            et = out_dir / ET_NAME.format(name=run.name, rank=rank)
-            return not (old is not None and old.ok and et.is_file())
-
+        only = _still_to_convert(previous, args.output_dir, several)
         todo = sum(1 for run in runs for rank in run.ranks if only(run, rank))
         if todo == 0:
             print(f"nothing to do: every rank of {len(runs)} run(s) already has a converted .et")
@@ -79,9 +71,21 @@ def main(argv: list[str] | None = None, remaining: bool = False) -> int:
                            progress=not args.no_progress and sys.stderr.isatty(), only=only, previous=previous)
     print(render_table(results))
     for result in results:
+        if result.note:
+            print(f"note: {result.note}")
         print(f"summary: {result.output_dir / 'CONVERSION_SUMMARY.md'}")
     failed = missing or any(not result.ok for result in results)
     return 1 if failed else 0
+
+
+def _still_to_convert(previous: dict, output_dir: str | None, several: bool):
+    """Predicate (run, rank) -> True when the rank has no .et or failed in the last summary."""
+    def needed(run, rank) -> bool:
+        out_dir, _ = output_dir_for(run, output_dir, several)
+        old = previous[str(out_dir)].get(rank)
+        et = out_dir / ET_NAME.format(name=run.name, rank=rank)
+        return not (old is not None and old.ok and et.is_file())
+    return needed
 
 
 def _reload_collectives(previous: dict) -> None:

@@ -167,6 +167,13 @@ def _varint(value: int) -> bytes:
             return bytes(out)
 
 
+def new_file_mode() -> int:
+    """The mode open() would give a new file under the current umask."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
 class _atomic_output:
     """Context manager: a binary file that appears under its final name only when fully written."""
 
@@ -186,6 +193,7 @@ class _atomic_output:
         try:
             self.file.close()
             if exc_type is None:
+                os.chmod(self.tmp, new_file_mode())  # mkstemp makes 0600 files; outputs are ordinary files
                 os.replace(self.tmp, self.path)
         finally:
             if os.path.exists(self.tmp):

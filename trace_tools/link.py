@@ -34,6 +34,8 @@ SYNC_CALLS = {"cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchr
               "cudaMemcpy2D", "cudaMemcpyFromSymbol", "cudaMemcpyToSymbol", "cuCtxSynchronize",
               "cuStreamSynchronize", "cuEventSynchronize", "cuMemcpyDtoH_v2", "cuMemcpyHtoD_v2",
               "hipDeviceSynchronize", "hipStreamSynchronize", "hipEventSynchronize", "hipMemcpy"}
+# Fewer matched host operators than this means the two traces do not belong together.
+MIN_MATCH_RATE = 0.1
 # Anchors for the External-id offset search: names that repeat more often than this are too ambiguous to vote.
 MAX_ANCHOR_HOST_REPEATS = 4
 MAX_ANCHOR_KINETO_REPEATS = 4096
@@ -88,8 +90,8 @@ class LinkedTrace:
 # ---------------------------------------------------------------------------------------------------------------
 # Kineto CPU operators: nesting and exclusive time
 # ---------------------------------------------------------------------------------------------------------------
-def kineto_nesting(dev: DeviceTrace) -> tuple[list[int], list[float], list[int]]:
-    """Parent (enclosing op on the same thread, -1 for none), exclusive duration, and the pre-order of every op.
+def kineto_nesting(dev: DeviceTrace) -> tuple[list[int], list[float]]:
+    """Parent (enclosing op on the same thread, -1 for none) and exclusive duration of every op.
 
     Exclusive time is the inclusive time minus the time of the ops nested in it on the same thread, as chakra
     computes it (children are ops that start and end inside the parent).
@@ -123,7 +125,7 @@ def kineto_nesting(dev: DeviceTrace) -> tuple[list[int], list[float], list[int]]
     for i in range(n):
         if excl[i] < 0:  # overlapping siblings (clock rounding): never below zero
             excl[i] = 0.0
-    return parent, excl, order
+    return parent, excl
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -397,10 +399,8 @@ def _int_inputs(values: list, types: list) -> list[int]:
 def link_host_and_device(host: HostTrace, dev: DeviceTrace, rank: int = 0,
                          include_kineto_only: bool = True) -> LinkedTrace:
     """Match, time and order one rank's host and device traces; TraceError when they do not belong together."""
-    stats: dict[str, Any] = {}
     _check_same_process(host, dev)
-    kparent, kexcl, korder = kineto_nesting(dev)
-
+    kparent, kexcl = kineto_nesting(dev)
     structural = [is_structural(name) for name in host.names]
     candidates = [h for h in range(len(host)) if not structural[h] and host.names[h] != PROCESS_GROUP_INIT]
     if dev.has_record_function_ids and any(rf >= 0 for rf in host.rf_ids):
@@ -408,165 +408,165 @@ def link_host_and_device(host: HostTrace, dev: DeviceTrace, rank: int = 0,
     else:
         match, match_info = match_by_external_id_offset(host, dev, candidates, kparent)
     matched = [h for h in candidates if match[h] >= 0]
-    stats["match"] = match_info
-    stats["host_ops"] = len(candidates)
-    stats["host_ops_matched"] = len(matched)
-    stats["match_rate"] = len(matched) / len(candidates) if candidates else 0.0
-    if not matched:
-        raise TraceError(host.path, f"no host operator matches an operator of {dev.path} "
-                                    f"(by {match_info['mode']}): the traces come from different runs or steps")
+    stats: dict[str, Any] = {"match": match_info, "host_ops": len(candidates), "host_ops_matched": len(matched),
+                             "match_rate": len(matched) / len(candidates) if candidates else 0.0,
+                             "structural_nodes_dropped": sum(structural)}
+    if len(matched) < MIN_MATCH_RATE * len(candidates):
+        found = f"{len(matched)} of {len(candidates)} host operators match" if matched else "no host operator matches"
+        raise TraceError(host.path, f"{found} an operator of {dev.path} (by {match_info['mode']}): the traces "
+                                    "come from different runs or cover different steps")
 
-    # ---- the traced step -------------------------------------------------------------------------------------
-    k_to_h = {match[h]: h for h in matched}
-    ts, kdur, knames, ktids = dev.cpu_ts, dev.cpu_dur, dev.cpu_names, dev.cpu_tid
-    matched_k = [match[h] for h in matched if not knames[match[h]].startswith(STEP_PREFIX)] or [match[h] for h in matched]
-    span_start = min(ts[k] for k in matched_k)
-    span_end = max(ts[k] + kdur[k] for k in matched_k)
-    steps = [k for k, name in enumerate(knames) if name.startswith(STEP_PREFIX)
-             and ts[k] < span_end and ts[k] + kdur[k] > span_start]
-    if steps:
-        window_start = min(ts[k] for k in steps)
-        window_end = max(ts[k] + kdur[k] for k in steps)
-        step_name = _step_label(sorted({knames[k] for k in steps}, key=_step_number))
-    else:
-        window_start, window_end = span_start, span_end
-        step_name = ""
-    stats["steps_in_device_trace"] = sum(1 for name in knames if name.startswith(STEP_PREFIX))
-    outside = sum(1 for k in matched_k if ts[k] + kdur[k] < window_start or ts[k] > window_end)
-    if outside == len(matched_k):
-        raise TraceError(host.path, f"the host trace and {dev.path} do not overlap in time")
-
+    linked = LinkedTrace(rank=rank, host=host, device=dev, stats=stats)
+    steps = _select_step(linked, match, matched)
     if not steps:
         # No step annotation: the main thread's host node stands for the thread's time between operators (Python),
         # as ProfilerStep#N does otherwise. It gets the thread's span; its exclusive time is then that gap time.
-        thread_event = _time_main_thread_node(host, dev, match, matched, structural, window_start, window_end)
+        thread_event = _time_main_thread_node(host, dev, match, matched, structural, linked.step_start,
+                                              linked.step_start + linked.step_dur)
         if thread_event is not None:
             h, k = thread_event
             match[h] = k
             matched.append(h)
-            k_to_h[k] = h
-            kparent, kexcl, korder = kineto_nesting(dev)
+            kparent, kexcl = kineto_nesting(dev)
+    node_of_k = _add_cpu_nodes(linked, match, matched, set(steps), kexcl, include_kineto_only)
+    _link_callers(linked, match, matched, node_of_k, kparent)
+    lanes: dict[tuple, int] = {}
+    cpu_lane = [lanes.setdefault(("cpu", dev.cpu_tid[k]), len(lanes)) for k in linked.src]
+    syncs = _add_gpu_work(linked, cpu_lane, lanes, bool(steps))
+    linked.lane = cpu_lane + [lanes[("gpu", dev.gpu_device[linked.src[i]], dev.gpu_stream[linked.src[i]])]
+                              for i in range(len(cpu_lane), len(linked.kind))]
+    linked.lanes = [key for key, _ in sorted(lanes.items(), key=lambda item: item[1])]
+    linked.wait = [0.0] * len(linked.kind)
 
-    # ---- CPU nodes: matched host ops, and Kineto ops of the step that the host trace lacks --------------------
-    emitted_k: list[int] = [match[h] for h in matched]
-    matched_tids = {ktids[k] for k in emitted_k}
+    host_index_of_id = {nid: i for i, nid in enumerate(host.ids)}
+    host_parent_idx = [host_index_of_id.get(p, -1) for p in host.parents]
+    _classify_communication(linked, [i for i, k in enumerate(linked.kind) if k == GPU_OP], host_parent_idx)
+    _build_dependencies(linked, syncs)
+    _assign_ids(linked)
+    stats["nodes"] = len(linked.kind)
+    stats["unmatched_host_ops"] = len(candidates) - stats["host_ops_matched"]
+    return linked
+
+
+def _select_step(linked: LinkedTrace, match: list[int], matched: list[int]) -> list[int]:
+    """The traced step: the ProfilerStep#N annotations around the matched operators (a device trace may hold more
+    steps than the host trace), else the span of the matched operators. Returns the step annotations."""
+    dev = linked.device
+    ts, dur, names = dev.cpu_ts, dev.cpu_dur, dev.cpu_names
+    ops = [match[h] for h in matched if not names[match[h]].startswith(STEP_PREFIX)] or [match[h] for h in matched]
+    span_start = min(ts[k] for k in ops)
+    span_end = max(ts[k] + dur[k] for k in ops)
+    steps = [k for k, name in enumerate(names) if name.startswith(STEP_PREFIX)
+             and ts[k] < span_end and ts[k] + dur[k] > span_start]
+    if steps:
+        linked.step_start = min(ts[k] for k in steps)
+        linked.step_dur = max(ts[k] + dur[k] for k in steps) - linked.step_start
+        linked.step_name = _step_label(sorted({names[k] for k in steps}, key=_step_number))
+    else:
+        linked.step_start, linked.step_dur, linked.step_name = span_start, span_end - span_start, ""
+    linked.stats["steps_in_device_trace"] = sum(1 for name in names if name.startswith(STEP_PREFIX))
+    return steps
+
+
+def _add_cpu_nodes(linked: LinkedTrace, match: list[int], matched: list[int], steps: set[int],
+                   kexcl: list[float], include_kineto_only: bool) -> dict[int, int]:
+    """CPU nodes: the matched host operators, then the Kineto operators of the step on the same threads that the
+    host trace lacks (their time is real CPU time); returns Kineto index -> node index."""
+    dev = linked.device
+    ts, dur, names, tids = dev.cpu_ts, dev.cpu_dur, dev.cpu_names, dev.cpu_tid
+    k_to_h = {match[h]: h for h in matched}
+    emitted = [match[h] for h in matched]
     kineto_only: list[int] = []
     if include_kineto_only:
-        eps = 1e-3
-        for k in range(len(knames)):
-            if k in k_to_h or ktids[k] not in matched_tids:
+        threads = {tids[k] for k in emitted}
+        lo, hi = linked.step_start - 1e-3, linked.step_start + linked.step_dur + 1e-3
+        for k in range(len(names)):
+            if k in k_to_h or tids[k] not in threads or ts[k] < lo or ts[k] + dur[k] > hi:
                 continue
-            if ts[k] >= window_start - eps and ts[k] + kdur[k] <= window_end + eps:
-                if knames[k].startswith(STEP_PREFIX) and k not in steps:
-                    continue
-                kineto_only.append(k)
-        emitted_k.extend(kineto_only)
-    stats["kineto_only_ops"] = len(kineto_only)
-
-    linked = LinkedTrace(rank=rank, host=host, device=dev, stats=stats)
-    linked.step_name = step_name
-    linked.step_start = window_start
-    linked.step_dur = window_end - window_start
+            if names[k].startswith(STEP_PREFIX) and k not in steps:
+                continue
+            kineto_only.append(k)
+    linked.stats["kineto_only_ops"] = len(kineto_only)
     node_of_k: dict[int, int] = {}
-    for k in emitted_k:
-        i = len(linked.kind)
-        node_of_k[k] = i
+    for k in emitted + kineto_only:
+        node_of_k[k] = len(linked.kind)
         h = k_to_h.get(k, -1)
         linked.kind.append(HOST_OP if h >= 0 else KINETO_OP)
         linked.src.append(k)
         linked.host_index.append(h)
         linked.ts.append(ts[k])
-        linked.dur.append(kdur[k])
+        linked.dur.append(dur[k])
         linked.excl.append(kexcl[k])
         linked.node_type.append(COMP_NODE)
-    n_cpu = len(linked.kind)
+    return node_of_k
 
-    # ---- callers (ctrl dependencies) -------------------------------------------------------------------------
+
+def _link_callers(linked: LinkedTrace, match: list[int], matched: list[int], node_of_k: dict[int, int],
+                  kparent: list[int]) -> None:
+    """Each CPU node's caller (its nearest emitted host ancestor, else the Kineto op around it) and the innermost
+    node around it on its own thread."""
+    host = linked.host
     host_index_of_id = {nid: i for i, nid in enumerate(host.ids)}
     host_parent_idx = [host_index_of_id.get(p, -1) for p in host.parents]
     host_node_of = [-1] * len(host)
     for h in matched:
         host_node_of[h] = node_of_k[match[h]]
     nearest = _nearest_emitted_host_ancestor(host_parent_idx, host_node_of)
-    parent = [-1] * n_cpu
-    for i in range(n_cpu):
-        h = linked.host_index[i]
-        p = nearest[h] if h >= 0 else -1
-        if p < 0:  # Kineto nesting: the innermost emitted op around it on its thread
-            kp = kparent[linked.src[i]]
-            while kp >= 0 and kp not in node_of_k:
-                kp = kparent[kp]
-            p = node_of_k[kp] if kp >= 0 else -1
-        parent[i] = p
-    linked.parent = parent
-    lane_parent = [-1] * n_cpu
+    n_cpu = len(linked.kind)
+    linked.parent = [-1] * n_cpu
+    linked.lane_parent = [-1] * n_cpu
     for i in range(n_cpu):
         kp = kparent[linked.src[i]]
         while kp >= 0 and kp not in node_of_k:
             kp = kparent[kp]
-        lane_parent[i] = node_of_k[kp] if kp >= 0 else -1
+        around = node_of_k[kp] if kp >= 0 else -1
+        h = linked.host_index[i]
+        caller = nearest[h] if h >= 0 else -1
+        linked.parent[i] = caller if caller >= 0 else around
+        linked.lane_parent[i] = around
 
-    # ---- GPU work through the launching runtime call's correlation id ----------------------------------------
-    lanes: dict[tuple, int] = {}
-    cpu_lane = [0] * n_cpu
-    for i in range(n_cpu):
-        key = ("cpu", ktids[linked.src[i]])
-        cpu_lane[i] = lanes.setdefault(key, len(lanes))
+
+def _add_gpu_work(linked: LinkedTrace, cpu_lane: list[int], lanes: dict[tuple, int],
+                  has_step_annotation: bool) -> list[tuple[int, int, float]]:
+    """GPU kernels, memcpy and memset, each attached through its runtime call's correlation id to the CPU node the
+    call ran in (GPU work launched outside the step is left out). Returns the synchronising calls."""
+    dev = linked.device
     launcher_of_rt, syncs = _attach_runtime_calls(linked, dev, cpu_lane, lanes)
+    linked.launcher_of_rt = launcher_of_rt
     rt_of_corr: dict[int, int] = {}
     for r, corr in enumerate(dev.rt_corr):
         if corr >= 0:
             rt_of_corr.setdefault(corr, r)
-    gpu_seen = len(dev.gpu_names)
-    gpu_nodes: list[int] = []
-    dropped_gpu = 0
-    for g in range(gpu_seen):
+    added = 0
+    for g in range(len(dev.gpu_names)):
         r = rt_of_corr.get(dev.gpu_corr[g], -1)
         launcher = launcher_of_rt.get(r, -1) if r >= 0 else -1
         if launcher < 0:
-            dropped_gpu += 1
             continue
         g_start, g_end = dev.gpu_ts[g], dev.gpu_ts[g] + dev.gpu_dur[g]
-        i = len(linked.kind)
         linked.kind.append(GPU_OP)
         linked.src.append(g)
         linked.host_index.append(-1)
-        linked.ts.append(dev.gpu_ts[g])
+        linked.ts.append(g_start)
         linked.dur.append(dev.gpu_dur[g])
         linked.excl.append(dev.gpu_dur[g])
         linked.parent.append(launcher)
-        lane_parent.append(-1)
+        linked.lane_parent.append(-1)
         linked.node_type.append(COMP_NODE)
-        gpu_nodes.append(i)
+        lanes.setdefault(("gpu", dev.gpu_device[g], dev.gpu_stream[g]), len(lanes))
+        added += 1
         # A launch call that ran through most of its own GPU work (pageable memcpy, blocking copy) waited for it.
         rt_start, rt_end = dev.rt_ts[r], dev.rt_ts[r] + dev.rt_dur[r]
-        if dev.rt_names[r] not in SYNC_CALLS and min(rt_end, g_end) - max(rt_start, g_start) > 0.5 * (g_end - g_start) > 0:
+        if dev.rt_names[r] not in SYNC_CALLS and \
+                min(rt_end, g_end) - max(rt_start, g_start) > 0.5 * (g_end - g_start) > 0:
             syncs.append((cpu_lane[launcher], r, rt_end))
-    if not steps and gpu_nodes:  # no step annotation: the step is the traced span, GPU work included
-        gpu_end = max(linked.ts[i] + linked.dur[i] for i in gpu_nodes)
-        linked.step_dur = max(window_end, gpu_end) - window_start
-    stats["gpu_ops"] = len(gpu_nodes)
-    stats["gpu_ops_in_device_trace"] = gpu_seen
-    stats["gpu_ops_outside_step"] = dropped_gpu
-
-    lane_of = cpu_lane + [0] * len(gpu_nodes)
-    for i in gpu_nodes:
-        g = linked.src[i]
-        lane_of[i] = lanes.setdefault(("gpu", dev.gpu_device[g], dev.gpu_stream[g]), len(lanes))
-    linked.lane = lane_of
-    linked.lane_parent = lane_parent
-    linked.wait = [0.0] * len(linked.kind)
-    linked.launcher_of_rt = launcher_of_rt
-    linked.lanes = [key for key, _ in sorted(lanes.items(), key=lambda item: item[1])]
-
-    _classify_communication(linked, gpu_nodes, host_parent_idx)
-    _build_dependencies(linked, syncs)
-    _assign_ids(linked)
-
-    stats["nodes"] = len(linked.kind)
-    stats["unmatched_host_ops"] = len(candidates) - len(matched)
-    stats["structural_nodes_dropped"] = sum(structural)
-    return linked
+    if not has_step_annotation and added:  # no step annotation: the step is the traced span, GPU work included
+        gpu_end = max(linked.ts[i] + linked.dur[i] for i in range(len(linked.kind) - added, len(linked.kind)))
+        linked.step_dur = max(linked.step_dur, gpu_end - linked.step_start)
+    linked.stats["gpu_ops"] = added
+    linked.stats["gpu_ops_in_device_trace"] = len(dev.gpu_names)
+    linked.stats["gpu_ops_outside_step"] = len(dev.gpu_names) - added
+    return syncs
 
 
 def _step_number(name: str) -> int:

@@ -5,6 +5,7 @@ import gc
 import logging
 import os
 import resource
+import stat
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -201,12 +202,21 @@ class RunResult:
         return all(r.ok for r in self.ranks) and not self.agreement_problems
 
 
+def _writable(folder: Path) -> bool:
+    """Writable for us, and not marked read-only (root may write anywhere; a read-only folder is a statement)."""
+    try:
+        mode = folder.stat().st_mode
+    except OSError:
+        return False
+    return os.access(folder, os.W_OK) and bool(mode & (stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH))
+
+
 def output_dir_for(run: Run, output_dir: str | Path | None, several_runs: bool) -> tuple[Path, str]:
     """Where a run's .et files go, and a note when it is not the run's own folder."""
     if output_dir is not None:
         root = Path(output_dir)
         return (root / run.name if several_runs else root), ""
-    if os.access(run.folder, os.W_OK):
+    if _writable(run.folder):
         return run.folder, ""
     fallback = FALLBACK_OUTPUT_ROOT / run.name
     return fallback, f"{run.folder} is not writable: writing to {fallback}"

@@ -9,6 +9,7 @@ import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
+from .convert import new_file_mode
 from .pipeline import RankResult, RunResult, rank_result_from_dict
 
 SUMMARY_NAME = "CONVERSION_SUMMARY.md"
@@ -100,6 +101,7 @@ def write_run_summary(result: RunResult) -> Path:
     fd, tmp = tempfile.mkstemp(prefix="." + SUMMARY_NAME, dir=path.parent)
     with os.fdopen(fd, "w", encoding="utf-8") as f:
         f.write(render_run_summary(result))
+    os.chmod(tmp, new_file_mode())
     os.replace(tmp, path)
     return path
 
