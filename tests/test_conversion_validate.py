@@ -256,9 +256,10 @@ def test_sliced_parsing_reads_the_same_trace_as_a_whole_parse(tmp_path):
 
 
 def _convert_in_fresh_process(folder: Path) -> dict:
-    code = ("import json, sys; from trace_tools.pipeline import convert_rank; "
+    # CPU time, not wall time: the test machine is shared, and the claim is about the work done.
+    code = ("import json, sys, time; from trace_tools.pipeline import convert_rank; t = time.process_time(); "
             "r = convert_rank(sys.argv[1] + '/host.0.json', sys.argv[1] + '/device.0.json', sys.argv[1] + '/x.0.et'); "
-            "print(json.dumps({'s': r.conversion_s, 'mb': r.peak_rss_mb, 'nodes': r.nodes, "
+            "print(json.dumps({'s': time.process_time() - t, 'mb': r.peak_rss_mb, 'nodes': r.nodes, "
             "'ratio': r.critical_path_us / r.traced_step_us}))")
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     run = subprocess.run([sys.executable, "-c", code, str(folder)], capture_output=True, text=True, env=env,
@@ -269,8 +270,8 @@ def _convert_in_fresh_process(folder: Path) -> dict:
 
 @pytest.mark.slow
 def test_conversion_grows_linearly_with_the_number_of_traced_steps(tmp_path):
-    small = _convert_in_fresh_process(write_scaled_run(tmp_path / "x1", BERT, [0], 2))
-    large = _convert_in_fresh_process(write_scaled_run(tmp_path / "x8", BERT, [0], 16))
+    small = _convert_in_fresh_process(write_scaled_run(tmp_path / "steps2", BERT, [0], 2))
+    large = _convert_in_fresh_process(write_scaled_run(tmp_path / "steps16", BERT, [0], 16))
     assert large["nodes"] > 7.5 * small["nodes"]
     assert large["s"] < 12 * small["s"], (small, large)  # 8x the trace: no worse than linear, with slack
     assert large["mb"] < 400
