@@ -115,7 +115,8 @@ def test_operator_and_kernel_tables_equal_sums_over_et_nodes(run_dir):
                 ops[node.name]["blocked_us"] += a.get("wait_micros", 0)
         ours = report["per_rank"][str(rank)]
         assert ours["operators"] == dict(ops)
-        assert {k: {"count": v["count"], "total_us": v["total_us"]} for k, v in ours["kernels"].items()} == dict(kernels)
+        ours_kernels = {k: {"count": v["count"], "total_us": v["total_us"]} for k, v in ours["kernels"].items()}
+        assert ours_kernels == dict(kernels)
     # the top-20 lists are the largest sums over all ranks
     totals: dict = defaultdict(int)
     for per_rank in report["per_rank"].values():
@@ -320,8 +321,8 @@ def write_et(path: Path, step_start: int, step_us: int, nodes: list[dict], world
             _attr("traced_step_start_micros", step_start), _attr("traced_step_micros", step_us),
             _attr("world_size", world_size)]))
         for spec in nodes:
-            node = Node(id=spec["id"], name=spec["name"], type=spec.get("type", COMP_NODE), start_time_micros=spec["ts"],
-                        duration_micros=spec["dur"])
+            node = Node(id=spec["id"], name=spec["name"], type=spec.get("type", COMP_NODE),
+                        start_time_micros=spec["ts"], duration_micros=spec["dur"])
             node.data_deps.extend(spec.get("deps", []))
             node.ctrl_deps.extend(spec.get("ctrl", []))
             node.attr.extend(_attr(k, v) for k, v in spec.get("attrs", {}).items())

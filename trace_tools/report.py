@@ -238,11 +238,11 @@ def total_length(a) -> int:
 def place_work_intervals(trace: RankTrace) -> None:
     """When each node did the work its .et duration stands for.
 
-    GPU work and CPU-thread collectives are where the trace put them. A CPU operator's .et duration is its exclusive time (its span less the spans of
-    the operators it called on the same thread) less the time it spent blocked on another thread or the GPU
-    (`wait_micros`); the .et has no inclusive spans, so they are rebuilt per thread: inclusive = duration + wait +
-    the inclusive times of the callees, each node placed at its start time, callees kept inside their caller and
-    apart from each other. The blocked time is taken out of the node's longest stretch of own time (a caller blocked
+    GPU work and CPU-thread collectives are where the trace put them. A CPU operator's .et duration is its
+    exclusive time (its span less the spans of the operators it called on the same thread) less the time it spent
+    blocked on another thread or the GPU (`wait_micros`); the .et has no inclusive spans, so they are rebuilt per
+    thread: inclusive = duration + wait + the inclusive times of the callees, each node placed at its start time,
+    callees kept inside their caller and apart from each other. The blocked time is taken out of the node's longest stretch of own time (a caller blocked
     on a collective shows as one long gap). So the work intervals of one thread never overlap and add up to the
     sum of the .et durations exactly.
     """
@@ -625,7 +625,8 @@ def _hta_worker(spec_path: str, out_path: str) -> int:
         result["hta_version"] = version("HolisticTraceAnalysis")
         result["pandas_version"] = version("pandas")
     except Exception as e:
-        result.update(status="unavailable", reason=f"HolisticTraceAnalysis cannot be imported ({type(e).__name__}: {e})")
+        result.update(status="unavailable",
+                      reason=f"HolisticTraceAnalysis cannot be imported ({type(e).__name__}: {e})")
         Path(out_path).write_bytes(orjson.dumps(result))
         return 0
     logging.getLogger("hta").setLevel(logging.ERROR)
@@ -961,9 +962,12 @@ def render_markdown(report: dict, figures: dict[str, Any]) -> str:
                       "breakdown): " + ", ".join(f"rank {r}: {_ms(us)} ms" for r, us in sorted(outside.items())) + "."]
 
     lines += ["", "## Critical path of each .et", "",
-              "Longest chain of node durations through the data and control dependencies, as a simulator would "
-              "replay it with infinitely fast communication setup; beside the traced step time.", "",
-              "| rank | critical path (ms) | traced step (ms) | gap (ms) | path / step | nodes on path | path made of |",
+              "Longest chain of node durations (collectives at their traced durations) through the data and "
+              "control dependencies: the time a simulator replaying the .et as traced would take. Beside it the "
+              "traced step time; a path longer than the step means the .et serialises work that overlapped, a "
+              "much shorter one that it lost waits.", "",
+              "| rank | critical path (ms) | traced step (ms) | gap (ms) | path / step | nodes on path "
+              "| path made of |",
               "|---|---|---|---|---|---|---|"]
     for r, s in sorted(ranks.items()):
         cp = s["critical_path"]
@@ -1073,7 +1077,10 @@ def _hta_section(report: dict, ranks: dict[int, dict]) -> list[str]:
     if status == "failed":
         return [f"HTA failed, so the numbers above are our own, from the `.et` nodes. Reason: {hta['reason']}."]
     lines = [f"HolisticTraceAnalysis {hta.get('hta_version', '')} (pandas {hta.get('pandas_version', '')}) ran on the "
-             f"Kineto device traces in `{hta.get('device_traces', '')}`, each cut to the rank's traced step."]
+             f"Kineto device traces in `{hta.get('device_traces', '')}`, each cut to the rank's traced step. It "
+             f"reads the device trace, not the .et, so it is an independent check: it also counts kernels that "
+             f"ran in the step but were launched before it, which the .et leaves out (they belong to the step "
+             f"before)."]
     if status == "partial":
         lines.append(f"Some of its analyses failed, and for those the numbers above (our own) stand alone: "
                      f"{hta['reason']}.")
