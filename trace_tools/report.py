@@ -242,9 +242,9 @@ def place_work_intervals(trace: RankTrace) -> None:
     exclusive time (its span less the spans of the operators it called on the same thread) less the time it spent
     blocked on another thread or the GPU (`wait_micros`); the .et has no inclusive spans, so they are rebuilt per
     thread: inclusive = duration + wait + the inclusive times of the callees, each node placed at its start time,
-    callees kept inside their caller and apart from each other. The blocked time is taken out of the node's longest stretch of own time (a caller blocked
-    on a collective shows as one long gap). So the work intervals of one thread never overlap and add up to the
-    sum of the .et durations exactly.
+    callees kept inside their caller and apart from each other. The blocked time is taken out of the node's
+    longest stretch of own time (a caller blocked on a collective shows as one long gap). So the work intervals of
+    one thread never overlap and add up to the sum of the .et durations exactly.
     """
     nodes = trace.nodes
     n = len(nodes)
