@@ -46,10 +46,13 @@ class RankResult:
     traced_step_us: float = 0.0
     critical_path_us: float = 0.0
     match_mode: str = ""
+    match_detail: str = ""
     host_ops: int = 0
     host_ops_matched: int = 0
     kineto_only_ops: int = 0
     gpu_ops: int = 0
+    gpu_ops_left_out: int = 0
+    wait_us: float = 0.0
     conversion_s: float = 0.0
     timings: dict[str, float] = field(default_factory=dict)
     peak_rss_mb: float = 0.0
@@ -131,6 +134,9 @@ def _convert_rank(host_path, device_path, out_path, rank, merged_path, validate,
         result.host_ops_matched = stats["host_ops_matched"]
         result.kineto_only_ops = stats["kineto_only_ops"]
         result.gpu_ops = stats["gpu_ops"]
+        result.gpu_ops_left_out = stats["gpu_ops_outside_step"]
+        result.wait_us = stats.get("wait_us", 0.0)
+        result.match_detail = describe_match(stats["match"])
         del linked, host, device
         if validate:
             _validate_into(result, staging, timings)
@@ -144,6 +150,18 @@ def _convert_rank(host_path, device_path, out_path, rank, merged_path, validate,
     result.conversion_s = time.perf_counter() - started
     result.peak_rss_mb = peak_rss_mb()
     return result
+
+
+def describe_match(info: dict) -> str:
+    """How host operators were matched to Kineto events, in words."""
+    if info["mode"] == "rf_id":
+        extra = f"; {info['name_mismatches']} with a different name left out" if info.get("name_mismatches") else ""
+        return f"host rf_id = Kineto 'Record function id'{extra}"
+    threads = ", ".join(f"host thread {t['host_tid']} -> Kineto thread {t['kineto_tid']} at offset "
+                        f"{t['offset']:+d} ({t['matched']}/{t['host_ops']} ops)" for t in info.get("threads", []))
+    rejected = f"; {info['nesting_rejected']} rejected for not nesting in their parent" \
+        if info.get("nesting_rejected") else ""
+    return f"Kineto External id = host rf_id + offset, then aligned by name in order: {threads}{rejected}"
 
 
 def _validate_into(result: RankResult, path: Path, timings: dict[str, float]) -> None:

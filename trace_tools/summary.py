@@ -67,6 +67,16 @@ def render_run_summary(result: RunResult) -> str:
                          f"{_us(r.critical_path_us)} | {ratio_text(r)} | {matched} | {r.conversion_s:.2f} |")
         else:
             lines.append(f"| {r.rank} | ❌ failed | - | - | - | - | - | - | {r.conversion_s:.2f} |")
+    done = [r for r in result.ranks if r.ok and r.match_detail]
+    if done:
+        lines += ["", "## Details", ""]
+        for r in done:
+            timings = ", ".join(f"{k[:-2].replace('_', ' ')} {v:.2f}" for k, v in r.timings.items())
+            lines.append(f"- rank {r.rank}: traced step {r.traced_step}; matching: {r.match_detail}; "
+                         f"{r.gpu_ops} GPU ops linked ({r.gpu_ops_left_out} of the device trace outside the step); "
+                         f"{r.kineto_only_ops} Kineto-only CPU ops added; {r.wait_us / 1000:.1f} ms of blocked time "
+                         f"taken out of op durations (it is on the path through what they waited for); "
+                         f"seconds: {timings}; peak memory {r.peak_rss_mb:.0f} MiB")
     failures = [r for r in result.ranks if not r.ok]
     if failures:
         lines += ["", "## Failures", ""]
