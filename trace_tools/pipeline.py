@@ -294,6 +294,12 @@ def convert_runs(runs: list[Run], output_dir: str | Path | None = None, jobs: in
     return run_results
 
 
+def convert_run(run: Run, output_dir: str | Path | None = None, jobs: int | None = None,
+                emit_merged: bool = False, progress: bool = False) -> RunResult:
+    """Convert every rank of one run (see convert_runs)."""
+    return convert_runs([run], output_dir=output_dir, jobs=jobs, emit_merged=emit_merged, progress=progress)[0]
+
+
 class _NoProgress:
     def update(self, n: int) -> None:
         pass
@@ -314,5 +320,5 @@ def rank_result_from_dict(data: dict[str, Any]) -> RankResult:
     return RankResult(**{k: v for k, v in data.items() if k in known})
 
 
-__all__ = ["RankResult", "RunResult", "convert_rank", "convert_runs", "output_dir_for", "peak_rss_mb",
+__all__ = ["RankResult", "RunResult", "convert_rank", "convert_run", "convert_runs", "output_dir_for", "peak_rss_mb",
            "rank_result_from_dict", "COMM_TYPE_NAMES", "NODE_TYPE_NAMES"]
