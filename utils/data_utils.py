@@ -4,7 +4,7 @@ import logging
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, List, Optional, Sequence
+from typing import Callable, Iterator, List, Optional, Sequence
 
 import numpy as np
 import torch
@@ -160,10 +160,11 @@ def load_text_splits(*, squad_file: Optional[str], dataset_path: Optional[str], 
         splits, reason = load_hub_squad(cache_dir)
         if splits is not None:
             return splits
+    bundled = read_squad_json(BUNDLED_SQUAD_SAMPLE)
     logger.warning("SQuAD from the Hugging Face hub is not available (%s); training on the bundled sample %s "
-                   "(generated text, %s). Pass --squad-file or --dataset-path to use your own data.",
-                   reason, BUNDLED_SQUAD_SAMPLE.relative_to(REPO_ROOT), "a few hundred questions")
-    train, val = split_train_validation(read_squad_json(BUNDLED_SQUAD_SAMPLE), validation_fraction, seed)
+                   "(%d generated questions). Pass --squad-file or --dataset-path to use your own data.",
+                   reason, BUNDLED_SQUAD_SAMPLE.relative_to(REPO_ROOT), len(bundled))
+    train, val = split_train_validation(bundled, validation_fraction, seed)
     return TextSplits(train, val, f"bundled:{BUNDLED_SQUAD_SAMPLE.relative_to(REPO_ROOT)}")
 
 
@@ -202,16 +203,21 @@ class PackedExamples(Dataset):
         return int(self.offsets[-1])
 
 
-def tokenize_examples(encode: Callable[[List[TextExample]], dict], examples: Sequence[TextExample]) -> PackedExamples:
-    """Run a family's `encode` (tokenizer call with truncation/overflow) in chunks and pack the results."""
+def tokenize_examples(encode: Callable[[List[TextExample]], dict], examples: Sequence[TextExample],
+                      min_tokens: int = 2) -> PackedExamples:
+    """Run a family's `encode` (tokenizer call with truncation/overflow) in chunks and pack the results.
+
+    Sequences shorter than min_tokens (a one-token overflow tail) are dropped: they hold no prediction target.
+    """
     pieces, lengths = {}, []
     for start in range(0, len(examples), TOKENIZE_CHUNK):
         encoded = encode(list(examples[start:start + TOKENIZE_CHUNK]))
+        keep = [i for i, row in enumerate(encoded["input_ids"]) if len(row) >= min_tokens]
         for name, rows in encoded.items():
             if name in ("attention_mask", "overflow_to_sample_mapping"):
                 continue
-            pieces.setdefault(name, []).extend(np.asarray(row, dtype=np.int32) for row in rows)
-        lengths.extend(len(row) for row in encoded["input_ids"])
+            pieces.setdefault(name, []).extend(np.asarray(rows[i], dtype=np.int32) for i in keep)
+        lengths.extend(len(encoded["input_ids"][i]) for i in keep)
     offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
     columns = {name: (np.concatenate(rows) if rows else np.zeros(0, np.int32)) for name, rows in pieces.items()}

@@ -45,7 +45,7 @@ def train_byte_level_bpe(texts: Iterable[str], vocab_size: int):
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tokenizer.train_from_iterator(texts, trainer=trainer)
     return GPT2TokenizerFast(tokenizer_object=tokenizer, bos_token=GPT2_SPECIAL, eos_token=GPT2_SPECIAL,
-                             unk_token=GPT2_SPECIAL, pad_token=GPT2_SPECIAL)
+                             unk_token=GPT2_SPECIAL, pad_token=GPT2_SPECIAL, clean_up_tokenization_spaces=False)
 
 
 def train_wordpiece(texts: Iterable[str], vocab_size: int, lowercase: bool):
@@ -64,7 +64,8 @@ def train_wordpiece(texts: Iterable[str], vocab_size: int, lowercase: bool):
         single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
         special_tokens=[("[CLS]", cls_id), ("[SEP]", sep_id)])
     return BertTokenizerFast(tokenizer_object=tokenizer, unk_token="[UNK]", sep_token="[SEP]", pad_token="[PAD]",
-                             cls_token="[CLS]", mask_token="[MASK]", do_lower_case=lowercase)
+                             cls_token="[CLS]", mask_token="[MASK]", do_lower_case=lowercase,
+                             clean_up_tokenization_spaces=True)
 
 
 def _texts_fingerprint(texts: Iterable[str]) -> "tuple[str, list]":
@@ -87,8 +88,11 @@ def trained_tokenizer(request: TokenizerRequest, texts: Iterable[str], cache_roo
     The cache key is the kind, vocabulary size and a hash of the text, so a different dataset gets its own.
     Call it on rank 0 first (DistributedContext.main_process_first): the others then find it cached.
     """
+    import tokenizers
     fingerprint, texts = _texts_fingerprint(texts)
-    cache_dir = cache_root / f"{request.family}-{request.kind}-{request.vocab_size}-{fingerprint}"
+    # tokenizer.json's format changes between tokenizers releases (an older one cannot read a newer file).
+    version = ".".join(tokenizers.__version__.split(".")[:2])
+    cache_dir = cache_root / f"{request.family}-{request.kind}-{request.vocab_size}-{fingerprint}-tok{version}"
     if not (cache_dir / "tokenizer.json").is_file():
         if request.kind == "byte-level-bpe":
             tokenizer = train_byte_level_bpe(texts, request.vocab_size)

@@ -3,6 +3,7 @@ import argparse
 import contextlib
 import datetime
 import gc
+import importlib.util
 import logging
 import math
 import platform
@@ -24,7 +25,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from utils.chakra_tracer import add_tracing_arguments, build_tracer, tracing_window_steps
 from utils.checkpointing import (BEST_MODEL, FINAL_MODEL, INITIAL_MODEL, capture_rng_state, check_resumable,
-                                 checkpoint_name, load_resume_state, read_training_info, restore_rng_state,
+                                 checkpoint_name, load_resume_state, restore_rng_state,
                                  weights_fingerprint, write_checkpoint)
 from utils.data_utils import (BatchStream, RepeatedBatch, TextExample, TextSplits, build_dataloader,
                               check_data_flags, load_text_splits, tokenize_examples)
@@ -185,11 +186,9 @@ def validate_args(args: argparse.Namespace, family: ModelFamily) -> None:
     if args.attn_implementation == "flash_attention_2":
         if not cuda or args.precision == "fp32":
             raise UsageError("--attn-implementation flash_attention_2 needs a CUDA GPU and --precision bf16 or fp16")
-        try:
-            import flash_attn  # noqa: F401
-        except ImportError:
+        if importlib.util.find_spec("flash_attn") is None:
             raise UsageError("--attn-implementation flash_attention_2 needs the flash-attn package "
-                             "(pip install flash-attn --no-build-isolation); or use sdpa") from None
+                             "(pip install flash-attn --no-build-isolation); or use sdpa")
 
 
 def effective_max_steps(args: argparse.Namespace, steps_per_epoch: int) -> int:
@@ -554,7 +553,7 @@ class Trainer:
 
     def train(self) -> int:
         """The loop; returns the process exit status (0, or 128 + signal number after a graceful stop)."""
-        args, ctx = self.args, self.ctx
+        args = self.args
         if not self.resumed and not args.no_save_initial:
             self.save(INITIAL_MODEL, kind="initial")
         try:
@@ -585,11 +584,14 @@ class Trainer:
             logger.info("already at step %d of %d: nothing to train", self.step, self.max_steps)
             return False
         window_start, window_steps = time.perf_counter(), 0
+        # The bar shows only on a terminal (disable=None); there, log lines are routed around it. Elsewhere
+        # (nohup, pipes) the handlers stay as they are: info on stdout, warnings on stderr.
+        progress = tqdm(total=self.max_steps, initial=self.step, desc=f"{self.family.name} training",
+                        unit="step", disable=None if ctx.is_main_process else True, dynamic_ncols=True)
+        around_bar = contextlib.nullcontext() if progress.disable else logging_redirect_tqdm()
         with build_tracer(args, rank=ctx.rank, world_size=ctx.world_size, local_rank=ctx.local_rank,
                           device=self.device, run_info=self._run_info()) as tracer, \
-                logging_redirect_tqdm(), self._stop_on_signals():
-            progress = tqdm(total=self.max_steps, initial=self.step, desc=f"{self.family.name} training",
-                            unit="step", disable=None if ctx.is_main_process else True, dynamic_ncols=True)
+                around_bar, self._stop_on_signals():
             try:
                 while self.step < self.max_steps:
                     loss, grad_norm, stop = self._optimizer_step()

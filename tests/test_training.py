@@ -1,0 +1,333 @@
+"""Tests of the training core: tiny GPT-2 and BERT runs on the bundled data, one process and two gloo ranks."""
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import unicodedata
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT))
+
+import bert.train  # noqa: E402
+import gpt2.train  # noqa: E402
+from utils import hub  # noqa: E402
+from utils.trainer import Trainer  # noqa: E402
+
+ENTRY = {"gpt2": gpt2.train.main, "bert": bert.train.main}
+# Small and fast: 64-token sequences, no metric sink, no initial checkpoint unless a test asks for one.
+QUICK = ["--model-name", "tiny", "--max-seq-length", "64", "--batch-size", "4", "--report-to", "none"]
+# The reference run the resume tests compare against; only --save-dir/--log-dir/--resume-from may differ.
+RESUME_FLAGS = QUICK + ["--max-steps", "24", "--save-steps", "8", "--eval-steps", "6", "--learning-rate", "1e-3",
+                        "--logging-steps", "1"]
+INFO_FIELDS = {"step", "epoch", "loss", "learning_rate", "world_size", "tokens_seen", "elapsed_seconds", "arguments"}
+
+
+@contextlib.contextmanager
+def offline_single_thread():
+    """No hub (decided from the environment, never the network) and one thread: the test machine is shared, and
+    runs compared bit for bit must use the same thread count (it changes the order of floating-point sums)."""
+    threads = torch.get_num_threads()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("HF_HUB_OFFLINE", "1")
+        patch.setattr(hub, "_decision", None)
+        torch.set_num_threads(1)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True)
+def offline():
+    with offline_single_thread():
+        yield
+
+
+def train(family, tmp, *flags):
+    """Run <family>/train.py's main() in this process; (exit status, save dir, log dir)."""
+    save_dir, log_dir = Path(tmp) / "ckpt", Path(tmp) / "logs"
+    status = ENTRY[family]([*flags, "--save-dir", str(save_dir), "--log-dir", str(log_dir)])
+    return status, save_dir, log_dir
+
+
+def subprocess_env():
+    return dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+                PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
+
+
+def info(checkpoint):
+    return json.loads((Path(checkpoint) / "training_info.json").read_text())
+
+
+def logged_losses(log_dir, rank=0):
+    """{step: loss} from the per-rank log file's step lines."""
+    losses = {}
+    for line in (Path(log_dir) / f"training_rank_{rank}.log").read_text().splitlines():
+        if "| loss " in line and " step " in line:
+            step = int(line.split(" step ")[1].split("/")[0])
+            losses[step] = float(line.split("| loss ")[1].split()[0])
+    return losses
+
+
+def fingerprint_lines(log_dir, rank):
+    text = (Path(log_dir) / f"training_rank_{rank}.log").read_text()
+    return [line.split("final weights sha256 ")[1].split()[0] for line in text.splitlines() if "final weights sha256" in line]
+
+
+def error_lines(stderr):
+    return [line for line in stderr.splitlines() if line.startswith("error:")]
+
+
+def free_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+# ---- learning ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("family", ["gpt2", "bert"])
+def test_loss_falls_clearly_in_30_steps_on_one_repeated_batch(family, tmp_path):
+    status, _, logs = train(family, tmp_path, *QUICK, "--overfit-one-batch", "--max-steps", "30", "--learning-rate",
+                            "3e-3", "--warmup-steps", "0", "--logging-steps", "1", "--eval-steps", "0",
+                            "--save-steps", "0", "--no-save-initial")
+    assert status == 0
+    losses = logged_losses(logs)
+    assert sorted(losses) == list(range(1, 31))
+    assert losses[30] < 0.7 * losses[1], losses
+    assert min(losses[s] for s in range(25, 31)) < min(losses[s] for s in range(1, 6))
+
+
+# ---- resume -----------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def uninterrupted_gpt2(tmp_path_factory):
+    """24 uninterrupted steps with checkpoints every 8 and TensorBoard scalars: the reference run."""
+    tmp = tmp_path_factory.mktemp("uninterrupted")
+    with offline_single_thread():
+        # TensorBoard on here only: metric sinks touch no random state, so the runs stay comparable.
+        status, save_dir, log_dir = train("gpt2", tmp, *RESUME_FLAGS, "--report-to", "tensorboard")
+    assert status == 0
+    return save_dir, log_dir
+
+
+def test_resumed_run_reaches_the_same_step_loss_and_weights_as_the_uninterrupted_one(uninterrupted_gpt2, tmp_path):
+    reference, reference_logs = uninterrupted_gpt2
+    status, save_dir, log_dir = train("gpt2", tmp_path, *RESUME_FLAGS, "--resume-from", str(reference / "checkpoint-8"))
+    assert status == 0
+    resumed, expected = info(save_dir / "final_model"), info(reference / "final_model")
+    assert resumed["step"] == expected["step"] == 24
+    assert resumed["loss"] == expected["loss"]
+    assert resumed["weights_sha256"] == expected["weights_sha256"]
+    assert resumed["tokens_seen"] == expected["tokens_seen"] == 24 * 4 * 64
+    assert resumed["epoch"] == expected["epoch"]
+    assert logged_losses(log_dir) == {s: loss for s, loss in logged_losses(reference_logs).items() if s > 8}
+    assert not (save_dir / "initial_model").exists()  # a resumed run does not start over
+
+
+@pytest.mark.slow
+def test_sigterm_saves_a_checkpoint_exits_cleanly_and_the_resumed_run_matches(uninterrupted_gpt2, tmp_path):
+    reference, _ = uninterrupted_gpt2
+    interrupted_dir = tmp_path / "interrupted"
+    command = [sys.executable, "gpt2/train.py", *RESUME_FLAGS, "--save-dir", str(interrupted_dir),
+               "--log-dir", str(tmp_path / "interrupted-logs")]
+    process = subprocess.Popen(command, cwd=REPO_ROOT, env=subprocess_env(), stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    for line in process.stdout:
+        if line.startswith("step 2/24"):
+            process.send_signal(signal.SIGTERM)
+            break
+    stdout, stderr = process.communicate(timeout=300)
+    assert process.returncode == 128 + signal.SIGTERM, stderr
+    assert "Traceback" not in stderr and "SIGTERM received" in stderr
+    saved = [p for p in interrupted_dir.glob("checkpoint-*") if info(p)["kind"] == "interrupted"]
+    assert len(saved) == 1
+    stopped_at = info(saved[0])["step"]
+    assert 2 <= stopped_at < 24 and not (interrupted_dir / "final_model").exists()
+    assert f"resume with --resume-from {saved[0]}" in stderr
+
+    status, save_dir, _ = train("gpt2", tmp_path / "resumed", *RESUME_FLAGS, "--resume-from", str(saved[0]))
+    assert status == 0
+    resumed, expected = info(save_dir / "final_model"), info(reference / "final_model")
+    assert (resumed["step"], resumed["loss"], resumed["weights_sha256"]) == \
+        (expected["step"], expected["loss"], expected["weights_sha256"])
+
+
+# ---- checkpoints ------------------------------------------------------------------------------------------------
+def test_checkpoints_load_with_from_pretrained_and_record_the_training_info(uninterrupted_gpt2):
+    from transformers import AutoTokenizer, GPT2LMHeadModel
+    save_dir, _ = uninterrupted_gpt2
+    names = sorted(p.name for p in save_dir.iterdir())
+    assert names == ["best_model", "checkpoint-16", "checkpoint-24", "checkpoint-8", "final_model", "initial_model"]
+    for name, step in [("initial_model", 0), ("checkpoint-8", 8), ("best_model", None), ("final_model", 24)]:
+        checkpoint = save_dir / name
+        record = info(checkpoint)
+        assert INFO_FIELDS <= set(record), name
+        assert {"trainer_state.pt", "rng_state.pt", "config.json", "tokenizer.json"} <= {p.name for p in checkpoint.iterdir()}
+        assert record["world_size"] == 1 and record["arguments"]["model_name"] == "tiny"
+        if step is not None:
+            assert record["step"] == step and record["tokens_seen"] == step * 4 * 64
+        model = GPT2LMHeadModel.from_pretrained(checkpoint)
+        tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+        ids = tokenizer("Who founded the town?", return_tensors="pt")["input_ids"]
+        assert torch.isfinite(model(input_ids=ids, labels=ids).loss)
+    best, final = info(save_dir / "best_model"), info(save_dir / "final_model")
+    assert best["val_loss"] == best["best_val_loss"] == final["best_val_loss"]
+    assert best["step"] in (6, 12, 18, 24) and final["kind"] == "final" and len(final["weights_sha256"]) == 64
+
+
+def test_training_writes_tensorboard_scalars(uninterrupted_gpt2):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    _, log_dir = uninterrupted_gpt2
+    runs = list((log_dir / "tensorboard").iterdir())
+    assert len(runs) == 1
+    events = EventAccumulator(str(runs[0]))
+    events.Reload()
+    assert {"train/loss", "train/learning_rate", "train/tokens_per_second", "eval/loss"} <= set(events.Tags()["scalars"])
+    assert [e.step for e in events.Scalars("train/loss")] == list(range(1, 25))
+
+
+# ---- two ranks --------------------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_two_gloo_ranks_under_torchrun_end_with_identical_weights(tmp_path):
+    from transformers import BertForMaskedLM
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--nnodes=1",
+               f"--master_port={free_port()}", "bert/train.py", *QUICK, "--max-steps", "6", "--num-gpus", "2",
+               "--gradient-accumulation-steps", "2", "--save-steps", "3", "--eval-steps", "3", "--no-save-initial",
+               "--learning-rate", "1e-3", "--save-dir", str(tmp_path / "ckpt"), "--log-dir", str(tmp_path / "logs")]
+    result = subprocess.run(command, cwd=REPO_ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rank0, rank1 = fingerprint_lines(tmp_path / "logs", 0), fingerprint_lines(tmp_path / "logs", 1)
+    assert len(rank0) == len(rank1) == 1 and rank0 == rank1
+    final = info(tmp_path / "ckpt" / "final_model")
+    assert final["world_size"] == 2 and final["global_batch_size"] == 4 * 2 * 2
+    assert final["weights_sha256"] == rank0[0] and final["tokens_seen"] == 6 * 4 * 2 * 2 * 64
+    assert "weights identical on all 2 ranks" in result.stdout
+    assert logged_losses(tmp_path / "logs", 0) == logged_losses(tmp_path / "logs", 1)  # the all-reduced loss
+    for name in ("checkpoint-3", "best_model", "final_model"):
+        assert BertForMaskedLM.from_pretrained(tmp_path / "ckpt" / name).config.num_hidden_layers == 2
+    assert len(torch.load(tmp_path / "ckpt" / "final_model" / "rng_state.pt", weights_only=False)) == 2
+
+
+# ---- data sources -----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("family", ["gpt2", "bert"])
+def test_jsonl_corpus_with_korean_text_trains(family, tmp_path):
+    from transformers import AutoTokenizer
+    corpus = tmp_path / "mixed.jsonl"
+    lines = [f"{i}번째 문장: 서울과 부산은 한국의 도시입니다. Sentence {i} mixes Korean and English text." for i in range(60)]
+    corpus.write_text("".join(json.dumps({"text": t}, ensure_ascii=False) + "\n" for t in lines), encoding="utf-8")
+    status, save_dir, _ = train(family, tmp_path, *QUICK, "--dataset-path", str(corpus), "--max-steps", "3",
+                                "--no-save-initial")
+    assert status == 0
+    final = info(save_dir / "final_model")
+    assert final["data_source"] == f"jsonl:{corpus}" and final["step"] == 3
+    tokenizer = AutoTokenizer.from_pretrained(save_dir / "final_model")
+    decoded = tokenizer.decode(tokenizer(lines[7])["input_ids"], skip_special_tokens=True)
+    if family == "gpt2":
+        assert decoded == lines[7]  # byte-level BPE round-trips any UTF-8
+    else:
+        assert "서울과 부산은" in unicodedata.normalize("NFC", decoded)  # uncased WordPiece decomposes Hangul (NFD)
+    assert tokenizer.unk_token_id not in tokenizer(lines[7])["input_ids"]
+
+
+def test_tracing_without_max_steps_stops_after_the_trace_window(tmp_path):
+    status, save_dir, _ = train("gpt2", tmp_path, *QUICK, "--enable-tracing", "--trace-output-dir",
+                                str(tmp_path / "outputs"), "--no-save-initial")
+    assert status == 0
+    assert info(save_dir / "final_model")["step"] == 3  # wait 1 + warmup 1 + active 1
+    trace_dir = tmp_path / "outputs" / "gpt2-tiny_1cpu"
+    assert {"host.0.json", "device.0.json", "run.json"} <= {p.name for p in trace_dir.iterdir()}
+    run = json.loads((trace_dir / "run.json").read_text())
+    assert "gpt2-tiny" in json.dumps(run) and "64" in json.dumps(run)
+
+
+def test_test_mode_runs_ten_steps(tmp_path):
+    status, save_dir, _ = train("bert", tmp_path, *QUICK, "--test", "--no-save-initial", "--eval-steps", "0")
+    assert status == 0 and info(save_dir / "final_model")["step"] == 10
+
+
+# ---- failures ---------------------------------------------------------------------------------------------------
+def test_nan_loss_stops_with_a_clear_error_and_keeps_the_last_good_checkpoint(tmp_path, capsys):
+    status, save_dir, _ = train("gpt2", tmp_path, *QUICK, "--learning-rate", "1e30", "--warmup-steps", "0",
+                                "--max-steps", "10", "--save-steps", "1", "--no-save-initial")
+    assert status == 1
+    errors = error_lines(capsys.readouterr().err)
+    assert len(errors) == 1 and "loss is nan at step 2" in errors[0]
+    assert f"Last good checkpoint: {save_dir / 'checkpoint-1'}" in errors[0]
+    assert sorted(p.name for p in save_dir.iterdir()) == ["checkpoint-1"]  # no NaN checkpoint, no final model
+    assert torch.isfinite(torch.tensor(info(save_dir / "checkpoint-1")["loss"]))
+
+
+def test_cuda_out_of_memory_names_the_flags_to_lower(tmp_path, capsys, monkeypatch):
+    def out_of_memory(self):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    monkeypatch.setattr(Trainer, "_optimizer_step", out_of_memory)
+    status, _, _ = train("gpt2", tmp_path, *QUICK, "--max-steps", "2", "--no-save-initial")
+    assert status == 1
+    errors = error_lines(capsys.readouterr().err)
+    assert len(errors) == 1 and errors[0].startswith("error: CUDA out of memory")
+    for flag in ("--batch-size 4", "--max-seq-length 64", "--gradient-accumulation-steps", "--precision"):
+        assert flag in errors[0]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--dataset-path", "{tmp}/bad.jsonl"], "{tmp}/bad.jsonl:2: not valid JSON"),
+    (["--squad-file", "{tmp}/missing.json"], "{tmp}/missing.json: file not found (--squad-file)"),
+    (["--model-name", "gpt3"], "--model-name 'gpt3': not one of gpt2, gpt2-medium, gpt2-large, gpt2-xl, tiny"),
+    (["--model-name", "{tmp}"], "{tmp}: no config.json"),
+    (["--num-gpus", "2"], "--num-gpus 2 but WORLD_SIZE is 1"),
+    (["--precision", "fp16"], "--precision fp16 needs a CUDA GPU"),
+    (["--resume-from", "{tmp}"], "{tmp}: not a resumable checkpoint"),
+])
+def test_bad_input_gives_one_error_line_and_a_nonzero_status(flags, message, tmp_path, capsys):
+    (tmp_path / "bad.jsonl").write_text('{"text": "fine"}\n{"text": oops}\n', encoding="utf-8")
+    flags = [f.format(tmp=tmp_path) for f in flags]
+    status, save_dir, _ = train("gpt2", tmp_path, *QUICK, "--max-steps", "2", *flags)
+    captured = capsys.readouterr()
+    assert status == 1
+    assert error_lines(captured.err) == [f"error: {message.format(tmp=tmp_path)}"] or \
+        error_lines(captured.err)[0].startswith(f"error: {message.format(tmp=tmp_path)}")
+    assert len(error_lines(captured.err)) == 1 and "Traceback" not in captured.err
+    assert not save_dir.exists() or not any(save_dir.iterdir())
+
+
+def test_bad_model_name_exits_nonzero_from_the_command_line():
+    result = subprocess.run([sys.executable, "bert/train.py", "--model-name", "bert-huge"], cwd=REPO_ROOT,
+                            env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == [
+        "error: --model-name 'bert-huge': not one of bert-base-uncased, bert-large-uncased, tiny, "
+        "and not a directory with a config.json"]
+
+
+# ---- speed and metric options -----------------------------------------------------------------------------------
+def test_compiled_model_trains_and_saves_plain_transformers_checkpoints(tmp_path, monkeypatch):
+    from safetensors.torch import load_file
+    from transformers import GPT2LMHeadModel
+    real_compile = torch.compile
+    # Dynamo's eager backend: the same wrapping (OptimizedModule) without minutes of C++ code generation on a CPU.
+    monkeypatch.setattr(torch, "compile", lambda model, **kw: real_compile(model, backend="eager", **kw))
+    status, save_dir, logs = train("gpt2", tmp_path, *QUICK, "--compile", "--max-steps", "2", "--no-save-initial",
+                                   "--logging-steps", "1")
+    assert status == 0 and sorted(logged_losses(logs)) == [1, 2]
+    keys = load_file(save_dir / "final_model" / "model.safetensors")
+    assert not any(key.startswith("_orig_mod") for key in keys)
+    assert info(save_dir / "final_model")["arguments"]["compile"] is True
+    GPT2LMHeadModel.from_pretrained(save_dir / "final_model")
+
+
+@pytest.mark.slow
+def test_wandb_logs_offline_without_credentials(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "")  # unset for the run; restored afterwards
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    status, _, log_dir = train("gpt2", tmp_path, *QUICK, "--report-to", "wandb", "--max-steps", "2",
+                               "--no-save-initial", "--logging-steps", "1")
+    assert status == 0
+    runs = list((log_dir / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(runs) == 1 and b"train/loss" in runs[0].read_bytes()
