@@ -6,6 +6,7 @@ ROOT="$(cd "$(dirname "$0")" && pwd)"
 DOCKER="${DOCKER:-docker}"   # DOCKER=podman ./run.sh cpu works as well
 TAG="mosim-llms:latest"
 NAME=""
+HOST_NETWORK=0
 DRY_RUN=0
 MODE=""
 WORKDIR="/workspace/mosim-llms"
@@ -27,6 +28,7 @@ Usage: ./run.sh gpu|cpu [options] [-- COMMAND...]
 Options:
   --tag NAME          image to run (default: $TAG; build it with ./build.sh)
   --name NAME         container name (default: none, Docker picks one)
+  --host-network      share the host's network (multi-node runs: NCCL and torchrun's rendezvous need it)
   --dry-run           print the docker run command and stop
   -h, --help          this help
   -- COMMAND...       run COMMAND instead of an interactive bash, e.g. ./run.sh gpu -- ./run_all_profiling.sh
@@ -53,6 +55,7 @@ while [ $# -gt 0 ]; do
             shift 2 ;;
         --tag=*) TAG="${1#*=}"; shift ;;
         --name=*) NAME="${1#*=}"; shift ;;
+        --host-network) HOST_NETWORK=1; shift ;;
         --dry-run) DRY_RUN=1; shift ;;
         -h|--help) usage; exit 0 ;;
         --) shift; COMMAND=("$@"); break ;;
@@ -68,6 +71,7 @@ if [ -t 0 ] && [ -t 1 ]; then RUN_CMD+=(-it); else RUN_CMD+=(-i); fi
 [ "$MODE" = cpu ] || RUN_CMD+=(--gpus all)
 # As in docker-compose.yml: host IPC (NCCL and DataLoader workers use /dev/shm), unlimited locked memory.
 RUN_CMD+=(--ipc=host --ulimit memlock=-1 --ulimit stack=67108864)
+[ "$HOST_NETWORK" = 0 ] || RUN_CMD+=(--network=host)
 for dir in "${MOUNTED_DIRS[@]}"; do
     RUN_CMD+=(-v "$ROOT/$dir:$WORKDIR/$dir")
 done

@@ -33,7 +33,6 @@ LC_PEEK_SECONDS=5
 
 lc_say() { printf '%s\n' "$*"; }
 lc_err() { printf 'error: %s\n' "$*" >&2; }
-lc_verbose() { if [ "$LC_VERBOSE" = 1 ]; then printf '   · %s\n' "$*"; fi; }
 
 # Print an array as one shell-quoted command line that can be pasted back into bash.
 lc_quote_command() {
@@ -81,7 +80,7 @@ Devices:
   --master-port PORT      rendezvous port (default: 29500 with --nnodes > 1, a free port on one node)
 
 Data and outputs:
-  --dataset-path PATH     a SQuAD JSON file (*.json) or a JSONL corpus of {"text": ...} lines
+  --dataset-path PATH     a SQuAD JSON file (*.json), a JSONL corpus of {"text": ...} lines, or a folder of *.jsonl
                           (default: SQuAD from the HuggingFace hub on GPUs, which falls back to the bundled
                           $LC_BUNDLED_DATASET offline; the bundled sample on the CPU)
   --output-dir DIR        traces go to DIR/<run name>/ (default: ./outputs)
@@ -202,8 +201,8 @@ lc_parse_args() {
             --trace) LC_TRACE=1 ;;
             --no-trace) LC_TRACE=0 ;;
             --model-name)
-                # A local model folder is resolved from where the user stands.
-                if [ -d "$value" ]; then value="$(lc_abspath "$value")"; fi
+                # A local model folder (one with a config.json) is resolved from where the user stands.
+                if [ -f "$value/config.json" ]; then value="$(lc_abspath "$value")"; fi
                 LC_MODEL_NAME="$value" ;;
             --batch-size)
                 lc_is_positive_int "$value" || lc_usage_error "--batch-size: '$value' is not a positive integer"
@@ -292,7 +291,8 @@ lc_parse_args() {
 # Environment checks: PyTorch, CUDA and GPUs, dataset (one line each)
 # ---------------------------------------------------------------------------------------------------------
 
-# One Python start for everything we need to know; the results travel to a background child in LC_PROBE_*.
+# One Python start for everything we need to know. The results travel to a background child in LC_PROBE_*
+# (with LC_PROBED=1); the tests use the same channel to describe machines they do not run on.
 lc_probe() {
     "$PYTHON" - <<'PY'
 import os
@@ -338,6 +338,7 @@ lc_check_environment() {
         } <<<"$probe"
         export LC_PROBE_TORCH LC_PROBE_GPUS LC_PROBE_CUDA LC_PROBE_BF16 LC_PROBE_CORES LC_PROBE_GPU_NAMES
     fi
+    : "${LC_PROBE_CUDA:=none}" "${LC_PROBE_BF16:=0}" "${LC_PROBE_GPU_NAMES:=}"
     lc_say "✅ PyTorch $LC_PROBE_TORCH importable ($PYTHON)"
 
     if [ "$LC_FORCE_CPU" = 1 ]; then
@@ -367,6 +368,16 @@ lc_check_environment() {
 lc_check_dataset() {
     LC_DATASET_ARGS=()
     if [ -n "$LC_DATASET_PATH" ]; then
+        if [ -d "$LC_DATASET_PATH" ]; then
+            local jsonl_files=("$LC_DATASET_PATH"/*.jsonl)
+            if [ ! -f "${jsonl_files[0]}" ]; then
+                lc_say "❌ Dataset: $LC_DATASET_PATH holds no *.jsonl file (--dataset-path)"
+                exit 1
+            fi
+            LC_DATASET_ARGS=(--dataset-path "$LC_DATASET_PATH")
+            lc_say "✅ Dataset: $LC_DATASET_PATH (folder of ${#jsonl_files[@]} JSONL files)"
+            return 0
+        fi
         if [ ! -f "$LC_DATASET_PATH" ]; then
             lc_say "❌ Dataset: $LC_DATASET_PATH not found (--dataset-path)"
             exit 1
@@ -506,7 +517,9 @@ lc_print_settings() {
     lc_say ""
     lc_say "📋 Run settings"
     lc_say "   • mode: $mode_line"
-    lc_say "   • models: $(for m in $LC_MODELS; do printf '%s ' "$(lc_model_label "$m")=$(lc_model_name "$m")"; done)"
+    local models="" m
+    for m in $LC_MODELS; do models="$models $(lc_model_label "$m")=$(lc_model_name "$m")"; done
+    lc_say "   • models:$models"
     lc_say "   • $what per node: ${LC_PLAN:-none}$( [ "$LC_NNODES" -gt 1 ] && printf ' · nodes: %s (this is node %s)' "$LC_NNODES" "$LC_NODE_RANK")"
     lc_say "   • batch size per rank: $LC_BATCH_SIZE · learning rate: ${LC_LEARNING_RATE:-train.py default} · max sequence length: ${LC_MAX_SEQ_LENGTH:-train.py default}"
     lc_say "   • precision: $LC_PRECISION · torch.compile: $( [ "$LC_COMPILE" = 1 ] && printf on || printf off) · save every: ${LC_SAVE_STEPS:-train.py default} steps · initial model saved: $( [ "$LC_SAVE_INITIAL" = 1 ] && printf yes || printf no)"
@@ -790,7 +803,10 @@ lc_main() {
             if [ "$LC_RC" = 0 ] && [ "$LC_TRACE" = 1 ]; then
                 lc_check_trace_folder "$LC_OUTPUT_DIR/$run_name" "$count" "$marker" || LC_RC=1
             fi
-            if [ "$LC_RC" = 0 ]; then
+            if [ "$LC_STOP" = 1 ]; then
+                lc_say "🛑 $run_name stopped by a signal after ${elapsed}s (exit $LC_RC); checkpoints in $LC_SAVE_DIR/$run_name/"
+                results+=("$run_name|stopped|${elapsed}s|$LC_SAVE_DIR/$run_name/")
+            elif [ "$LC_RC" = 0 ]; then
                 lc_say "✅ $run_name finished in ${elapsed}s"
                 results+=("$run_name|ok|${elapsed}s|$(lc_dir_label "$run_name")")
                 if [ "$LC_TRACE" = 1 ]; then trace_dirs+=("$LC_OUTPUT_DIR/$run_name"); fi

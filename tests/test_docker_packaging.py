@@ -194,8 +194,13 @@ def test_run_sh_cpu_has_no_gpus_and_runs_a_given_command():
     result = run(["./run.sh", "cpu", "--dry-run", "--tag", "mine:1", "--", "./run_all_profiling.sh", "--verbose"])
     assert result.returncode == 0, result.stderr
     argv = shlex.split(result.stdout.strip())
-    assert "--gpus" not in argv
+    assert "--gpus" not in argv and "--network=host" not in argv
     assert argv[-3:] == ["mine:1", "./run_all_profiling.sh", "--verbose"]
+
+
+def test_run_sh_host_network_for_multi_node_runs():
+    argv = shlex.split(run(["./run.sh", "gpu", "--host-network", "--dry-run"]).stdout)
+    assert "--network=host" in argv and argv[argv.index("--gpus") + 1] == "all"
 
 
 @pytest.mark.parametrize("args, message", [

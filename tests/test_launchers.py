@@ -1,0 +1,488 @@
+"""The shell launchers: options, the torchrun commands they build, skips, background runs, and real CPU runs."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+LAUNCHERS = ["run_gpt2.sh", "run_bert.sh", "run_gpt2_quick.sh", "run_bert_quick.sh",
+             "run_all_profiling.sh", "run_all_experiments.sh"]
+HAS_TRAINING = (REPO / "gpt2" / "train.py").exists() and (REPO / "bert" / "train.py").exists()
+needs_training = pytest.mark.skipif(not HAS_TRAINING, reason="gpt2/train.py and bert/train.py not in this checkout yet")
+
+
+def cuda_count() -> int:
+    import torch
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def launch(script: str, *args: str, env: dict | None = None, timeout: int = 120, cwd: Path = REPO):
+    full_env = dict(os.environ)
+    # The launchers' ensure_python_env then takes the interpreter running the tests instead of creating .venv.
+    full_env.setdefault("PYTHON", sys.executable)
+    full_env.setdefault("OMP_NUM_THREADS", "1")
+    full_env.update(env or {})
+    return subprocess.run([str(REPO / script), *args], cwd=cwd, env=full_env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def this_machine() -> dict:
+    """This machine as the probe would describe it (no GPU here), for real runs whose subject is not the probe."""
+    import torch
+    # at least 2 cores, so the two-rank runs are not skipped on a one-core CI machine
+    return machine(gpus=cuda_count(), cores=max(2, os.cpu_count() or 1), torch_version=torch.__version__)
+
+
+def free_port() -> int:
+    """A free port outside the kernel's ephemeral range, where the --standalone runs of other tests bind theirs."""
+    import random
+    for _ in range(100):
+        port = random.randint(20000, 30000)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in 20000-30000")
+
+
+def machine(gpus: int = 0, cores: int = 4, bf16: bool = True, torch_version: str = "2.4.0") -> dict:
+    """Describe a machine to the launchers, as they describe this one to their background child (LC_PROBE_*).
+
+    Skips the environment probe (a Python start importing torch, seconds each), and lets the tests check the
+    commands for GPU machines that CI does not have. Tests marked "real probe" leave it out.
+    """
+    return {"LC_PROBED": "1", "PYTHON": os.environ.get("PYTHON", sys.executable), "LC_PROBE_TORCH": torch_version,
+            "LC_PROBE_GPUS": str(gpus), "LC_PROBE_CUDA": "12.4" if gpus else "none",
+            "LC_PROBE_BF16": "1" if gpus and bf16 else "0", "LC_PROBE_CORES": str(cores),
+            "LC_PROBE_GPU_NAMES": ";".join(["NVIDIA H100 80GB HBM3"] * gpus)}
+
+
+def torchrun_commands(stdout: str) -> list[list[str]]:
+    """The printed commands ("$ env ... torchrun ..."), split as bash would."""
+    return [shlex.split(line[2:]) for line in stdout.splitlines()
+            if line.startswith("$ ") and ("torchrun" in line or "torch.distributed.run" in line)]
+
+
+def flag(argv: list[str], name: str) -> str:
+    return argv[argv.index(name) + 1]
+
+
+@pytest.fixture
+def squad_file(tmp_path) -> Path:
+    """A small SQuAD v1.1 file, for runs that must not depend on the bundled sample."""
+    paragraphs = [{
+        "context": f"Paragraph {i} says the tower in town {i} was built in year {1800 + i} by builder number {i}.",
+        "qas": [{"id": f"q{i}", "question": f"When was the tower in town {i} built?",
+                 "answers": [{"text": str(1800 + i), "answer_start": 0}]}],
+    } for i in range(80)]
+    path = tmp_path / "squad_small.json"
+    path.write_text(json.dumps({"version": "1.1", "data": [{"title": "towers", "paragraphs": paragraphs}]}))
+    return path
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Options
+# ---------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("script", LAUNCHERS)
+def test_help_lists_the_shared_options(script):
+    result = launch(script, "--help")
+    assert result.returncode == 0, result.stderr
+    for option in ("--test", "--train", "--max-steps", "--batch-size", "--learning-rate", "--max-seq-length",
+                   "--save-steps", "--precision", "--no-compile", "--num-gpus", "--dataset-path", "--output-dir",
+                   "--logs-dir", "--foreground", "--background", "--dry-run", "--verbose", "--cpu", "--nnodes",
+                   "--node-rank", "--master-addr", "--master-port"):
+        assert option in result.stdout, f"{script} --help lacks {option}"
+
+
+@pytest.mark.parametrize("script", LAUNCHERS)
+def test_unknown_option_prints_usage_and_exits_2(script):
+    result = launch(script, "--bogus-option")
+    assert result.returncode == 2
+    assert "error: unknown option: --bogus-option" in result.stderr
+    assert "Usage:" in result.stderr
+    assert result.stdout == ""
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--batch-size", "abc"], "--batch-size: 'abc' is not a positive integer"),
+    (["--batch-size"], "--batch-size needs a value"),
+    (["--precision", "fp8"], "--precision: 'fp8' is not one of bf16, fp16, fp32"),
+    (["--num-gpus", "0"], "--num-gpus: '0' is not a positive integer or a list like 1,2,4"),
+    (["--learning-rate", "fast"], "--learning-rate: 'fast' is not a number"),
+    (["--nnodes", "2"], "--nnodes 2 needs --master-addr"),
+    (["--nnodes", "2", "--master-addr", "h", "--node-rank", "2"], "--node-rank 2 must be below --nnodes 2"),
+    (["--master-port", "70000"], "--master-port: '70000' is not a port number"),
+    (["--test=yes"], "--test takes no value"),
+    (["1", "2", "3"], "too many arguments"),
+    (["eight"], "NUM_GPUS: 'eight' is not a positive integer"),
+])
+def test_bad_values_give_a_one_line_error_and_exit_2(args, message):
+    result = launch("run_gpt2.sh", *args)
+    assert result.returncode == 2
+    assert result.stderr.startswith(f"error: {message}")
+
+
+def test_quick_scripts_take_no_positional_arguments():
+    result = launch("run_gpt2_quick.sh", "2")
+    assert result.returncode == 2
+    assert "error: unexpected argument: 2" in result.stderr
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The commands (--dry-run)
+# ---------------------------------------------------------------------------------------------------------
+
+def test_dry_run_prints_the_torchrun_command_with_nproc_per_node(squad_file, tmp_path):
+    result = launch("run_gpt2.sh", "2", "3", "--cpu", "--dry-run", "--dataset-path", str(squad_file),
+                    "--output-dir", str(tmp_path / "out"), env=machine(cores=4))
+    assert result.returncode == 0, result.stdout + result.stderr
+    [argv] = torchrun_commands(result.stdout)
+    assert argv[0] == "env" and "PYTHONUNBUFFERED=1" in argv
+    assert "OMP_NUM_THREADS=2" in argv or "OMP_NUM_THREADS=1" in argv
+    assert "--nproc_per_node=2" in argv and "--standalone" in argv
+    assert "gpt2/train.py" in argv
+    assert flag(argv, "--num-gpus") == "2"
+    assert flag(argv, "--batch-size") == "3"
+    # --train is the default of the full-training scripts; CPU mode picks the tiny model, fp32, no compile
+    assert flag(argv, "--num-epochs") == "3" and "--max-steps" not in argv
+    assert flag(argv, "--model-name") == "tiny"
+    assert flag(argv, "--precision") == "fp32" and "--no-compile" in argv
+    assert flag(argv, "--max-seq-length") == "128"
+    assert flag(argv, "--squad-file") == str(squad_file)
+    assert flag(argv, "--save-dir") == "checkpoints/gpt2_2cpu"
+    assert "--enable-tracing" not in argv
+    # a dry run writes nothing
+    assert not (tmp_path / "out").exists()
+
+
+def test_environment_checks_print_one_line_each(squad_file):
+    """Real probe of this machine."""
+    result = launch("run_bert.sh", "1", "--cpu", "--dry-run", "--dataset-path", str(squad_file))
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert len([l for l in lines if l.startswith("✅ PyTorch ") and "importable" in l]) == 1
+    assert len([l for l in lines if "CPU mode (--cpu)" in l]) == 1
+    assert len([l for l in lines if l.startswith(f"✅ Dataset: {squad_file} (SQuAD JSON")]) == 1
+
+
+@pytest.mark.skipif(cuda_count() > 0, reason="this machine has a GPU")
+def test_without_a_gpu_the_launchers_fall_back_to_the_cpu(squad_file):
+    """Real probe of this machine."""
+    result = launch("run_bert.sh", "--dry-run", "--dataset-path", str(squad_file))
+    assert result.returncode == 0, result.stderr
+    assert "⚠️  CUDA: no GPU found: CPU mode (gloo" in result.stdout
+    [argv] = torchrun_commands(result.stdout)
+    assert "bert/train.py" in argv and flag(argv, "--model-name") == "tiny"
+    assert "--nproc_per_node=1" in argv
+
+
+def test_asking_for_more_gpus_than_the_machine_has_is_skipped_not_a_crash(squad_file):
+    """Real probe of this machine."""
+    count = max(8, (os.cpu_count() or 1) + 1, cuda_count() + 1)
+    result = launch("run_gpt2.sh", str(count), "4", "--dry-run", "--dataset-path", str(squad_file))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert torchrun_commands(result.stdout) == []
+    if cuda_count() == 0:
+        assert f"⏭️  Skipping GPT-2 at {count} CPU ranks: this machine has no GPU" in result.stdout
+    else:
+        assert f"⏭️  Skipping GPT-2 at {count} GPUs: this machine has {cuda_count()} GPU(s)" in result.stdout
+    assert re.search(rf"gpt2_{count}[cg]pu\s+skipped", result.stdout)
+
+
+def test_on_a_two_gpu_machine_quick_profiling_runs_1_and_2_gpus_and_skips_4():
+    result = launch("run_gpt2_quick.sh", "--dry-run", env=machine(gpus=2))
+    assert result.returncode == 0, result.stderr
+    assert "✅ CUDA 12.4: 2 GPU(s) available (NVIDIA H100 80GB HBM3)" in result.stdout
+    commands = torchrun_commands(result.stdout)
+    assert [flag(c, "--trace-name") for c in commands] == ["gpt2_1gpu_quick_trace", "gpt2_2gpu_quick_trace"]
+    for argv in commands:
+        assert flag(argv, "--model-name") == "gpt2" and flag(argv, "--precision") == "bf16"
+        assert "--no-compile" in argv  # traced runs stay eager
+        assert not any(a.startswith("OMP_NUM_THREADS") for a in argv)
+        assert "--max-seq-length" not in argv and "--squad-file" not in argv  # train.py's defaults, SQuAD from the hub
+    assert "⏭️  Skipping GPT-2 at 4 GPUs: this machine has 2 GPU(s)" in result.stdout
+
+
+def test_full_training_on_eight_gpus_compiles_and_falls_back_to_fp16_without_bf16():
+    result = launch("run_bert.sh", "8", "4", "--dry-run", env=machine(gpus=8, bf16=False))
+    assert result.returncode == 0, result.stderr
+    [argv] = torchrun_commands(result.stdout)
+    assert "--nproc_per_node=8" in argv and flag(argv, "--num-gpus") == "8"
+    assert flag(argv, "--model-name") == "bert-base-uncased" and flag(argv, "--batch-size") == "4"
+    assert flag(argv, "--precision") == "fp16" and "--compile" in argv
+    assert flag(argv, "--save-dir") == "checkpoints/bert_8gpu"
+
+
+def test_cpu_flag_wins_over_present_gpus(squad_file):
+    result = launch("run_gpt2.sh", "1", "--cpu", "--dry-run", "--dataset-path", str(squad_file), env=machine(gpus=4))
+    assert "ℹ️  CPU mode (--cpu): gloo, 4 CPU cores, 4 GPUs left unused" in result.stdout
+    [argv] = torchrun_commands(result.stdout)
+    assert flag(argv, "--model-name") == "tiny" and flag(argv, "--save-dir") == "checkpoints/gpt2_1cpu"
+
+
+def test_missing_dataset_path_is_an_error_before_anything_runs(tmp_path):
+    result = launch("run_gpt2_quick.sh", "--dry-run", "--dataset-path", str(tmp_path / "nope.jsonl"), env=machine())
+    assert result.returncode == 1
+    assert f"❌ Dataset: {tmp_path / 'nope.jsonl'} not found (--dataset-path)" in result.stdout
+    assert torchrun_commands(result.stdout) == []
+
+
+def test_jsonl_dataset_goes_to_dataset_path_and_relative_paths_follow_the_caller(tmp_path):
+    (tmp_path / "corpus.jsonl").write_text('{"text": "안녕하세요 hello"}\n')
+    result = launch("run_gpt2.sh", "--dry-run", "--dataset-path", "corpus.jsonl", "--output-dir", "traces",
+                    "--trace", cwd=tmp_path, env=machine())
+    assert result.returncode == 0, result.stdout + result.stderr
+    [argv] = torchrun_commands(result.stdout)
+    assert flag(argv, "--dataset-path") == f"{tmp_path}/corpus.jsonl"
+    assert flag(argv, "--trace-output-dir") == f"{tmp_path}/traces"
+    assert flag(argv, "--trace-name") == "gpt2_1cpu"
+
+
+def test_quick_script_traces_each_count_under_its_own_name(squad_file):
+    result = launch("run_bert_quick.sh", "--dry-run", "--dataset-path", str(squad_file), env=machine(cores=8))
+    assert result.returncode == 0, result.stderr
+    commands = torchrun_commands(result.stdout)
+    assert [next(a for a in c if a.startswith("--nproc_per_node=")) for c in commands] == \
+        ["--nproc_per_node=1", "--nproc_per_node=2"]
+    for argv, count in zip(commands, (1, 2)):
+        assert "bert/train.py" in argv and "--enable-tracing" in argv
+        assert flag(argv, "--trace-name") == f"bert_{count}cpu_quick_trace"
+        assert flag(argv, "--trace-output-dir") == "outputs"
+        assert flag(argv, "--max-steps") == "10"  # --test is the default of the quick scripts
+        assert "--no-save-initial" in argv and "--no-compile" in argv
+    # on the CPU, 4 ranks only when asked, even with 8 cores
+    assert "⏭️  Skipping BERT at 4 CPU ranks: CPU mode runs 1 and 2 ranks unless asked (--num-gpus 1,2,4)" \
+        in result.stdout
+    asked = launch("run_bert_quick.sh", "--dry-run", "--num-gpus", "4", "--dataset-path", str(squad_file),
+                   env=machine(cores=8))
+    [argv] = torchrun_commands(asked.stdout)
+    assert "--nproc_per_node=4" in argv and flag(argv, "--trace-name") == "bert_4cpu_quick_trace"
+
+
+def test_run_all_profiling_dry_run_covers_both_models_then_conversion():
+    """The README's main command, as planned on a machine without a GPU: bundled data, 1 and 2 CPU ranks."""
+    result = launch("run_all_profiling.sh", "--dry-run", env=machine())
+    if not (REPO / "data" / "squad_sample.json").exists():
+        assert "❌ Dataset: the bundled data/squad_sample.json is missing" in result.stdout
+        pytest.skip("data/squad_sample.json not in this checkout yet")
+    assert result.returncode == 0, result.stdout + result.stderr
+    commands = torchrun_commands(result.stdout)
+    names = [flag(c, "--trace-name") for c in commands]
+    assert names == ["gpt2_1cpu_quick_trace", "gpt2_2cpu_quick_trace", "bert_1cpu_quick_trace", "bert_2cpu_quick_trace"]
+    assert {flag(c, "--squad-file") for c in commands} == {"data/squad_sample.json"}
+    if (REPO / "convert_to_et.py").exists():
+        convert = [l for l in result.stdout.splitlines() if l.startswith("$ ") and "convert_to_et.py" in l]
+        assert len(convert) == 1
+        assert shlex.split(convert[0][2:])[-4:] == [f"outputs/{n}" for n in names]
+    else:
+        assert "⏭️  Conversion skipped: convert_to_et.py is not in this checkout" in result.stdout
+    assert "--no-convert" in launch("run_all_profiling.sh", "--help").stdout
+
+
+def test_run_all_experiments_trains_both_models_at_1_2_and_8():
+    result = launch("run_all_experiments.sh", "--dry-run", "--max-steps", "50", env=machine(gpus=8))
+    assert result.returncode == 0, result.stderr
+    commands = torchrun_commands(result.stdout)
+    assert [(next(a for a in c if a.endswith("/train.py")), next(a for a in c if a.startswith("--nproc")))
+            for c in commands] == [(m, f"--nproc_per_node={n}") for m in ("gpt2/train.py", "bert/train.py")
+                                   for n in (1, 2, 8)]
+    for argv in commands:
+        assert "--enable-tracing" not in argv
+        assert flag(argv, "--num-epochs") == "3" and flag(argv, "--max-steps") == "50"
+    assert "execution: background (nohup), dry run" in result.stdout  # full training defaults to the background
+    on_two = launch("run_all_experiments.sh", "--dry-run", env=machine(gpus=2))
+    assert len(torchrun_commands(on_two.stdout)) == 4
+    assert "⏭️  Skipping BERT at 8 GPUs: this machine has 2 GPU(s)" in on_two.stdout
+
+
+def test_options_reach_train_py(squad_file):
+    result = launch("run_gpt2_quick.sh", "--dry-run", "--num-gpus", "1", "--dataset-path", str(squad_file),
+                    "--max-steps", "5", "--batch-size", "2", "--learning-rate", "1e-4", "--max-seq-length", "64",
+                    "--save-steps", "7", "--precision", "bf16", "--compile", "--model-name", "gpt2",
+                    "--save-dir", "/tmp/ck", "--logs-dir", "/tmp/lg", "--verbose",
+                    "--", "--attn-implementation", "eager", env=machine())
+    assert result.returncode == 0, result.stderr
+    [argv] = torchrun_commands(result.stdout)
+    assert flag(argv, "--max-steps") == "5" and flag(argv, "--batch-size") == "2"
+    assert flag(argv, "--learning-rate") == "1e-4" and flag(argv, "--max-seq-length") == "64"
+    assert flag(argv, "--save-steps") == "7" and flag(argv, "--precision") == "bf16"
+    assert "--compile" in argv and "--no-compile" not in argv
+    assert flag(argv, "--model-name") == "gpt2"
+    assert flag(argv, "--save-dir") == "/tmp/ck/gpt2_1cpu_quick_trace"
+    assert flag(argv, "--log-dir") == "/tmp/lg/gpt2_1cpu_quick_trace"
+    assert flag(argv, "--logging-steps") == "1" and "LOGLEVEL=INFO" in argv
+    assert argv[-2:] == ["--attn-implementation", "eager"]
+
+
+def test_multi_node_options_become_torchrun_rendezvous_arguments():
+    result = launch("run_gpt2_quick.sh", "--dry-run", "--num-gpus", "8", "--nnodes", "2", "--node-rank", "1",
+                    "--master-addr", "10.1.2.3", "--master-port", "29555", env=machine(gpus=8))
+    assert result.returncode == 0, result.stderr
+    [argv] = torchrun_commands(result.stdout)
+    for expected in ("--nnodes=2", "--node_rank=1", "--master_addr=10.1.2.3", "--master_port=29555",
+                     "--nproc_per_node=8"):
+        assert expected in argv
+    assert "--standalone" not in argv
+    assert flag(argv, "--num-gpus") == "16"  # the world size
+    assert flag(argv, "--trace-name") == "gpt2_16gpu_quick_trace"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Background mode
+# ---------------------------------------------------------------------------------------------------------
+
+def test_background_mode_writes_the_pid_file_and_the_console_log(squad_file, tmp_path):
+    logs = tmp_path / "logs"
+    result = launch("run_gpt2.sh", "1", "--cpu", "--dry-run", "--background", "--dataset-path", str(squad_file),
+                    "--logs-dir", str(logs))
+    assert result.returncode == 0, result.stdout + result.stderr
+    pid = (logs / "training.pid").read_text().strip()
+    assert pid.isdigit()
+    assert f"🔢 Process ID: {pid}" in result.stdout
+    assert f"tail -f {logs}/training_console.log" in result.stdout
+    assert f"ps -p {pid}" in result.stdout and f"kill {pid}" in result.stdout
+    # the background child ran the same plan, and its output went to the console log, not to this terminal
+    console = (logs / "training_console.log").read_text()
+    assert "execution: foreground, dry run" in console
+    [argv] = torchrun_commands(console)
+    assert "--nproc_per_node=1" in argv and flag(argv, "--log-dir") == f"{logs}/gpt2_1cpu"
+    assert torchrun_commands(result.stdout.split("First log lines")[0]) == []
+
+
+def test_background_mode_refuses_to_start_over_a_live_run(squad_file, tmp_path):
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / "training.pid").write_text(f"{os.getpid()}\n")  # a live process: this test
+    result = launch("run_gpt2.sh", "--cpu", "--background", "--dataset-path", str(squad_file), "--logs-dir", str(logs))
+    assert result.returncode == 1
+    assert f"error: a background run is still going (PID {os.getpid()}" in result.stderr
+    assert not (logs / "training_console.log").exists()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Real runs (CPU, tiny models)
+# ---------------------------------------------------------------------------------------------------------
+
+def trace_files(folder: Path) -> set[str]:
+    return {p.name for p in folder.iterdir()}
+
+
+@needs_training
+@pytest.mark.slow
+def test_quick_run_on_the_cpu_leaves_a_trace_folder(tmp_path):
+    """Through the launcher as a user runs it: bundled data, tiny model, tracing on, two ranks."""
+    out, logs, ckpt = tmp_path / "outputs", tmp_path / "logs", tmp_path / "checkpoints"
+    result = launch("run_gpt2_quick.sh", "--cpu", "--num-gpus", "2", "--max-steps", "3", "--output-dir", str(out),
+                    "--logs-dir", str(logs), "--save-dir", str(ckpt), env=this_machine(), timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    folder = out / "gpt2_2cpu_quick_trace"
+    files = trace_files(folder)
+    for rank in range(2):
+        assert {f"host.{rank}.json", f"device.{rank}.json", f"stacks.{rank}.txt"} <= files
+        json.loads((folder / f"host.{rank}.json").read_text())  # one valid document
+    assert json.loads((folder / "run.json").read_text())["world_size"] == 2
+    assert f"✅ Traces: {folder} (ranks 0-1" in result.stdout
+    assert re.search(r"gpt2_2cpu_quick_trace\s+ok", result.stdout)
+
+
+@needs_training
+@pytest.mark.slow
+def test_a_failing_run_is_reported_and_makes_the_exit_status_1(tmp_path):
+    broken = tmp_path / "broken.json"
+    broken.write_text("{not json")
+    result = launch("run_bert.sh", "1", "--cpu", "--foreground", "--max-steps", "2", "--dataset-path", str(broken),
+                    "--logs-dir", str(tmp_path / "logs"), "--save-dir", str(tmp_path / "ck"), env=this_machine(),
+                    timeout=300)
+    assert result.returncode == 1
+    assert re.search(r"❌ bert_1cpu failed \(exit \d+\)", result.stdout)
+    assert re.search(r"bert_1cpu\s+failed", result.stdout)
+
+
+@needs_training
+@pytest.mark.slow
+def test_two_nodes_on_one_machine_share_one_trace_folder(tmp_path):
+    """--nnodes/--node-rank/--master-addr/--master-port, with both 'nodes' on this machine."""
+    port = free_port()
+    out = tmp_path / "outputs"
+    common = ["--cpu", "--num-gpus", "1", "--max-steps", "3", "--nnodes", "2", "--master-addr", "127.0.0.1",
+              "--master-port", str(port), "--output-dir", str(out), "--save-dir", str(tmp_path / "ck")]
+    env = dict(os.environ, OMP_NUM_THREADS="1", **this_machine())
+    nodes = [subprocess.Popen([str(REPO / "run_bert_quick.sh"), *common, "--node-rank", str(rank),
+                               "--logs-dir", str(tmp_path / f"logs{rank}")],
+                              cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for rank in (0, 1)]
+    outputs = [node.communicate(timeout=600)[0] for node in nodes]
+    for node, output in zip(nodes, outputs):
+        assert node.returncode == 0, output[-3000:]
+    folder = out / "bert_2cpu_quick_trace"
+    assert {"host.0.json", "host.1.json", "device.0.json", "device.1.json", "run.json"} <= trace_files(folder)
+    assert "ranks 0-0" in outputs[0] and "ranks 1-1" in outputs[1]
+
+
+@needs_training
+@pytest.mark.slow
+def test_kill_stops_a_background_run_and_its_workers(tmp_path):
+    logs = tmp_path / "logs"
+    result = launch("run_gpt2.sh", "1", "--cpu", "--train", "--num-epochs", "1000", "--logs-dir", str(logs),
+                    "--save-dir", str(tmp_path / "ck"), env=this_machine(), timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    pid = int((logs / "training.pid").read_text())
+    console = logs / "training_console.log"
+    deadline = time.time() + 240
+    # wait until training is under way
+    while time.time() < deadline and not re.search(r"step\s*\d+|\bloss\b", console.read_text(), re.I):
+        assert _alive(pid), console.read_text()[-3000:]
+        time.sleep(1)
+    workers = _children(pid)
+    assert workers, "no torchrun under the launcher"
+    os.kill(pid, signal.SIGTERM)
+    while time.time() < deadline and (_alive(pid) or any(_alive(w) for w in workers)):
+        time.sleep(0.5)
+    assert not _alive(pid) and not any(_alive(w) for w in workers)
+    text = console.read_text()
+    assert "🛑 Stopping: SIGTERM to torchrun" in text
+    assert re.search(r"gpt2_1cpu\s+stopped", text) and "🛑 Stopped by a signal" in text
+    # the trainer saved where it stopped, as the launcher promised ("kill PID: stop it, a checkpoint is saved")
+    assert list((tmp_path / "ck" / "gpt2_1cpu").glob("checkpoint-*")), text[-3000:]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie is gone for our purposes
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except (FileNotFoundError, IndexError):
+        return True
+
+
+def _children(pid: int) -> list[int]:
+    """All descendants of pid (from /proc), so the test can check that none outlives the kill."""
+    found, queue = [], [pid]
+    while queue:
+        parent = queue.pop()
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+            except (FileNotFoundError, IndexError, ProcessLookupError):
+                continue
+            if int(fields[1]) == parent:
+                child = int(stat.parent.name)
+                found.append(child)
+                queue.append(child)
+    return found
