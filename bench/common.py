@@ -83,6 +83,10 @@ def run_child(argv: Sequence[str], *, env: dict | None = None, cwd: str | Path =
             timer.start()
         try:
             _, status, usage = os.wait4(process.pid, 0)
+        except BaseException:  # Ctrl-C or SIGTERM of the benchmark: take the child's whole group down with it
+            stop()
+            process.wait()
+            raise
         finally:
             if timer:
                 timer.cancel()
@@ -107,12 +111,28 @@ def child_env(threads: int | None = None, **extra: str) -> dict:
     env = dict(os.environ)
     env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
                PYTHONUNBUFFERED="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT)] + paths)
     if threads is not None:
         for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
             env[name] = str(threads)
     env.update(extra)
     return env
+
+
+def full_vocab_tokenizer(model: str, model_name: str, env: dict) -> "tuple[Path, int, str]":
+    """bench/full_vocab_tokenizer.py in a child: (folder for --tokenizer-path, its size, a line saying what it is)."""
+    run = run_child([sys.executable, REPO_ROOT / "bench" / "full_vocab_tokenizer.py", "--model", model,
+                     "--model-name", model_name], env=env, timeout_s=1800)
+    if not run.ok:
+        raise BenchError(f"could not prepare the {model} {model_name} tokenizer: {run.reason()}")
+    before, target, folder = run.stdout.strip().splitlines()[-1].split(" ", 2)
+    if int(before) < int(target):
+        note = (f"tokenizer: the trainer's offline stand-in ({int(before):,} tokens) padded with unused tokens to "
+                f"{int(target):,}, so {model} {model_name} has its published size")
+    else:
+        note = f"tokenizer: {int(before):,} tokens ({folder})"
+    return Path(folder), max(int(before), int(target)), note
 
 
 def our_step_times(log_dir: Path) -> dict[int, float]:
@@ -182,6 +202,11 @@ def machine_description(packages: Sequence[str] = ("torch", "transformers", "acc
     versions = ", ".join(f"{p} {package_version(p)}" for p in packages)
     return (f"machine: {cpu}; {len(os.sched_getaffinity(0))} usable of {os.cpu_count()} cores; load average "
             f"{load} (1/5/15 min); Python {platform.python_version()}; {versions}")
+
+
+def exit_on_sigterm() -> None:
+    """SIGTERM ends the benchmark like Ctrl-C does: children stopped, scratch folders removed (finally blocks run)."""
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
 
 def fail(message: str) -> int:

@@ -12,8 +12,8 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import (BUNDLED_SQUAD, REPO_ROOT, BenchError, child_env, fail, format_table, machine_description,
-                          median, one_core, ratio, run_child)
+from bench.common import (BUNDLED_SQUAD, REPO_ROOT, BenchError, child_env, exit_on_sigterm, fail, format_table,
+                          full_vocab_tokenizer, machine_description, median, one_core, ratio, run_child)
 
 DEFAULT_CACHE = REPO_ROOT / "bench" / ".cache" / "traces"  # git-ignored (bench/.gitignore)
 GENERATE_TIMEOUT_S = 3600
@@ -26,7 +26,8 @@ COMPARABILITY = (
     "them itself, then validates the .et it wrote; chakra_converter reads the merged host+device JSON that OUR "
     "linker wrote (convert_to_et.py --emit-merged), because chakra's own linker (chakra_trace_link) needs et_replay, "
     "which cannot be installed here. So chakra's linking time and memory are NOT in its column (issue 3 measured "
-    "chakra's link + convert at 74 s and 780 MB per rank on the 4-step trace), and the ratios understate its full path.")
+    "chakra's link + convert at 74 s and 780 MB per rank on the 4-step trace), and the ratios understate its full "
+    "path.")
 
 
 @dataclass
@@ -70,8 +71,9 @@ class Measurement:
 
 
 # ----------------------------------------------------------------------------------------------- trace generation
-def trace_name(args, steps: int) -> str:
-    return f"{args.model}-{args.model_name}_{args.ranks}r_b{args.batch_size}_s{args.max_seq_length}_{steps}steps"
+def trace_name(args, steps: int, vocab: int) -> str:
+    return (f"{args.model}-{args.model_name}_v{vocab}_{args.ranks}r_b{args.batch_size}_s{args.max_seq_length}_"
+            f"{steps}steps")
 
 
 def is_complete(folder: Path, ranks: int) -> bool:
@@ -79,9 +81,9 @@ def is_complete(folder: Path, ranks: int) -> bool:
         _trace_file(folder, kind, r).is_file() for r in range(ranks) for kind in ("host", "device"))
 
 
-def generate_traces(args, steps: int, cache: Path) -> TraceSet:
+def generate_traces(args, steps: int, cache: Path, tokenizer: Path, vocab: int) -> TraceSet:
     """Our tracer on our trainer: `steps` traced steps on every rank (torchrun + gloo for several ranks), cached."""
-    name = trace_name(args, steps)
+    name = trace_name(args, steps, vocab)
     folder = cache / name
     if folder.is_dir() and is_complete(folder, args.ranks) and not args.regenerate:
         print(f"    cached: {folder}", flush=True)
@@ -95,13 +97,15 @@ def generate_traces(args, steps: int, cache: Path) -> TraceSet:
         launcher = [sys.executable, script] if args.ranks == 1 else [
             sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.ranks}", script]
         command = launcher + [
-            "--model-name", args.model_name, "--squad-file", str(BUNDLED_SQUAD), "--batch-size", args.batch_size,
+            "--model-name", args.model_name, "--tokenizer-path", tokenizer, "--squad-file", str(BUNDLED_SQUAD),
+            "--batch-size", args.batch_size,
             "--max-seq-length", args.max_seq_length, "--enable-tracing", "--trace-wait-steps", "1",
             "--trace-warmup-steps", "1", "--trace-active-steps", steps, "--trace-output-dir", scratch,
             "--trace-name", name, "--eval-steps", "0", "--eval-batches", "1", "--save-steps", "0",
             "--no-save-initial", "--save-dir", scratch / "checkpoints", "--log-dir", scratch / "logs",
             "--report-to", "none", "--logging-steps", "1"]
-        print(f"    tracing {steps} step(s) of {args.model} {args.model_name} on {args.ranks} CPU rank(s) ...", flush=True)
+        print(f"    tracing {steps} step(s) of {args.model} {args.model_name} on {args.ranks} CPU rank(s) ...",
+              flush=True)
         run = run_child(command, env=child_env(threads=1), timeout_s=GENERATE_TIMEOUT_S)
         made = scratch / name
         if not run.ok or not is_complete(made, args.ranks):
@@ -118,10 +122,12 @@ def given_traces(folders: list) -> list:
     """--traces: trace folders as they are, in the order given; their traced step count is read from run.json."""
     sets = []
     for folder in map(Path, folders):
-        ranks = sorted({int(p.name.split(".")[1]) for p in folder.glob("host.*.json*") if p.name.split(".")[1].isdigit()})
+        fields = [p.name.split(".") for p in folder.glob("host.*.json*")]
+        ranks = sorted({int(f[1]) for f in fields if f[1].isdigit()})
         if not ranks:
             raise BenchError(f"{folder}: no host.<rank>.json[.gz] files")
-        missing = [str(_trace_file(folder, "device", r)) for r in ranks if not _trace_file(folder, "device", r).is_file()]
+        missing = [str(_trace_file(folder, "device", r)) for r in ranks
+                   if not _trace_file(folder, "device", r).is_file()]
         if missing:
             raise BenchError(f"{missing[0]}: missing (every host.<rank> trace needs its device.<rank> trace)")
         steps = 0
@@ -229,7 +235,7 @@ def report(sets: list, results: dict, args) -> str:
     base = summary[0]
     rows = []
     for traces, size, ours_s, chakra_s, stages in summary:
-        breakdown = ", ".join(f"{k.replace('_s', '')} {v:.2f}" for k, v in stages.items())
+        breakdown = ", ".join(f"{k.removesuffix('_s')} {v:.2f}" for k, v in stages.items())
         rows.append([traces.steps or traces.folder.name, f"{size:.1f}", f"{size / base[1]:.2f}x", f"{ours_s:.2f}",
                      f"{ours_s / base[2]:.2f}x", f"{chakra_s:.2f}", f"{chakra_s / base[3]:.2f}x", breakdown])
     lines += ["", "Growth (mean over ranks, relative to the first row):", format_table(
@@ -264,7 +270,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model-name", default="gpt2", help="(default: %(default)s, the 124M size)")
     parser.add_argument("--ranks", type=int, default=2, help="CPU ranks of the traced run (default: %(default)s)")
     parser.add_argument("--batch-size", type=int, default=2,
-                        help="(default: %(default)s; with seq 128, about 14 MB host + 6 MB device JSON per step and rank)")
+                        help="(default: %(default)s; with seq 128: about 14 MB host + 6 MB device JSON per step "
+                             "and rank)")
     parser.add_argument("--max-seq-length", type=int, default=128, help="(default: %(default)s)")
     parser.add_argument("--repeats", type=int, default=1, help="timings per rank and tool; the median is shown "
                         "(default: %(default)s)")
@@ -283,6 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    exit_on_sigterm()
     if args.quick:
         args.model_name, args.ranks, args.steps, args.batch_size, args.max_seq_length = "tiny", 1, "1,2", 2, 64
     try:
@@ -299,9 +307,9 @@ def main(argv=None) -> int:
         if args.traces:
             sets = given_traces(args.traces)
         else:
-            sets = []
-            for count in steps:
-                sets.append(generate_traces(args, count, Path(args.cache_dir)))
+            tokenizer, vocab, note = full_vocab_tokenizer(args.model, args.model_name, child_env(threads=1))
+            print(note)
+            sets = [generate_traces(args, count, Path(args.cache_dir), tokenizer, vocab) for count in steps]
         results = {}
         with tempfile.TemporaryDirectory(prefix="convert_bench-") as tmp:
             work = Path(tmp)

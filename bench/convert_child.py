@@ -24,10 +24,8 @@ def main(argv=None) -> int:
     if args.mode == "parse":
         from trace_tools.load import read_trace_bytes
         import orjson
-        for path in (args.host, args.device):
-            document = orjson.loads(read_trace_bytes(path))
-            del document
-        print(json.dumps({"seconds": time.perf_counter() - started}))
+        documents = [orjson.loads(read_trace_bytes(path)) for path in (args.host, args.device)]
+        print(json.dumps({"seconds": time.perf_counter() - started, "documents": len(documents)}))
         return 0
     from trace_tools.load import TraceError
     from trace_tools.pipeline import convert_rank

@@ -34,6 +34,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--family", choices=["gpt2", "bert"], required=True)
     parser.add_argument("--model-name", required=True)
     parser.add_argument("--squad-file", required=True)
+    parser.add_argument("--tokenizer-path", default=None)
     parser.add_argument("--batch-size", type=int, required=True)
     parser.add_argument("--max-seq-length", type=int, required=True)
     parser.add_argument("--max-steps", type=int, required=True)
@@ -62,7 +63,8 @@ def main(argv=None) -> int:
     splits = load_text_splits(squad_file=args.squad_file, dataset_path=None, cache_dir=None,
                               validation_fraction=VALIDATION_FRACTION, seed=args.seed)
     request = family.tokenizer_request(args.model_name, family.resolve_config(args.model_name))
-    tokenizer, _ = load_tokenizer(request, tokenizer_path=None, cache_dir=None, training_texts=splits.all_texts)
+    tokenizer, _ = load_tokenizer(request, tokenizer_path=args.tokenizer_path, cache_dir=None,
+                                  training_texts=splits.all_texts)
     tokenizer = family.prepare_tokenizer(tokenizer)
     config = family.resolve_config(args.model_name)
     family.finalize_config(config, tokenizer)

@@ -10,8 +10,8 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import (BUNDLED_SQUAD, REPO_ROOT, BenchError, child_env, fail, format_table, machine_description,
-                          median, our_step_times, run_child, steps_between)
+from bench.common import (BUNDLED_SQUAD, REPO_ROOT, BenchError, child_env, exit_on_sigterm, fail, format_table,
+                          full_vocab_tokenizer, machine_description, median, our_step_times, run_child, steps_between)
 
 CHILD_TIMEOUT_S = 3600
 TRACE_NAME = "tracing_cost"
@@ -54,8 +54,9 @@ class Samples:
     trace_mb: list = field(default_factory=list)
 
 
-def train_command(model: str, model_name: str, args, plan: Plan, work: Path, tracing: bool) -> list:
+def train_command(model: str, model_name: str, tokenizer: Path, args, plan: Plan, work: Path, tracing: bool) -> list:
     command = [sys.executable, str(REPO_ROOT / model / "train.py"), "--model-name", model_name,
+               "--tokenizer-path", tokenizer,
                "--squad-file", str(BUNDLED_SQUAD), "--batch-size", args.batch_size,
                "--max-seq-length", args.max_seq_length, "--max-steps", plan.max_steps, "--logging-steps", "1",
                "--eval-steps", "0", "--eval-batches", "1", "--save-steps", "0", "--no-save-initial",
@@ -67,11 +68,13 @@ def train_command(model: str, model_name: str, args, plan: Plan, work: Path, tra
     return command
 
 
-def run_condition(model: str, model_name: str, args, plan: Plan, work: Path, env: dict, tracing: bool) -> dict:
+def run_condition(model: str, model_name: str, tokenizer: Path, args, plan: Plan, work: Path, env: dict,
+                  tracing: bool) -> dict:
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     what = f"our {model}/train.py ({model_name}, tracing {'on' if tracing else 'off'})"
-    run = run_child(train_command(model, model_name, args, plan, work, tracing), env=env, timeout_s=CHILD_TIMEOUT_S)
+    run = run_child(train_command(model, model_name, tokenizer, args, plan, work, tracing), env=env,
+                    timeout_s=CHILD_TIMEOUT_S)
     if not run.ok:
         raise BenchError(f"{what} failed: {run.reason()}")
     times = our_step_times(work / "logs")
@@ -98,11 +101,13 @@ def read_traced_run(work: Path, plan: Plan) -> "tuple[list, float]":
 
 def measure(model: str, model_name: str, args, plan: Plan, root: Path, env: dict) -> Samples:
     samples = Samples()
+    tokenizer, _, note = full_vocab_tokenizer(model, model_name, env)
+    print(f"    {note}", flush=True)
     for repeat in range(args.repeats):
         # Alternate which condition runs first, so a machine getting busier or quieter favours neither.
         for tracing in ((False, True) if repeat % 2 == 0 else (True, False)):
             work = root / f"{model}-{model_name}-{'on' if tracing else 'off'}-{repeat}"
-            times = run_condition(model, model_name, args, plan, work, env, tracing)
+            times = run_condition(model, model_name, tokenizer, args, plan, work, env, tracing)
             if not tracing:
                 samples.off += [times[s] for s in range(plan.skip + 1, plan.max_steps + 1)]
                 continue
@@ -145,13 +150,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--enable-tracing with a window in the middle of the run) with the same model, data and steps, reads each "
         "step's time from the trainer's log (--logging-steps 1) and compares medians. Exits 1 when a condition "
         "could not be measured.")
-    parser.add_argument("--model", choices=["gpt2", "bert"], default="gpt2", help="which train.py (default: %(default)s)")
+    parser.add_argument("--model", choices=["gpt2", "bert"], default="gpt2",
+                        help="which train.py (default: %(default)s)")
     parser.add_argument("--model-names", default="tiny,gpt2",
                         help="comma-separated --model-name values, one table block each (default: %(default)s)")
     parser.add_argument("--batch-size", type=int, default=2, help="(default: %(default)s)")
     parser.add_argument("--max-seq-length", type=int, default=128, help="(default: %(default)s)")
-    parser.add_argument("--skip-steps", type=int, default=2, help="first steps of each run left out (default: %(default)s)")
-    parser.add_argument("--wait-steps", type=int, default=8, help="tracer steps before the window (default: %(default)s)")
+    parser.add_argument("--skip-steps", type=int, default=2,
+                        help="first steps of each run left out (default: %(default)s)")
+    parser.add_argument("--wait-steps", type=int, default=8,
+                        help="tracer steps before the window (default: %(default)s)")
     parser.add_argument("--active-steps", type=int, default=5, help="steps inside the window (default: %(default)s)")
     parser.add_argument("--after-steps", type=int, default=4, help="steps after the window (default: %(default)s)")
     parser.add_argument("--repeats", type=int, default=1, help="runs per condition, alternating (default: %(default)s)")
@@ -165,6 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    exit_on_sigterm()
     if args.quick:
         args.model_names, args.batch_size, args.max_seq_length = "tiny", 2, 64
         args.skip_steps, args.wait_steps, args.active_steps, args.after_steps = 1, 3, 3, 2

@@ -10,8 +10,9 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import (BUNDLED_SQUAD, REPO_ROOT, BenchError, child_env, fail, format_table, machine_description,
-                          median, our_step_times, ratio, run_child, steps_between)
+from bench.common import (BUNDLED_SQUAD, REPO_ROOT, BenchError, child_env, exit_on_sigterm, fail, format_table,
+                          full_vocab_tokenizer, machine_description, median, our_step_times, ratio, run_child,
+                          steps_between)
 
 CHILD_TIMEOUT_S = 3600
 
@@ -60,8 +61,9 @@ def default_cases(cuda: bool, quick: bool) -> list:
     return cases
 
 
-def our_command(case: Case, work: Path) -> list:
+def our_command(case: Case, work: Path, tokenizer: Path) -> list:
     command = [sys.executable, str(REPO_ROOT / case.family / "train.py"), "--model-name", case.model_name,
+               "--tokenizer-path", tokenizer,
                "--squad-file", str(BUNDLED_SQUAD), "--batch-size", case.batch_size, "--max-seq-length", case.seq,
                "--max-steps", case.max_steps, "--precision", case.precision, "--logging-steps", "1",
                "--eval-steps", "0", "--eval-batches", "1", "--save-steps", "0", "--no-save-initial",
@@ -69,40 +71,54 @@ def our_command(case: Case, work: Path) -> list:
     return command + (["--compile"] if case.compile else [])
 
 
-def trainer_command(case: Case, work: Path) -> list:
+def trainer_command(case: Case, work: Path, tokenizer: Path) -> list:
     command = [sys.executable, str(REPO_ROOT / "bench" / "hf_trainer_run.py"), "--family", case.family,
+               "--tokenizer-path", tokenizer,
                "--model-name", case.model_name, "--squad-file", str(BUNDLED_SQUAD), "--batch-size", case.batch_size,
                "--max-seq-length", case.seq, "--max-steps", case.max_steps, "--precision", case.precision,
                "--output-dir", work / "hf_output", "--result", work / "hf_result.json"]
     return command + (["--compile"] if case.compile else [])
 
 
-@dataclass
-class Measured:
-    step_s: float = 0.0           # median over the measured steps
-    tokens_per_s: float = 0.0
-    error: str = ""
-
-
-def measure_ours(case: Case, work: Path, env: dict) -> Measured:
-    run = run_child(our_command(case, work), env=env, timeout_s=CHILD_TIMEOUT_S)
+def measure_ours(case: Case, work: Path, env: dict, tokenizer: Path) -> list:
+    """Our trainer's measured step times (seconds), from its per-step log."""
+    run = run_child(our_command(case, work, tokenizer), env=env, timeout_s=CHILD_TIMEOUT_S)
     if not run.ok:
         raise BenchError(f"our {case.family}/train.py ({case.model_name}) failed: {run.reason()}")
     times = our_step_times(work / "logs")
-    steps = steps_between(times, case.skip_steps + 1, case.max_steps, f"our {case.family}/train.py")
-    step = median(steps)
-    return Measured(step, case.batch_size * case.seq / step)
+    return steps_between(times, case.skip_steps + 1, case.max_steps, f"our {case.family}/train.py")
 
 
-def measure_trainer(case: Case, work: Path, env: dict) -> "tuple[Measured, dict]":
-    run = run_child(trainer_command(case, work), env=env, timeout_s=CHILD_TIMEOUT_S)
+def measure_trainer(case: Case, work: Path, env: dict, tokenizer: Path) -> "tuple[list, dict]":
+    """transformers.Trainer's measured step times (seconds), from its callback, and what the child reported."""
+    run = run_child(trainer_command(case, work, tokenizer), env=env, timeout_s=CHILD_TIMEOUT_S)
     if not run.ok:
         raise BenchError(f"transformers.Trainer ({case.family} {case.model_name}) failed: {run.reason()}")
     result = json.loads((work / "hf_result.json").read_text(encoding="utf-8"))
     times = {i + 1: s for i, s in enumerate(result["step_s"])}
-    steps = steps_between(times, case.skip_steps + 1, case.max_steps, "transformers.Trainer")
-    step = median(steps)
-    return Measured(step, result["tokens_per_step"] / step), result
+    return steps_between(times, case.skip_steps + 1, case.max_steps, "transformers.Trainer"), result
+
+
+def measure_case(case: Case, work: Path, env: dict, repeats: int, tokenizer: Path) -> "tuple[dict, dict, list]":
+    """Step times of both sides pooled over repeats (alternating which runs first), the Trainer child's report,
+    and (side, message) for each side that failed."""
+    pooled, info, errors = {"ours": [], "trainer": []}, {}, []
+    for repeat in range(repeats):
+        for side in (("ours", "trainer") if repeat % 2 == 0 else ("trainer", "ours")):
+            if side in {e[0] for e in errors}:
+                continue
+            side_dir = work / f"{side}-{repeat}"
+            shutil.rmtree(side_dir, ignore_errors=True)
+            side_dir.mkdir(parents=True)
+            try:
+                if side == "ours":
+                    pooled[side] += measure_ours(case, side_dir, env, tokenizer)
+                else:
+                    steps, info = measure_trainer(case, side_dir, env, tokenizer)
+                    pooled[side] += steps
+            except BenchError as exc:
+                errors.append((side, str(exc)))
+    return pooled, info, errors
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -118,6 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-seq-length", type=int, default=None, help="override every case's sequence length")
     parser.add_argument("--skip-steps", type=int, default=None, help="override the warm-up steps left out")
     parser.add_argument("--measure-steps", type=int, default=None, help="override the measured steps")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="runs per side, alternating which goes first; step times are pooled "
+                             "(default: %(default)s)")
     parser.add_argument("--threads", type=int, default=None,
                         help="CPU threads of each trainer (OMP_NUM_THREADS; default: torch's default, all cores)")
     parser.add_argument("--keep", metavar="DIR", default=None, help="keep each run's logs under DIR")
@@ -126,6 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    exit_on_sigterm()
     import torch
     cuda = torch.cuda.is_available()
     models = [m.strip() for m in args.models.split(",") if m.strip()]
@@ -133,7 +153,7 @@ def main(argv=None) -> int:
     unknown = [m for m in models if m not in ("gpt2", "bert")] + [s for s in sizes if s not in ("tiny", "base")]
     if unknown:
         return fail(f"unknown model or size {unknown[0]!r} (--models gpt2,bert; --sizes tiny,base)")
-    for flag in ("batch_size", "max_seq_length", "measure_steps"):
+    for flag in ("batch_size", "max_seq_length", "measure_steps", "repeats"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             return fail(f"--{flag.replace('_', '-')} must be at least 1")
     if args.skip_steps is not None and args.skip_steps < 0:
@@ -146,6 +166,11 @@ def main(argv=None) -> int:
                                                   ("skip_steps", "skip_steps"), ("measure_steps", "measure_steps"))
                  if getattr(args, a) is not None}
     cases = [replace(c, **overrides) for c in cases]
+    try:
+        import accelerate  # noqa: F401  (transformers.Trainer cannot run without it)
+    except ImportError as exc:
+        return fail(f"transformers.Trainer needs the accelerate package, so the reference cannot be measured "
+                    f"({exc}); pip install accelerate")
     env = child_env(threads=args.threads)
 
     print(machine_description())
@@ -158,31 +183,29 @@ def main(argv=None) -> int:
             label = f"{case.family} {SIZE_LABELS[(case.family, case.size)]}"
             print(f"... {label}: {case.batch_size} x {case.seq} tokens, {case.precision}"
                   f"{', compile' if case.compile else ''}, {case.skip_steps} + {case.measure_steps} steps", flush=True)
-            work = root / f"{case.family}-{case.size}"
-            ours = trainer = None
-            info = {}
-            for side in ("ours", "trainer"):
-                side_dir = work / side
-                shutil.rmtree(side_dir, ignore_errors=True)
-                side_dir.mkdir(parents=True)
-                try:
-                    if side == "ours":
-                        ours = measure_ours(case, side_dir, env)
-                    else:
-                        trainer, info = measure_trainer(case, side_dir, env)
-                except BenchError as exc:
-                    errors.append(str(exc))
+            try:
+                tokenizer, _, note = full_vocab_tokenizer(case.family, case.model_name, env)
+            except BenchError as exc:
+                errors.append(str(exc))
+                continue
+            print(f"    {note}", flush=True)
+            pooled, info, case_errors = measure_case(case, root / f"{case.family}-{case.size}", env, args.repeats,
+                                                     tokenizer)
+            errors += [message for _, message in case_errors]
+            failed = {side for side, _ in case_errors}
+            step = {side: median(times) if times and side not in failed else None for side, times in pooled.items()}
+            # The Trainer child reports the sequence length both used (capped at the model's positions like ours).
+            tokens = info.get("tokens_per_step", case.batch_size * case.seq)
+            rate = {side: tokens / s if s else None for side, s in step.items()}
             row = [label, f"{case.precision}{' + compile' if case.compile else ''}", f"{case.batch_size} x {case.seq}",
-                   f"{case.skip_steps} + {case.measure_steps}",
-                   f"{1000 * ours.step_s:.1f}" if ours else "failed",
-                   f"{1000 * trainer.step_s:.1f}" if trainer else "failed",
-                   f"{ours.tokens_per_s:,.0f}" if ours else "failed",
-                   f"{trainer.tokens_per_s:,.0f}" if trainer else "failed",
-                   ratio(ours and ours.tokens_per_s, trainer and trainer.tokens_per_s)]
+                   f"{case.skip_steps} + {case.measure_steps}" + (f" (x{args.repeats})" if args.repeats > 1 else "")]
+            row += [f"{1000 * step[side]:.1f}" if step[side] else "failed" for side in ("ours", "trainer")]
+            row += [f"{rate[side]:,.0f}" if rate[side] else "failed" for side in ("ours", "trainer")]
+            row.append(ratio(rate["ours"], rate["trainer"]))
             if cuda:
                 fpt, peak = info.get("flops_per_token"), info.get("peak_flops")
-                for side in (ours, trainer):
-                    row.append(f"{100 * fpt * side.tokens_per_s / peak:.1f}%" if side and fpt and peak else "n/a")
+                for side in ("ours", "trainer"):
+                    row.append(f"{100 * fpt * rate[side] / peak:.1f}%" if rate[side] and fpt and peak else "n/a")
             rows.append(row)
     finally:
         if not args.keep:

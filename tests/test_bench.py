@@ -1,0 +1,160 @@
+"""The benchmarks: each prints its table and exits 0 on small sizes, and exits non-zero when it cannot measure."""
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.common import BenchError, format_table, our_step_times, run_child
+from bench.convert_bench import growth_exponent
+
+ROOT = Path(__file__).resolve().parent.parent
+CPU_TRACES = ROOT / "tests" / "data" / "cpu"
+
+
+def run_bench(script: str, *args: str, env_extra: dict = None, timeout: int = 600) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", **(env_extra or {}))
+    return subprocess.run([sys.executable, str(ROOT / "bench" / script), *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def table_rows(stdout: str, first_cell: str) -> list:
+    """Cells of the Markdown table rows whose first cell starts with first_cell."""
+    rows = []
+    for line in stdout.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("|") and cells[0].startswith(first_cell):
+            rows.append(cells)
+    return rows
+
+
+def ratio_value(cell: str) -> float:
+    match = re.fullmatch(r"([0-9.]+)x", cell)
+    assert match, f"not a ratio: {cell!r}"
+    return float(match.group(1))
+
+
+# ---------------------------------------------------------------------------------------------- shared helpers
+def test_child_peak_memory_is_that_of_the_child(tmp_path):
+    grow = "b = bytearray(200 * 1024 * 1024); b[::4096] = b'x' * len(b[::4096])"
+    big = run_child([sys.executable, "-c", grow])
+    small = run_child([sys.executable, "-c", "pass"])
+    assert big.ok and small.ok
+    assert big.peak_rss_mb > 200 > small.peak_rss_mb
+    assert big.wall_s > 0
+
+
+def test_child_failure_reports_its_last_error_line():
+    run = run_child([sys.executable, "-c", "import sys; print('error: disk full', file=sys.stderr); sys.exit(3)"])
+    assert not run.ok and run.returncode == 3
+    assert run.reason() == "exit status 3: error: disk full"
+
+
+def test_child_past_its_timeout_is_stopped():
+    run = run_child([sys.executable, "-c", "import time; time.sleep(30)"], timeout_s=0.5)
+    assert run.timed_out and not run.ok and run.wall_s < 10
+
+
+def test_step_times_are_read_from_our_trainer_log(tmp_path):
+    (tmp_path / "training_rank_0.log").write_text(
+        "2026-01-01 00:00:00,000 rank 0/1 INFO utils.trainer: step 1/2 | epoch 0.01 | loss 7.2 | lr 5e-05 | "
+        "grad norm 2.0 | 144 tok/s | 1,772.1 ms/step\n"
+        "2026-01-01 00:00:01,000 rank 0/1 INFO utils.trainer: step 2/2 | epoch 0.01 | loss 7.1 | lr 4e-05 | "
+        "96 tok/s | 15.5 ms/step\n", encoding="utf-8")
+    assert our_step_times(tmp_path) == {1: 1.7721, 2: 0.0155}
+
+
+def test_a_log_without_step_lines_is_an_error(tmp_path):
+    (tmp_path / "training_rank_0.log").write_text("no steps here\n", encoding="utf-8")
+    with pytest.raises(BenchError, match="no 'step N/M"):
+        our_step_times(tmp_path)
+
+
+def test_table_aligns_numbers_right():
+    table = format_table(["name", "s"], [["a", "1.50"], ["bb", "10.25"]]).splitlines()
+    assert table[1] == "|------|------:|"
+    assert table[2] == "| a    |  1.50 |"
+
+
+def test_growth_exponent_is_one_for_linear_growth():
+    assert growth_exponent([10.0, 20.0, 40.0], [1.0, 2.0, 4.0]) == pytest.approx(1.0)
+    assert growth_exponent([10.0, 40.0], [1.0, 16.0]) == pytest.approx(2.0)
+
+
+# -------------------------------------------------------------------------------------------- convert_bench
+def test_convert_bench_compares_ours_with_chakra_converter_on_real_traces():
+    result = run_bench("convert_bench.py", "--traces", str(CPU_TRACES / "gpt2_tiny_1r"),
+                       str(CPU_TRACES / "bert_tiny_2r"))
+    assert result.returncode == 0, result.stderr
+    rows = table_rows(result.stdout, "bert_tiny_2r")
+    per_rank = [r for r in rows if r[1] in ("0", "1")]
+    assert [r[1] for r in per_rank] == ["0", "1"]
+    for row in per_rank:
+        ours_s, ours_mb, chakra_s, chakra_mb = float(row[5]), float(row[6]), float(row[7]), float(row[8])
+        assert ours_s > 0 and chakra_s > 0 and 20 < ours_mb < 2000 and 20 < chakra_mb < 2000
+        assert ratio_value(row[9]) == pytest.approx(chakra_s / ours_s, rel=0.05, abs=0.01)
+    assert "Growth" in result.stdout and "NOT in its column" in result.stdout
+
+
+def test_convert_bench_fails_when_chakra_converter_is_missing(tmp_path):
+    result = run_bench("convert_bench.py", "--traces", str(CPU_TRACES / "gpt2_tiny_1r"),
+                       "--chakra-converter", str(tmp_path / "chakra_converter"))
+    assert result.returncode == 1
+    assert "reference cannot be measured" in result.stderr
+    assert "| ours s" not in result.stdout
+
+
+@pytest.mark.slow
+def test_convert_bench_traces_with_our_tracer_and_caches_the_traces(tmp_path):
+    cache = tmp_path / "cache"
+    result = run_bench("convert_bench.py", "--quick", "--steps", "1", "--cache-dir", str(cache))
+    assert result.returncode == 0, result.stderr
+    folder = cache / "gpt2-tiny_1r_b2_s64_1steps"
+    assert sorted(p.name for p in folder.glob("*.json")) == ["device.0.json", "host.0.json", "run.json"]
+    assert (folder / "chakra_input" / "merged.0.json").is_file()
+    assert len(table_rows(result.stdout, "1")) == 2  # the per-rank row and the growth row
+    again = run_bench("convert_bench.py", "--quick", "--steps", "1", "--cache-dir", str(cache))
+    assert again.returncode == 0 and "cached:" in again.stdout
+
+
+# ---------------------------------------------------------------------------------------------- train_bench
+@pytest.mark.slow
+def test_train_bench_prints_tokens_per_second_of_both_trainers_and_their_ratio():
+    result = run_bench("train_bench.py", "--quick", "--models", "gpt2", "--threads", "1")
+    assert result.returncode == 0, result.stderr
+    [row] = table_rows(result.stdout, "gpt2 tiny")
+    ours, trainer = (float(cell.replace(",", "")) for cell in row[6:8])
+    assert ours > 0 and trainer > 0
+    assert ratio_value(row[8]) == pytest.approx(ours / trainer, rel=0.05, abs=0.01)
+
+
+def test_train_bench_fails_when_transformers_trainer_cannot_run(tmp_path):
+    fake = tmp_path / "accelerate"
+    fake.mkdir()
+    (fake / "__init__.py").write_text("raise ImportError('No module named accelerate')\n")
+    result = run_bench("train_bench.py", "--quick", "--models", "gpt2",
+                       env_extra={"PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])})
+    assert result.returncode == 1
+    assert "needs the accelerate package" in result.stderr
+
+
+# --------------------------------------------------------------------------------------------- tracing_cost
+@pytest.mark.slow
+def test_tracing_cost_prints_step_time_ratios_of_each_condition():
+    result = run_bench("tracing_cost.py", "--quick", "--threads", "1")
+    assert result.returncode == 0, result.stderr
+    rows = {row[1]: row for row in table_rows(result.stdout, "gpt2 tiny")}
+    assert rows["tracing off"][4] == "1.00x"
+    for condition in ("tracer set up, before the window (wait)", "inside the window (active)", "after the window"):
+        assert ratio_value(rows[condition][4]) > 0
+        assert int(rows[condition][2]) >= 1
+
+
+def test_tracing_cost_fails_when_a_run_cannot_be_measured():
+    result = run_bench("tracing_cost.py", "--model-names", "no-such-model", "--skip-steps", "0", "--wait-steps", "1",
+                       "--active-steps", "2", "--after-steps", "0")
+    assert result.returncode == 1
+    assert "(no-such-model, tracing off) failed" in result.stderr and "--model-name" in result.stderr
+    assert "| tracing off" not in result.stdout
