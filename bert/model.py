@@ -11,12 +11,14 @@ def resolve_bert_config(model_name: str) -> BertConfig:
 
 
 def bert_tokenizer_request(model_name: str, config: BertConfig) -> TokenizerRequest:
-    if model_name == "tiny":
-        hub_id = None
-    else:  # a local config directory gets the published uncased vocabulary unless it has its own tokenizer
-        hub_id = HUB_TOKENIZER_IDS.get(model_name, HUB_TOKENIZER_IDS[DEFAULT_MODEL_NAME])
+    if model_name == "tiny":  # no published tokenizer: a small one trained on the data keeps the model tiny
+        return TokenizerRequest(family="bert", kind="wordpiece", model_name=model_name, hub_id=None,
+                                vocab_size=config.vocab_size, lowercase=True)
+    # A local config directory gets the published uncased vocabulary unless it holds its own tokenizer;
+    # base and large share that vocabulary, so either downloaded copy serves both.
+    hub_id = HUB_TOKENIZER_IDS.get(model_name, HUB_TOKENIZER_IDS[DEFAULT_MODEL_NAME])
     return TokenizerRequest(family="bert", kind="wordpiece", model_name=model_name, hub_id=hub_id,
-                            vocab_size=config.vocab_size, lowercase=True)
+                            vocab_size=config.vocab_size, lowercase=True, shared_name=DEFAULT_MODEL_NAME)
 
 
 def prepare_bert_tokenizer(tokenizer):

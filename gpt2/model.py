@@ -11,9 +11,11 @@ def resolve_gpt2_config(model_name: str) -> GPT2Config:
 
 
 def gpt2_tokenizer_request(model_name: str, config: GPT2Config) -> TokenizerRequest:
-    hub_id = None if model_name == "tiny" else HUB_TOKENIZER_ID
-    return TokenizerRequest(family="gpt2", kind="byte-level-bpe", model_name=model_name, hub_id=hub_id,
-                            vocab_size=config.vocab_size)
+    if model_name == "tiny":  # no published tokenizer: a small one trained on the data keeps the model tiny
+        return TokenizerRequest(family="gpt2", kind="byte-level-bpe", model_name=model_name, hub_id=None,
+                                vocab_size=config.vocab_size)
+    return TokenizerRequest(family="gpt2", kind="byte-level-bpe", model_name=model_name, hub_id=HUB_TOKENIZER_ID,
+                            vocab_size=config.vocab_size, shared_name="gpt2")
 
 
 def prepare_gpt2_tokenizer(tokenizer):

@@ -164,6 +164,17 @@ def test_tokenizer_chain_uses_tokenizer_path_before_anything_else(tokenizers, tm
         load_tokenizer(request, tokenizer_path=str(tmp_path / "missing"), cache_dir=None, training_texts=list)
 
 
+def test_pretrained_models_folder_is_tried_for_the_size_then_for_the_shared_tokenizer(tokenizers, tmp_path, monkeypatch):
+    from gpt2.model import gpt2_tokenizer_request, resolve_gpt2_config
+    from utils import tokenization
+    monkeypatch.setattr(tokenization, "PRETRAINED_MODELS_DIR", tmp_path)
+    tokenizers[0].save_pretrained(tmp_path / "gpt2")  # what scripts/download_tokenizers.py leaves there
+    request = gpt2_tokenizer_request("gpt2-xl", resolve_gpt2_config("gpt2-xl"))
+    tokenizer, source = load_tokenizer(request, tokenizer_path=None, cache_dir=None,
+                                       training_texts=lambda: pytest.fail("must not train"))
+    assert source == str(tmp_path / "gpt2") and len(tokenizer) == len(tokenizers[0])
+
+
 def test_offline_named_model_warns_that_it_trains_a_stand_in_tokenizer(tmp_path, monkeypatch, caplog):
     from utils import tokenization
     monkeypatch.setattr(tokenization, "TRAINED_TOKENIZER_CACHE", tmp_path)

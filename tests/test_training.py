@@ -331,3 +331,24 @@ def test_wandb_logs_offline_without_credentials(tmp_path, monkeypatch):
     assert status == 0
     runs = list((log_dir / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(runs) == 1 and b"train/loss" in runs[0].read_bytes()
+
+
+# ---- models -----------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("family, name, parameters", [
+    ("gpt2", "gpt2", 124_439_808), ("gpt2", "gpt2-medium", 354_823_168), ("gpt2", "gpt2-large", 774_030_080),
+    ("gpt2", "gpt2-xl", 1_557_611_200), ("bert", "bert-base-uncased", 109_514_298),
+    ("bert", "bert-large-uncased", 335_174_458)])
+def test_named_sizes_have_the_published_parameter_counts(family, name, parameters):
+    spec = gpt2.train.GPT2_FAMILY if family == "gpt2" else bert.train.BERT_FAMILY
+    with torch.device("meta"):  # shapes only: no memory, no initialisation time
+        model = spec.model_class(spec.resolve_config(name))
+    assert sum(p.numel() for p in model.parameters()) == parameters
+
+
+def test_local_config_directory_of_the_other_family_is_refused(tmp_path):
+    from transformers import BertConfig
+    from utils.errors import UsageError
+    BertConfig(num_hidden_layers=1).save_pretrained(tmp_path)
+    with pytest.raises(UsageError, match="model_type is 'bert', but gpt2/train.py trains 'gpt2' models"):
+        gpt2.train.GPT2_FAMILY.resolve_config(str(tmp_path))
+    assert bert.train.BERT_FAMILY.resolve_config(str(tmp_path)).num_hidden_layers == 1

@@ -103,6 +103,16 @@ def write_checkpoint(target: Path, *, model: torch.nn.Module, tokenizer, info: d
     return target
 
 
+def read_training_info(checkpoint: Path) -> dict:
+    path = Path(checkpoint) / TRAINING_INFO_FILE
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise UsageError(f"{path}: not found") from None
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"{path}: not valid JSON ({exc.msg}, line {exc.lineno})") from None
+
+
 def check_resumable(checkpoint: Path) -> None:
     checkpoint = Path(checkpoint)
     if not checkpoint.is_dir():

@@ -92,7 +92,7 @@ def check_num_gpus(num_gpus: Optional[int], world_size: int) -> None:
     if num_gpus is None or num_gpus == world_size:
         return
     if world_size == 1:
-        hint = f"launch with `torchrun --nproc_per_node={num_gpus} ...`"
+        hint = f"launch with torchrun --nproc_per_node={num_gpus} ..."
     else:
         hint = f"pass --num-gpus {world_size} or start torchrun with --nproc_per_node={num_gpus}"
     raise UsageError(f"--num-gpus {num_gpus} but WORLD_SIZE is {world_size}: {hint}")

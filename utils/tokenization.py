@@ -30,6 +30,7 @@ class TokenizerRequest:
     hub_id: Optional[str]         # published tokenizer for this model, None for `tiny`
     vocab_size: int               # target size for a trained stand-in
     lowercase: bool = False       # wordpiece only (the *-uncased models)
+    shared_name: Optional[str] = None  # sizes share one tokenizer: gpt2-xl also takes pretrained_models/gpt2
 
 
 def train_byte_level_bpe(texts: Iterable[str], vocab_size: int):
@@ -123,14 +124,17 @@ def load_tokenizer(request: TokenizerRequest, *, tokenizer_path: Optional[str], 
             raise UsageError(f"{tokenizer_path}: cannot load a tokenizer ({str(exc).splitlines()[0]})") from None
 
     model_dir = Path(request.model_name)
-    local = model_dir if model_dir.is_dir() else PRETRAINED_MODELS_DIR / request.model_name
-    if local.is_dir():
-        try:
-            return _load_pretrained(str(local)), str(local)
-        except (OSError, ValueError) as exc:
-            logger.info("no usable tokenizer in %s (%s)", local, str(exc).splitlines()[0])
+    candidates = [model_dir if model_dir.is_dir() else PRETRAINED_MODELS_DIR / request.model_name]
+    if request.shared_name and request.shared_name != request.model_name:
+        candidates.append(PRETRAINED_MODELS_DIR / request.shared_name)
+    for local in candidates:
+        if local.is_dir():
+            try:
+                return _load_pretrained(str(local)), str(local)
+            except (OSError, ValueError) as exc:
+                logger.info("no usable tokenizer in %s (%s)", local, str(exc).splitlines()[0])
 
-    tried = [str(local)]
+    tried = [str(local) for local in candidates]
     if request.hub_id:
         offline = hub_is_offline()
         try:

@@ -6,6 +6,7 @@ import gc
 import importlib.util
 import logging
 import math
+import os
 import platform
 import random
 import signal
@@ -25,7 +26,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from utils.chakra_tracer import add_tracing_arguments, build_tracer, tracing_window_steps
 from utils.checkpointing import (BEST_MODEL, FINAL_MODEL, INITIAL_MODEL, capture_rng_state, check_resumable,
-                                 checkpoint_name, load_resume_state, restore_rng_state,
+                                 checkpoint_name, load_resume_state, read_training_info, restore_rng_state,
                                  weights_fingerprint, write_checkpoint)
 from utils.data_utils import (BatchStream, RepeatedBatch, TextExample, TextSplits, build_dataloader,
                               check_data_flags, load_text_splits, tokenize_examples)
@@ -280,8 +281,14 @@ class Trainer:
     def setup(self) -> None:
         args, ctx = self.args, self.ctx
         seed_everything(args.seed)  # identical model initialisation on every rank
-        self.splits = self._load_text()
         resume_dir = Path(args.resume_from) if args.resume_from else None
+        if resume_dir:
+            saved_name = read_training_info(resume_dir).get("model_name")
+            if saved_name and saved_name != args.model_name:
+                logger.info("--resume-from: continuing %s's model %s (not --model-name %s)", resume_dir, saved_name,
+                            args.model_name)
+                args.model_name = saved_name
+        self.splits = self._load_text()
         self.tokenizer, self.tokenizer_source = self._load_tokenizer(resume_dir)
         if resume_dir:
             self.model = self.family.model_class.from_pretrained(str(resume_dir),
@@ -707,7 +714,8 @@ def out_of_memory_advice(args: argparse.Namespace, rank: int) -> str:
 def main(family: ModelFamily, argv: Optional[list] = None) -> int:
     """Parse, check, train; the process exit status. Errors a user can fix print one `error:` line, no traceback."""
     args = build_arg_parser(family).parse_args(argv)
-    handlers, rank = [], 0
+    handlers = []
+    rank = int(os.environ.get("RANK", "0")) if os.environ.get("RANK", "0").isdigit() else 0
     try:
         validate_args(args, family)
         with distributed_context(args.num_gpus) as ctx:
@@ -721,23 +729,27 @@ def main(family: ModelFamily, argv: Optional[list] = None) -> int:
             finally:
                 trainer.release()
     except UsageError as exc:
-        _report_error(str(exc), handlers, show=rank == 0)  # every rank hits the same error; say it once
+        _report_error(str(exc), handlers, rank, every_rank=False)  # all ranks hit the same error: say it once
         return 1
     except torch.cuda.OutOfMemoryError:
-        _report_error(out_of_memory_advice(args, rank), handlers, show=True)
+        _report_error(out_of_memory_advice(args, rank), handlers, rank, every_rank=True)
         return 1
     except KeyboardInterrupt:
-        _report_error("interrupted (Ctrl-C twice): stopped without saving a checkpoint", handlers, show=rank == 0)
+        _report_error("interrupted (Ctrl-C twice): stopped without saving a checkpoint", handlers, rank,
+                      every_rank=False)
         return 130
     finally:
         teardown_logging(handlers)
 
 
-def _report_error(message: str, handlers: list, show: bool) -> None:
-    """Through the logging handlers when they exist (console on rank 0 and the rank's file), else to stderr."""
+def _report_error(message: str, handlers: list, rank: int, every_rank: bool) -> None:
+    """One `error:` line on the console: from rank 0, or from any rank for rank-specific errors (out of memory).
+    With logging set up it also lands in the rank's log file."""
     if handlers:
-        logger.error(message)
-    elif show:
+        logger.error(message)  # rank 0's console handler prints it; other ranks have only their file
+    if rank != 0 and every_rank:
+        print(f"error: [rank {rank}] {message}", file=sys.stderr)
+    elif not handlers and rank == 0:
         print(f"error: {message}", file=sys.stderr)
 
 
