@@ -21,11 +21,13 @@ RUN apt-get update \
 WORKDIR /workspace/mosim-llms
 
 # Requirements before the code, so editing the code does not reinstall them. requirements.txt says torch>=2.4;
-# the constraint pins torch to the base image's own CUDA build, so pip never swaps it for a PyPI wheel.
+# the constraints pin torch to the base image's own CUDA build, so pip never swaps it for a PyPI wheel, and cap
+# the libraries whose newest release no longer supports that torch (transformers 5 needs torch 2.6).
 COPY requirements.txt requirements-convert.txt ./
-RUN python -c "import importlib.metadata as m; print('torch==' + m.version('torch'))" > /tmp/torch-constraint.txt \
-    && echo "keeping the base image's $(cat /tmp/torch-constraint.txt)" \
-    && pip install --no-cache-dir -c /tmp/torch-constraint.txt -r requirements.txt -r requirements-convert.txt
+COPY scripts/pip_constraints.py scripts/
+RUN python scripts/pip_constraints.py > /tmp/constraints.txt \
+    && echo "constraints: $(tr '\n' ' ' < /tmp/constraints.txt)" \
+    && pip install --no-cache-dir -c /tmp/constraints.txt -r requirements.txt -r requirements-convert.txt
 
 # Tokenizers where the training side looks first (/workspace/pretrained_models/<model-name>). Without network
 # the script warns and the build goes on: training then tries the hub, else trains a local tokenizer.
@@ -35,7 +37,10 @@ RUN python scripts/download_tokenizers.py --output-dir /workspace/pretrained_mod
 COPY . .
 
 # Fail the build here, not at the first run, when an import or a launcher is broken.
+# transformers imports even when it has switched PyTorch off (too old a torch): ask it whether PyTorch is on.
 RUN python -c "import torch, transformers, datasets, tokenizers, orjson, chakra.schema.protobuf.et_def_pb2; \
+from transformers.utils import is_torch_available; \
+assert is_torch_available(), f'transformers {transformers.__version__} switched off torch {torch.__version__}'; \
 print('torch', torch.__version__, '| CUDA', torch.version.cuda, '| transformers', transformers.__version__)" \
     && ./run_gpt2.sh --help > /dev/null \
     && mkdir -p outputs checkpoints logs

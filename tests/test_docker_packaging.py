@@ -70,19 +70,30 @@ def test_dockerfile_has_base_image_argument_workdir_healthcheck_and_tokenizers()
     assert re.search(rf"^WORKDIR {WORKDIR}$", text, re.M)
     assert re.search(r"^HEALTHCHECK ", text, re.M)
     assert "--output-dir /workspace/pretrained_models" in text
-    # requirements installed under a constraint that pins the base image's torch
-    assert re.search(r"pip install .*-c /tmp/torch-constraint\.txt -r requirements\.txt -r requirements-convert\.txt", text)
+    # requirements installed under the constraints of scripts/pip_constraints.py (the base image's torch kept)
+    assert re.search(r"python scripts/pip_constraints\.py > /tmp/constraints\.txt", text)
+    assert re.search(r"pip install .*-c /tmp/constraints\.txt -r requirements\.txt -r requirements-convert\.txt", text)
 
 
-def test_dockerfile_torch_constraint_command_pins_the_installed_torch():
-    """The same command the image runs, here: it must print torch==<the version pip sees>."""
-    text = (REPO / "Dockerfile").read_text()
-    command = re.search(r'RUN (python -c "import importlib\.metadata[^"]*")', text).group(1)
-    python_code = shlex.split(command)[2]
-    result = run([sys.executable, "-c", python_code])
-    assert result.returncode == 0, result.stderr
+def test_pip_constraints_pin_the_installed_torch():
+    """The image's constraint step, run here: torch stays exactly the version pip sees installed."""
     import importlib.metadata
-    assert result.stdout.strip() == f"torch=={importlib.metadata.version('torch')}"
+    result = run([sys.executable, "scripts/pip_constraints.py"])
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.split()
+    assert lines[0] == f"torch=={importlib.metadata.version('torch')}"
+
+
+@pytest.mark.parametrize("torch_version, expected", [
+    ("2.4.0+cu124", ["torch==2.4.0+cu124", "transformers<5"]),  # the default base image
+    ("2.5.1", ["torch==2.5.1", "transformers<5"]),
+    ("2.6.0+cu126", ["torch==2.6.0+cu126"]),
+    ("2.13.0+cpu", ["torch==2.13.0+cpu"]),
+])
+def test_pip_constraints_cap_transformers_below_torch_2_6(torch_version, expected):
+    """transformers 5 switches PyTorch off below 2.6, so older base images get transformers 4."""
+    result = run([sys.executable, "scripts/pip_constraints.py", "--torch-version", torch_version])
+    assert result.stdout.split() == expected
 
 
 def test_dockerfile_import_check_passes_in_a_complete_environment():
@@ -91,6 +102,7 @@ def test_dockerfile_import_check_passes_in_a_complete_environment():
     match = re.search(r'RUN python -c "(import torch,[^"]*)"', text, re.S)
     assert match, "no import check in the Dockerfile"
     python_code = match.group(1).replace("\\\n", "")
+    assert "is_torch_available()" in python_code
     result = run([sys.executable, "-c", python_code])
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("torch ")

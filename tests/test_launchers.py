@@ -203,9 +203,10 @@ def test_asking_for_more_gpus_than_the_machine_has_is_skipped_not_a_crash(squad_
 
 
 def test_on_a_two_gpu_machine_quick_profiling_runs_1_and_2_gpus_and_skips_4():
-    result = launch("run_gpt2_quick.sh", "--dry-run", env=machine(gpus=2))
+    result = launch("run_gpt2_quick.sh", "--dry-run", "--verbose", env=machine(gpus=2))
     assert result.returncode == 0, result.stderr
     assert "✅ CUDA 12.4: 2 GPU(s) available (NVIDIA H100 80GB HBM3)" in result.stdout
+    assert "   GPU 1: NVIDIA H100 80GB HBM3" in result.stdout
     commands = torchrun_commands(result.stdout)
     assert [flag(c, "--trace-name") for c in commands] == ["gpt2_1gpu_quick_trace", "gpt2_2gpu_quick_trace"]
     for argv in commands:
@@ -396,6 +397,25 @@ def test_quick_run_on_the_cpu_leaves_a_trace_folder(tmp_path):
     assert json.loads((folder / "run.json").read_text())["world_size"] == 2
     assert f"✅ Traces: {folder} (ranks 0-1" in result.stdout
     assert re.search(r"gpt2_2cpu_quick_trace\s+ok", result.stdout)
+
+
+@needs_training
+@pytest.mark.slow
+def test_run_all_profiling_traces_both_models_and_converts_them(tmp_path):
+    """The README's main command, one rank per model to keep it short: traces, then .et files and summaries."""
+    if not (REPO / "convert_to_et.py").exists():
+        pytest.skip("convert_to_et.py not in this checkout yet")
+    out = tmp_path / "outputs"
+    result = launch("run_all_profiling.sh", "--num-gpus", "1", "--max-steps", "3", "--output-dir", str(out),
+                    "--logs-dir", str(tmp_path / "logs"), "--save-dir", str(tmp_path / "ck"), env=this_machine(),
+                    timeout=600)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-3000:]
+    unit = "gpu" if cuda_count() else "cpu"
+    for model in ("gpt2", "bert"):
+        folder = out / f"{model}_1{unit}_quick_trace"
+        assert (folder / f"{model}_1{unit}_quick_trace.0.et").stat().st_size > 0
+        assert (folder / "CONVERSION_SUMMARY.md").exists()
+    assert re.search(r"conversion to \.et\s+ok", result.stdout)
 
 
 @needs_training
