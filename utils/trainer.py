@@ -714,7 +714,7 @@ def out_of_memory_advice(args: argparse.Namespace, rank: int) -> str:
 def main(family: ModelFamily, argv: Optional[list] = None) -> int:
     """Parse, check, train; the process exit status. Errors a user can fix print one `error:` line, no traceback."""
     args = build_arg_parser(family).parse_args(argv)
-    handlers = []
+    handlers, root_level = [], logging.getLogger().level
     rank = int(os.environ.get("RANK", "0")) if os.environ.get("RANK", "0").isdigit() else 0
     try:
         validate_args(args, family)
@@ -740,6 +740,7 @@ def main(family: ModelFamily, argv: Optional[list] = None) -> int:
         return 130
     finally:
         teardown_logging(handlers)
+        logging.getLogger().setLevel(root_level)
 
 
 def _report_error(message: str, handlers: list, rank: int, every_rank: bool) -> None:
