@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import platform
+import shutil
 import socket
 import sys
 import time
@@ -28,6 +29,8 @@ RUN_INFO = "run.json"
 PARTIAL_SUFFIX = ".partial"
 INVALID_SUFFIX = ".invalid"
 STEP_ANNOTATION = "ProfilerStep#{step}"
+# ExecutionTraceObserver.start() records the process-group config under this name when torch.distributed is up.
+PG_INIT_NODE = "## process_group:init ##"
 
 
 class TraceError(RuntimeError):
@@ -245,13 +248,8 @@ class ChakraTracer:
         """on_trace_ready: the Kineto trace and the key_averages table of the recorded window."""
         prof.export_chrome_trace(str(self._partial(self.device_path)))
         self._device_trace_written = True
-        averages = prof.key_averages()
-        sort_by = "self_cpu_time_total"
-        if self.use_cuda:
-            # torch 2.4 renamed the CUDA column to "device"; keep the old name for older builds.
-            has_device_column = hasattr(torch.autograd.profiler_util.FunctionEventAvg, "self_device_time_total")
-            sort_by = "self_device_time_total" if has_device_column else "self_cuda_time_total"
-        table = averages.table(sort_by=sort_by, row_limit=-1)
+        sort_by = stacks_sort_key(self.use_cuda)
+        table = prof.key_averages().table(sort_by=sort_by, row_limit=-1)
         partial = self._partial(self.stacks_path)
         partial.write_text(f"# {self.trace_name} rank {self.rank}: optimizer steps {self.traced_steps}, "
                            f"sorted by {sort_by}\n{table}\n", encoding="utf-8")
@@ -268,13 +266,21 @@ class ChakraTracer:
                 if kind == "host":
                     errors.append(f"{path}: the ExecutionTraceObserver wrote no file")
                 continue
-            problem = check_trace_file(partial, kind)
+            document, problem = read_trace_file(partial, kind)
             if problem:
                 partial.replace(path.with_name(path.name + INVALID_SUFFIX))
                 errors.append(f"{path}: {problem} (kept as {path.name}{INVALID_SUFFIX})")
-            else:
-                partial.replace(path)
-                self.files[kind] = path
+                continue
+            partial.replace(path)
+            self.files[kind] = path
+            if kind == "host" and self.world_size > 1 and not any(
+                    node.get("name") == PG_INIT_NODE for node in document["nodes"]):
+                logger.warning("%s: no '%s' node: the process group was not initialised when the trace window "
+                               "began, so the conversion cannot place this rank's collectives", path, PG_INIT_NODE)
+            del document
+        resources = self._resources_dir(self._partial(self.host_path))
+        if resources.is_dir():
+            resources.replace(self._resources_dir(self.host_path))
         stacks = self._partial(self.stacks_path)
         if stacks.exists():
             stacks.replace(self.stacks_path)
@@ -292,6 +298,8 @@ class ChakraTracer:
         for name in names:
             for suffix in ("", PARTIAL_SUFFIX, INVALID_SUFFIX):
                 (self.trace_dir / (name.format(rank=self.rank) + suffix)).unlink(missing_ok=True)
+        for host in (self.host_path, self._partial(self.host_path)):
+            shutil.rmtree(self._resources_dir(host), ignore_errors=True)
         if self.rank != 0:
             return
         (self.trace_dir / RUN_INFO).unlink(missing_ok=True)
@@ -303,10 +311,14 @@ class ChakraTracer:
 
     def _remove_empty_resources_dir(self) -> None:
         # torch 2.4's unregister_callback always creates "<trace>_resources" beside the trace for inductor kernels.
-        host = self._partial(self.host_path)
-        resources = host.with_name(host.name.rsplit(".", 1)[0] + "_resources")
+        resources = self._resources_dir(self._partial(self.host_path))
         if resources.is_dir() and not any(resources.iterdir()):
             resources.rmdir()
+
+    @staticmethod
+    def _resources_dir(host_trace: Path) -> Path:
+        """Where ExecutionTraceObserver keeps compiled kernels of a trace (os.path.splitext(name)[0] + _resources)."""
+        return host_trace.with_name(os.path.splitext(host_trace.name)[0] + "_resources")
 
     @staticmethod
     def _partial(path: Path) -> Path:
@@ -360,6 +372,15 @@ class ChakraTracer:
         logger.info("traces of steps %s from %d rank(s) in %s", completed, len(ranks), self.trace_dir)
 
 
+def stacks_sort_key(on_cuda: bool) -> str:
+    """key_averages() column stacks.<rank>.txt is sorted by: self device time on CUDA, else self CPU time."""
+    if not on_cuda:
+        return "self_cpu_time_total"
+    # torch 2.4 renamed the CUDA columns to "device"; keep the old name for builds without it.
+    has_device_column = hasattr(torch.autograd.profiler_util.FunctionEventAvg(), "self_device_time_total")
+    return "self_device_time_total" if has_device_column else "self_cuda_time_total"
+
+
 def device_name(device: torch.device) -> str:
     """Marketing name of a CUDA device, else the CPU model."""
     if device.type == "cuda" and torch.cuda.is_available():
@@ -402,24 +423,29 @@ def software_versions() -> dict[str, Any]:
 
 def check_trace_file(path: str | os.PathLike, kind: str) -> str | None:
     """None if ``path`` holds exactly one JSON document shaped like a host or device trace, else the problem."""
+    return read_trace_file(path, kind)[1]
+
+
+def read_trace_file(path: str | os.PathLike, kind: str) -> tuple[Any, str | None]:
+    """(document, None) if ``path`` holds exactly one JSON document shaped like a ``kind`` ("host" or "device")
+    trace, else (None, the problem in words)."""
+    if kind not in ("host", "device"):
+        raise ValueError(f"unknown trace kind {kind!r}")
     data = Path(path).read_bytes()
     if not data.strip():
-        return "empty file"
+        return None, "empty file"
     try:
         document = _loads(data)
     except ValueError:
-        return _describe_json_problem(data)
+        return None, _describe_json_problem(data)
     if kind == "host":
         if not isinstance(document, dict) or not isinstance(document.get("nodes"), list) or "schema" not in document:
-            return "not an execution trace (no 'schema' and 'nodes')"
+            return None, "not an execution trace (no 'schema' and 'nodes')"
         if not document["nodes"]:
-            return "execution trace has no nodes"
-    elif kind == "device":
-        if not isinstance(document, dict) or not isinstance(document.get("traceEvents"), list):
-            return "not a Kineto trace (no 'traceEvents')"
-    else:
-        raise ValueError(f"unknown trace kind {kind!r}")
-    return None
+            return None, "execution trace has no nodes"
+    elif not isinstance(document, dict) or not isinstance(document.get("traceEvents"), list):
+        return None, "not a Kineto trace (no 'traceEvents')"
+    return document, None
 
 
 def _loads(data: bytes) -> Any:
