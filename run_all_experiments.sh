@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# All experiments: GPT-2 and BERT training at 1, 2 and 8 GPUs
+# Every training experiment: GPT-2 and BERT at 1, 2 and 8 GPUs, one after the other (background by default).
 set -euo pipefail
 # shellcheck source=scripts/launcher_common.sh
 source "$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/scripts/launcher_common.sh"

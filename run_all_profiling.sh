@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# All profiling: GPT-2 and BERT at 1, 2 and 4 GPUs, then conversion to .et
+# The main job: GPT-2 and BERT traced at 1, 2 and 4 GPUs (1 and 2 CPU ranks without a GPU), then converted to .et.
 set -euo pipefail
 # shellcheck source=scripts/launcher_common.sh
 source "$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/scripts/launcher_common.sh"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# BERT training launcher (full training, background by default)
+# Full BERT training under torchrun (background by default): ./run_bert.sh [NUM_GPUS] [BATCH_SIZE] [options]; see --help.
 set -euo pipefail
 # shellcheck source=scripts/launcher_common.sh
 source "$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/scripts/launcher_common.sh"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# BERT quick profiling: traced 10-step runs at 1, 2 and 4 GPUs
+# BERT profiling: traced 10-step runs at 1, 2 and 4 GPUs (1 and 2 CPU ranks without a GPU); see --help.
 set -euo pipefail
 # shellcheck source=scripts/launcher_common.sh
 source "$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/scripts/launcher_common.sh"

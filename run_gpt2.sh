@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPT-2 training launcher (full training, background by default)
+# Full GPT-2 training under torchrun (background by default): ./run_gpt2.sh [NUM_GPUS] [BATCH_SIZE] [options]; see --help.
 set -euo pipefail
 # shellcheck source=scripts/launcher_common.sh
 source "$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/scripts/launcher_common.sh"

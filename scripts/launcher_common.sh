@@ -736,7 +736,7 @@ lc_convert() {
     lc_run_command
     if [ "$LC_RC" = 0 ]; then
         LC_CONVERT_STATUS="ok"
-        lc_say "✅ Converted; per-run summaries: <trace folder>/CONVERSION_SUMMARY.md"
+        lc_say "✅ Converted: <run name>.<rank>.et and CONVERSION_SUMMARY.md in each trace folder"
     else
         LC_CONVERT_STATUS="failed (exit $LC_RC)"
         lc_say "❌ Conversion failed (exit $LC_RC); the traces are kept, retry with: $PYTHON convert_remaining.py ${dirs[*]}"
