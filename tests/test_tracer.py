@@ -1,5 +1,6 @@
 """Tests of the Chakra trace capture (utils/chakra_tracer.py) on tiny models, one and two ranks."""
 import argparse
+import gc
 import json
 import os
 import socket
@@ -104,6 +105,10 @@ def ddp_worker(rank, world_size, port, out_dir, steps):
         generator = torch.Generator().manual_seed(rank)
         batch = torch.randint(0, 100, (2, 16), generator=generator)
         train(model, tracer, steps, batch=batch)
+        # DDP's reducer must go while the group exists: freed after destroy_process_group, it joins gloo threads
+        # from the garbage collector at interpreter exit and can hang or abort the process.
+        del model, tracer
+        gc.collect()
     finally:
         dist.destroy_process_group()
 

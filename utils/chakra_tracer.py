@@ -170,14 +170,21 @@ class ChakraTracer:
             raise TraceError(f"{self.host_path}: could not register the ExecutionTraceObserver "
                              f"(another observer already registered in this process?)")
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.use_cuda else [])
-        self._profiler = profile(
-            activities=activities,
-            schedule=schedule(wait=self.wait_steps, warmup=self.warmup_steps, active=self.active_steps, repeat=1),
-            on_trace_ready=self._export_device_trace,
-            record_shapes=True,
-            execution_trace_observer=self._observer,
-        )
-        self._profiler.__enter__()
+        try:
+            self._profiler = profile(
+                activities=activities,
+                schedule=schedule(wait=self.wait_steps, warmup=self.warmup_steps, active=self.active_steps,
+                                  repeat=1),
+                on_trace_ready=self._export_device_trace,
+                record_shapes=True,
+                execution_trace_observer=self._observer,
+            )
+            self._profiler.__enter__()
+        except BaseException:
+            self._observer.unregister_callback()
+            self._observer = self._profiler = None
+            self._discard_traces()
+            raise
         logger.info("rank %d: tracing optimizer steps %s into %s", self.rank, self.traced_steps, self.trace_dir)
         self._step_started = self._now(sync=self.first_traced_step == 0)
         return self
@@ -243,6 +250,10 @@ class ChakraTracer:
             self._observer.stop()
             self._observer.unregister_callback()
             self._remove_empty_resources_dir()
+        # The profiler holds every recorded event (and, with record_shapes, tensor references): free them now
+        # rather than for the rest of the run.
+        self._profiler = None
+        self._observer = None
 
     def _export_device_trace(self, prof: profile) -> None:
         """on_trace_ready: the Kineto trace and the key_averages table of the recorded window."""
