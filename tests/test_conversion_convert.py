@@ -18,7 +18,7 @@ from trace_tools.pipeline import convert_runs
 
 GPU_RUNS = {"astra-sim_megatron_tp8_a100_8r": 8, "param_dlrm_v100_8r": 8, "hta_simple_add_a100_1r": 1,
             "param_resnet_2080ti_1r": 1, "param_linear_2080ti_1r": 1}
-CPU_RUNS = {"gpt2_tiny_1r": 1, "bert_tiny_2r": 2}
+CPU_RUNS = {"gpt2_tiny_1r": 1, "bert_tiny_2r": 2, "gpt2_tiny_2r": 2}
 
 
 def read_et_with_protolib(path: Path) -> tuple[GlobalMetadata, list[Node]]:
@@ -149,11 +149,69 @@ def test_collectives_agree_across_ranks_of_every_multi_rank_run(cpu_results, gpu
         assert not result.agreement_problems, result.agreement_problems
 
 
-def test_critical_path_is_within_ten_percent_of_the_traced_step(cpu_results, gpu_results):
-    for result in all_results(cpu_results, gpu_results):
+def assert_critical_path_within_ten_percent(results):
+    for result in results:
         for rank in result.ranks:
             ratio = rank.critical_path_us / rank.traced_step_us
             assert 0.9 <= ratio <= 1.1, f"{result.run.name} rank {rank.rank}: critical path {ratio:.3f} of the step"
+
+
+def test_critical_path_is_within_ten_percent_of_the_traced_step_on_cpu_runs(cpu_results):
+    assert_critical_path_within_ten_percent(cpu_results.values())
+
+
+def test_critical_path_is_within_ten_percent_of_the_traced_step_on_gpu_runs(gpu_results):
+    assert_critical_path_within_ten_percent(gpu_results.values())
+
+
+def test_fresh_two_rank_trace_counts_the_ddp_wait_for_its_all_reduce_once(cpu_results):
+    """gpt2_tiny_2r, made with our tracer: rank 0 idled 52 ms in DDP's wait for a 55 ms gloo all-reduce. Counted
+    both in the all-reduce and as the step's own time, the critical path was 1.22 of the step (and rank 1 had a
+    cycle). The wait shows on the step annotation and the path stays within 10% of the step on both ranks."""
+    result = cpu_results["gpt2_tiny_2r"]
+    assert result.ok and [rank.comm_by_type for rank in result.ranks] == [{"ALL_REDUCE": 2}] * 2
+    assert_critical_path_within_ten_percent([result])
+    _, nodes = read_et_with_protolib(Path(result.ranks[0].et_path))
+    step = next(n for n in nodes if n.name.startswith("ProfilerStep#"))
+    longest = max((n for n in nodes if n.type == COMM_COLL_NODE), key=lambda n: n.duration_micros)
+    assert longest.duration_micros > 50_000 and attrs(step)["wait_micros"] > 0.9 * longest.duration_micros
+
+
+def test_every_collective_is_waited_for_by_an_op_of_another_thread(cpu_results):
+    """The op that waits on a gloo collective (DDP's bucket copy after its wait, the optimizer step) depends on it."""
+    for name in ("bert_tiny_2r", "gpt2_tiny_2r"):
+        for rank in cpu_results[name].ranks:
+            _, nodes = read_et_with_protolib(Path(rank.et_path))
+            thread = {n.id: attrs(n)["kineto_tid"] for n in nodes if "kineto_tid" in attrs(n)}
+            waiters = {c: [n for n in nodes if c in n.data_deps and thread.get(n.id) != thread[c]]
+                       for c in (n.id for n in nodes if n.type == COMM_COLL_NODE)}
+            assert len(waiters) == (3 if name == "bert_tiny_2r" else 2)
+            assert all(waiters.values()), f"{rank.et_path}: a collective nobody waits for"
+
+
+def test_cpu_nodes_carry_the_kineto_thread_they_ran_on_and_their_inclusive_time(cpu_results):
+    """kineto_tid: Kineto's thread id (a gloo collective's worker thread, not its caller's); `tid` stays the host's.
+    inclusive_micros: the traced inclusive duration, beside the exclusive .et duration."""
+    from trace_tools.load import load_device_trace
+
+    for name in ("bert_tiny_2r", "gpt2_tiny_2r"):
+        for rank in cpu_results[name].ranks:
+            device = load_device_trace(CPU_FIXTURES / name / f"device.{rank.rank}.json.gz")
+            kineto = {}
+            for k, event in enumerate(device.cpu_names):
+                kineto.setdefault((event, round(device.cpu_ts[k])), (device.cpu_tid[k], device.cpu_dur[k]))
+            _, nodes = read_et_with_protolib(Path(rank.et_path))
+            threads = Counter()
+            for node in nodes:
+                a = attrs(node)
+                tid, dur = kineto[(node.name, node.start_time_micros)]
+                assert a["kineto_tid"] == tid and a["inclusive_micros"] == round(dur)
+                assert a["inclusive_micros"] + 1 >= node.duration_micros
+                threads[(node.type == COMM_COLL_NODE, tid)] += 1
+            main = {tid for (comm, tid) in threads if not comm}
+            gloo = {tid for (comm, tid) in threads if comm}
+            assert len(main) == 1 and gloo and not gloo & main, "collectives ran on the gloo worker threads"
+            assert {attrs(n)["tid"] for n in nodes if n.type == COMM_COLL_NODE} == {1}, "the host's numbering"
 
 
 @pytest.mark.parametrize("run,rank", [("gpt2_tiny_1r", 0), ("bert_tiny_2r", 0), ("bert_tiny_2r", 1)])

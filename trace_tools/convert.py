@@ -75,9 +75,15 @@ def build_node(linked: LinkedTrace, i: int) -> bytes:
     on_cpu = kind != GPU_OP and node_type not in (COMM_COLL_NODE, COMM_SEND_NODE, COMM_RECV_NODE)
     attrs = node.attr
     h = linked.host_index[i]
-    if h < 0 and kind == KINETO_OP:
+    if kind != GPU_OP:
+        # The thread the op really ran on (a gloo collective: the backend's worker thread) in Kineto's numbering;
+        # `tid` keeps the host trace's own numbering, as chakra writes it.
         tid = dev.cpu_tid[linked.src[i]]
-        attrs.append(_attr_int("tid", tid if isinstance(tid, int) else 0))
+        if h < 0:
+            attrs.append(_attr_int("tid", tid if isinstance(tid, int) else 0))
+        if isinstance(tid, int):
+            attrs.append(_attr_int("kineto_tid", tid))
+        attrs.append(_attr_int("inclusive_micros", max(0, round(linked.dur[i]))))
     attrs.append(AttributeProto(name="is_cpu_op", bool_val=on_cpu))
     if kind == GPU_OP:
         g = linked.src[i]

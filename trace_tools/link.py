@@ -34,6 +34,12 @@ SYNC_CALLS = {"cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchr
               "cudaMemcpy2D", "cudaMemcpyFromSymbol", "cudaMemcpyToSymbol", "cuCtxSynchronize",
               "cuStreamSynchronize", "cuEventSynchronize", "cuMemcpyDtoH_v2", "cuMemcpyHtoD_v2",
               "hipDeviceSynchronize", "hipStreamSynchronize", "hipEventSynchronize", "hipMemcpy"}
+# A thread waiting on another thread's work resumes when the work completes, before the work's record function
+# closes (torch marks a gloo future complete, which wakes its waiters, then ends the record; on a busy machine the
+# worker may not run again for milliseconds). A thread idle through a gap that another thread's op covered (this
+# share of the gap at least) waited for that op when it resumed before the op closed by at most this share of the gap.
+BLOCKED_COVER = 0.9
+COMPLETION_SLACK_SHARE = 0.5
 # Fewer matched host operators than this means the two traces do not belong together.
 MIN_MATCH_RATE = 0.1
 # Anchors for the External-id offset search: names that repeat more often than this are too ambiguous to vote.
@@ -836,17 +842,26 @@ def _build_dependencies(linked: LinkedTrace, syncs: list[tuple[int, int, float]]
         if p >= 0 and lane_of[p] == lane_of[i] and position[p] > position[i]:
             linked.parent[i] = -1
 
-    # callers on another lane (GPU work after its launch; a gloo collective after the c10d op that enqueued it)
+    # Callers on another lane: GPU work after its launch; a CPU op after a caller that had finished when it started;
+    # a gloo collective after the c10d op that enqueued it, the innermost op running on its thread as the collective
+    # started. The observer names as parent of an op whatever record function was last opened, on whichever thread
+    # (an enclosing op or the step annotation, which end after the op; for a main-thread op, the collective a
+    # worker thread had just begun): such a parent is no cause, and the finished-before edges order the two.
+    lane_ops = {lane: [i for i in nodes if not step_node[i]] for lane, nodes in lane_nodes.items()}  # by start
+    lane_starts = {lane: [ts[i] for i in nodes] for lane, nodes in lane_ops.items()}
     for i in range(n):
         p = linked.parent[i]
-        if p >= 0 and lane_of[p] != lane_of[i]:
-            if ts[p] <= ts[i] or kind[i] == GPU_OP:
-                deps[i].append(p)
-            else:
-                linked.parent[i] = -1  # a ctrl dep must also be a data ancestor; this one is not
+        if p < 0 or lane_of[p] == lane_of[i]:
+            continue
+        if kind[i] == GPU_OP or ts[p] + dur[p] <= ts[i] or \
+                (i in linked.comm and not step_node[p] and ts[p] <= ts[i] and _running_on_lane(linked, lane_ops[lane_of[p]],
+                                                                           lane_starts[lane_of[p]], ts[i]) == p):
+            deps[i].append(p)
+        else:
+            linked.parent[i] = -1  # a ctrl dep must also be a data ancestor; this one is not
 
-    busy = {lane: _BusyTime([ts[i] for i in nodes], [ts[i] + dur[i] for i in nodes])
-            for lane, nodes in lane_nodes.items()}
+    # what kept a lane busy: its operators (the step annotation spans the whole step, busy or not)
+    busy = {lane: _BusyTime([ts[i] for i in nodes], [ts[i] + dur[i] for i in nodes]) for lane, nodes in lane_ops.items()}
     wait = linked.wait
 
     # A caller that blocked until the collective it enqueued on another thread was done (gloo broadcast_, a
@@ -897,6 +912,22 @@ def _build_dependencies(linked: LinkedTrace, syncs: list[tuple[int, int, float]]
                         if position[finished[j]] > best:
                             best = position[finished[j]]
                         j += 1
+                    if on_cpu and j < len(finished) and not step_node[i]:
+                        # A thread blocked on another thread's work (the future of a gloo collective) resumes when
+                        # the work completes, which is before the work's record function closes (the worker closes it
+                        # after waking the waiters, later still when it is not scheduled at once): the op that ran
+                        # through the idle gap before `start` and closed soon after it is what the thread waited for.
+                        idle_from = own_ends_before(own_ends, start)
+                        gap = start - idle_from
+                        while j < len(finished) and gap > 0:
+                            other = finished[j]
+                            other_end = ts[other] + dur[other]
+                            if not (ts[other] < start and other_end - start <= COMPLETION_SLACK_SHARE * gap
+                                    and min(other_end, start) - max(ts[other], idle_from) >= BLOCKED_COVER * gap):
+                                break
+                            if position[other] > best:
+                                best = position[other]
+                            j += 1
                     if best > last_added:
                         src = lane_nodes[source][best]
                         deps[i].append(src)
@@ -931,7 +962,6 @@ def _build_dependencies(linked: LinkedTrace, syncs: list[tuple[int, int, float]]
         for lane in lanes:
             nodes = sorted(lane_nodes[lane], key=lambda i: ts[i] + dur[i])
             gpu_by_end[lane] = ([ts[i] + dur[i] for i in nodes], nodes)
-    lane_starts = {lane: [ts[i] for i in nodes] for lane, nodes in lane_nodes.items()}
     dev = linked.device
     sync_edges = 0
     for lane, r, end in syncs:
@@ -943,7 +973,7 @@ def _build_dependencies(linked: LinkedTrace, syncs: list[tuple[int, int, float]]
         p = bisect.bisect_left(starts, end)
         if p >= len(starts):
             continue
-        waiter = lane_nodes[lane][p]
+        waiter = lane_ops[lane][p]
         for lanes in gpu_lanes_of_device.values():
             for gl in lanes:
                 ends, nodes = gpu_by_end[gl]
@@ -964,6 +994,13 @@ def _build_dependencies(linked: LinkedTrace, syncs: list[tuple[int, int, float]]
     linked.stats["sync_edges"] = sync_edges
     linked.stats["lanes"] = len(linked.lanes)
     linked.stats["wait_us"] = round(sum(wait), 1)
+
+
+def _running_on_lane(linked: LinkedTrace, nodes: list[int], starts: list[float], t: float) -> int:
+    """The innermost node of a CPU lane running at time t (-1 when the thread ran none); `nodes` are the lane's
+    nodes other than its step annotation, in start order, and `starts` their start times."""
+    q = bisect.bisect_right(starts, t) - 1
+    return _innermost_around(linked, nodes[q], t) if q >= 0 else -1
 
 
 def own_ends_before(own_ends: list[float], t: float) -> float:
