@@ -321,12 +321,16 @@ lc_check_environment() {
             lc_say "❌ PyTorch: no usable Python environment (see the messages above)"
             exit 1
         fi
-        local probe
-        if ! probe="$(lc_probe 2>&1)"; then
+        local probe probe_errors
+        probe_errors="$(mktemp "${TMPDIR:-/tmp}/mosim-probe.XXXXXX")"
+        # stderr apart: warnings printed while importing torch must not shift the lines read below
+        if ! probe="$(lc_probe 2>"$probe_errors")"; then
             lc_say "❌ PyTorch: '$PYTHON' cannot import torch:"
-            printf '%s\n' "$probe" | tail -n 3
+            tail -n 3 "$probe_errors"
+            rm -f "$probe_errors"
             exit 1
         fi
+        rm -f "$probe_errors"
         # Line by line: torch version, GPU count, CUDA version, bf16 support, CPU cores, GPU names (;-separated)
         {
             IFS= read -r LC_PROBE_TORCH
