@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from collections import Counter
@@ -280,3 +281,35 @@ def test_outputs_are_written_beside_the_traces_by_default(tmp_path):
     assert (run_dir / "gpt2_tiny_1r.0.et").is_file()
     assert (run_dir / "CONVERSION_SUMMARY.md").is_file()
     assert "gpt2_tiny_1r" in run.stdout and "ok" in run.stdout
+
+
+def run_convert_to_et(*args) -> subprocess.CompletedProcess:
+    repo = Path(__file__).resolve().parent.parent
+    env = dict(os.environ, PYTHONPATH=str(repo), MPLBACKEND="Agg")
+    return subprocess.run([sys.executable, str(repo / "convert_to_et.py"), *map(str, args), "--no-progress"],
+                          capture_output=True, text=True, env=env, timeout=600)
+
+
+def test_report_option_writes_the_trace_report_beside_the_et_files(tmp_path):
+    run_dir = tmp_path / "gpt2_tiny_2r"
+    shutil.copytree(CPU_FIXTURES / "gpt2_tiny_2r", run_dir)
+    run = run_convert_to_et(run_dir, "--report")
+    assert run.returncode == 0, run.stderr
+    assert f"report: {run_dir / 'report.md'}" in run.stdout
+    for name in ("report.md", "report.json", "report_breakdown.png", "report_timeline_rank0.png",
+                 "report_timeline_rank1.png", "report_top_ops.png", "report_collectives.png"):
+        assert (run_dir / name).stat().st_size > 0, name
+    text = (run_dir / "report.md").read_text()
+    assert "# Trace report: gpt2_tiny_2r" in text and "## Critical path" in text
+    assert (run_dir / "report_breakdown.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_report_that_cannot_be_written_is_one_error_line_and_a_failing_exit(tmp_path):
+    run_dir = tmp_path / "gpt2_tiny_1r"
+    shutil.copytree(CPU_FIXTURES / "gpt2_tiny_1r", run_dir)
+    (run_dir / "other_run.0.et").write_bytes(b"")  # a second run's .et in the folder: the report refuses to mix them
+    run = run_convert_to_et(run_dir, "--report")
+    assert run.returncode == 1
+    assert (run_dir / "gpt2_tiny_1r.0.et").is_file() and not (run_dir / "report.md").exists()
+    errors = [line for line in run.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "several runs" in errors[0], run.stderr

@@ -32,6 +32,10 @@ def build_parser(remaining: bool) -> argparse.ArgumentParser:
     parser.add_argument("--emit-merged", action="store_true",
                         help="also write <name>.<rank>.merged.json, the host+device JSON of chakra_trace_link "
                         "that `chakra_converter PyTorch` reads")
+    parser.add_argument("--report", action="store_true",
+                        help="then write report.md, report.json and figures (step breakdown, timelines, top "
+                        "operators, communication, critical path) beside each run's .et files, as trace_report.py "
+                        "does")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     return parser
@@ -75,7 +79,27 @@ def main(argv: list[str] | None = None, remaining: bool = False) -> int:
             print(f"note: {result.note}")
         print(f"summary: {result.output_dir / 'CONVERSION_SUMMARY.md'}")
     failed = missing or any(not result.ok for result in results)
+    if args.report and not write_reports(results):
+        failed = True
     return 1 if failed else 0
+
+
+def write_reports(results) -> bool:
+    """The trace report of every run with at least one converted rank; False when one could not be written."""
+    from .report import ReportError, write_report  # matplotlib: imported only when a report is asked for
+
+    written_all = True
+    for result in results:
+        if not any(rank.ok for rank in result.ranks):
+            continue
+        try:
+            path = write_report(result.output_dir, trace_dirs=[result.run.folder])
+        except ReportError as e:
+            print(f"error: {e}", file=sys.stderr)
+            written_all = False
+            continue
+        print(f"report: {path}")
+    return written_all
 
 
 def _still_to_convert(previous: dict, output_dir: str | None, several: bool):
