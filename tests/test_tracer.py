@@ -4,7 +4,9 @@ import gc
 import json
 import os
 import socket
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,7 +17,12 @@ from utils import chakra_tracer
 from utils.chakra_tracer import (ChakraTracer, NullTracer, TraceError, add_tracing_arguments, build_tracer,
                                  check_trace_file, tracing_window_steps)
 
+REPO_ROOT = Path(__file__).resolve().parent.parent
 PG_INIT = "## process_group:init ##"
+# The trainer's tiny models on the bundled data, short sequences, nothing saved or evaluated inside the window.
+TINY_RUN = ["--model-name", "tiny", "--max-seq-length", "64", "--batch-size", "2", "--report-to", "none",
+            "--no-save-initial", "--save-steps", "0", "--eval-steps", "0", "--eval-batches", "1", "--precision", "fp32",
+            "--no-compile"]
 ROOT_NODES = ("[pytorch|profiler|execution_trace|process]", "[pytorch|profiler|execution_trace|thread]")
 
 
@@ -348,3 +355,93 @@ def test_multi_rank_trace_without_process_group_warns_that_collectives_cannot_be
         train(tiny_mlp(), tracer, steps=3)
     assert "host.1.json: no '## process_group:init ##' node" in caplog.text
     assert not (tmp_path / "nopg" / "run.json").exists()  # rank 1 never writes run.json
+
+
+# ---- end to end through the trainer (gpt2/train.py, bert/train.py) ---------------------------------------------
+def trainer_env():
+    return dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+                PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
+
+
+def run_trainer(command, tmp_path):
+    result = subprocess.run(command, cwd=REPO_ROOT, env=trainer_env(), capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return result
+
+
+def trainer_flags(tmp_path, *extra):
+    return [*TINY_RUN, "--save-dir", str(tmp_path / "ckpt"), "--log-dir", str(tmp_path / "logs"), *extra]
+
+
+@pytest.fixture(scope="module")
+def gpt2_one_rank_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("gpt2_1r")
+    run_trainer([sys.executable, "gpt2/train.py", *trainer_flags(tmp, "--enable-tracing", "--trace-output-dir",
+                                                               str(tmp / "outputs"), "--trace-name", "gpt2_1cpu")], tmp)
+    return tmp / "outputs" / "gpt2_1cpu"
+
+
+@pytest.fixture(scope="module")
+def bert_two_rank_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("bert_2r")
+    run_trainer([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--nnodes=1",
+                 f"--master_port={free_port()}", "bert/train.py", "--num-gpus", "2",
+                 *trainer_flags(tmp, "--enable-tracing", "--trace-output-dir", str(tmp / "outputs"),
+                                "--trace-active-steps", "2")], tmp)
+    [trace_dir] = (tmp / "outputs").iterdir()
+    return trace_dir
+
+
+@pytest.mark.slow
+def test_trainer_one_rank_gpt2_writes_linked_host_and_device_traces(gpt2_one_rank_run):
+    assert sorted(p.name for p in gpt2_one_rank_run.iterdir()) == [
+        "device.0.json", "host.0.json", "run.json", "stacks.0.txt"]
+    host, device = load(gpt2_one_rank_run / "host.0.json"), load(gpt2_one_rank_run / "device.0.json")
+    assert step_annotations(host["nodes"]) == step_annotations(device["traceEvents"]) == ["ProfilerStep#2"]
+    fraction, count = rf_id_match_fraction(host, device)
+    assert count > 500 and fraction >= 0.99
+    info = load(gpt2_one_rank_run / "run.json")
+    assert info["traced_steps"] == [2] and info["world_size"] == 1
+    assert info["sequence_length"] == 64 and info["batch_size_per_rank"] == 2 and info["precision"] == "fp32"
+    assert info["compile"] is False and info["attention"] and info["model_config"]["n_layer"] >= 1
+    assert info["versions"]["torch"] == torch.__version__
+    assert len(info["ranks"][0]["step_wall_time_s"]) == 1 and info["ranks"][0]["step_wall_time_s"][0] > 0
+
+
+@pytest.mark.slow
+def test_trainer_two_rank_bert_traces_every_rank_with_process_group_and_collectives(bert_two_rank_run):
+    assert bert_two_rank_run.name.endswith("_2cpu")  # the default name: <model>_<N>cpu
+    assert sorted(p.name for p in bert_two_rank_run.iterdir()) == [
+        "device.0.json", "device.1.json", "host.0.json", "host.1.json", "run.json", "stacks.0.txt", "stacks.1.txt"]
+    for rank in (0, 1):
+        host = load(bert_two_rank_run / f"host.{rank}.json")
+        device = load(bert_two_rank_run / f"device.{rank}.json")
+        assert step_annotations(device["traceEvents"]) == ["ProfilerStep#2", "ProfilerStep#3"]
+        fraction, _ = rf_id_match_fraction(host, device)
+        assert fraction >= 0.99
+        names = {n["name"] for n in host["nodes"]}
+        assert PG_INIT in names
+        assert {"c10d::allreduce_", "gloo:all_reduce"} <= names
+    info = load(bert_two_rank_run / "run.json")
+    assert info["world_size"] == 2 and info["backend"] == "gloo" and info["traced_steps"] == [2, 3]
+    assert [r["rank"] for r in info["ranks"]] == [0, 1]
+    assert all(len(r["step_wall_time_s"]) == 2 and min(r["step_wall_time_s"]) > 0 for r in info["ranks"])
+
+
+@pytest.mark.slow
+def test_trainer_with_tracing_off_builds_no_profiler_and_writes_no_traces(tmp_path):
+    # The tracer's profiler and observer are replaced by a function that fails the run if called.
+    script = (
+        "import runpy, sys\n"
+        "from utils import chakra_tracer\n"
+        "def forbidden(*args, **kwargs):\n"
+        "    raise SystemExit('tracing is off but a profiler or observer was built')\n"
+        "chakra_tracer.profile = chakra_tracer.ExecutionTraceObserver = forbidden\n"
+        "sys.argv = sys.argv[1:]\n"
+        "runpy.run_path('gpt2/train.py', run_name='__main__')\n"
+    )
+    outputs = tmp_path / "outputs"
+    run_trainer([sys.executable, "-c", script, "gpt2/train.py",
+                 *trainer_flags(tmp_path, "--max-steps", "3", "--trace-output-dir", str(outputs))], tmp_path)
+    assert not outputs.exists()
+    assert (tmp_path / "ckpt" / "final_model").is_dir()
