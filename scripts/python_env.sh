@@ -17,7 +17,11 @@ for name in sys.argv[1].split():
     importlib.import_module(name)
 import torch
 major, minor = (int(x) for x in torch.__version__.split(".")[:2])
-sys.exit(0 if (major, minor) >= (2, 4) else 1)
+if (major, minor) < (2, 4):
+    sys.exit(1)
+# transformers 5 quietly switches off torch older than 2.6: such a pair imports but builds no model.
+from transformers.utils import is_torch_available
+sys.exit(0 if is_torch_available() else 1)
 PY
 }
 
