@@ -197,24 +197,33 @@ def test_bert_gloo_collectives_on_worker_threads_become_collectives(cpu_linked):
 
 
 # ---- dependencies -------------------------------------------------------------------------------------------------
-def test_cross_thread_dependencies_point_only_to_nodes_that_had_finished(cpu_linked, gpu_linked):
-    """Or, for a thread that sat idle waiting on another thread's work, to the work it resumed after: a gloo
-    collective's record closes after its waiters wake (later still when its thread is not scheduled at once)."""
-    for linked in list(cpu_linked.values()) + [gpu_linked["param_dlrm_v100_8r"]]:
-        own_ends = {lane: sorted(linked.ts[i] + linked.dur[i] for i in range(len(linked)) if linked.lane[i] == lane
-                                 and not linked.name(i).startswith("ProfilerStep#")) for lane in set(linked.lane)}
-        for i, deps in enumerate(linked.deps):
-            for d in deps:
-                if linked.lane[d] == linked.lane[i] or d == linked.parent[i]:
-                    continue
-                end = linked.ts[d] + linked.dur[d]
-                if end <= linked.ts[i] + 1e-6:
-                    continue
-                ends = own_ends[linked.lane[i]]
-                idle_from = max((e for e in ends if e <= linked.ts[i]), default=linked.ts[i])
-                gap = linked.ts[i] - idle_from
-                assert linked.ts[d] <= idle_from + 0.1 * gap and end - linked.ts[i] <= 0.5 * gap, \
-                    f"{linked.name(i)} waits for {linked.name(d)}, which had not finished when it started"
+def assert_cross_thread_dependencies_had_finished(linked):
+    """Every dependency on another thread or stream names a node that had finished when the node started, or,
+    for a thread that sat idle waiting on another thread's work, the work it resumed after: a gloo collective's
+    record closes after its waiters wake (later still when its thread is not scheduled at once)."""
+    own_ends = {lane: sorted(linked.ts[i] + linked.dur[i] for i in range(len(linked)) if linked.lane[i] == lane
+                             and not linked.name(i).startswith("ProfilerStep#")) for lane in set(linked.lane)}
+    for i, deps in enumerate(linked.deps):
+        for d in deps:
+            if linked.lane[d] == linked.lane[i] or d == linked.parent[i]:
+                continue
+            end = linked.ts[d] + linked.dur[d]
+            if end <= linked.ts[i] + 1e-6:
+                continue
+            ends = own_ends[linked.lane[i]]
+            idle_from = max((e for e in ends if e <= linked.ts[i]), default=linked.ts[i])
+            gap = linked.ts[i] - idle_from
+            assert linked.ts[d] <= idle_from + 0.1 * gap and end - linked.ts[i] <= 0.5 * gap, \
+                f"{linked.name(i)} waits for {linked.name(d)}, which had not finished when it started"
+
+
+def test_cross_thread_dependencies_point_only_to_nodes_that_had_finished(cpu_linked):
+    for linked in cpu_linked.values():
+        assert_cross_thread_dependencies_had_finished(linked)
+
+
+def test_cross_thread_and_cross_stream_dependencies_of_dlrm_point_only_to_nodes_that_had_finished(gpu_linked):
+    assert_cross_thread_dependencies_had_finished(gpu_linked["param_dlrm_v100_8r"])
 
 
 def test_thread_resuming_just_before_the_all_reduce_it_waited_for_closed_depends_on_it(cpu_linked):

@@ -808,8 +808,9 @@ def _build_dependencies(linked: LinkedTrace, syncs: list[tuple[int, int, float]]
 
     - each lane (CPU thread, GPU stream) runs its nodes in order (callers before callees);
     - a node waits for what finished on the other lanes of its group (CPU threads; streams of one GPU) before it
-      started, never for what merely started before it;
-    - GPU work waits for the CPU op that launched it, a callee on another thread for its caller;
+      started, never for what merely started before it; a thread that resumed after an idle gap also waits for
+      the other thread's op that ran through the gap and closed just after (what it was blocked on);
+    - GPU work waits for the CPU op that launched it, a gloo collective for the c10d op that enqueued it;
     - the first CPU op after a synchronising runtime call waits for the GPU work that had finished by then.
     Every edge goes from an earlier start to a later one (ties only inside a lane), so the graph is acyclic.
 
