@@ -297,6 +297,8 @@ RUN: dict[str, Run] = {
     # docs/CHAKRA_SETUP.md
     "python3 --version": Run([says("Python 3.")]),
     "./setup_and_convert.sh --jobs 1 outputs": Run([*CONVERTED_BUNDLED, says("--jobs 1")]),
+    "./setup_and_convert.sh -- --report":
+        Run([*CONVERTED_BUNDLED, files("outputs/bert_tiny_2r/report.md", "outputs/gpt2_tiny_1r/report_breakdown.png")]),
     "./setup_and_convert.sh outputs/bert_tiny_2r -- --emit-merged --output-dir converted":
         Run([files("converted/bert_tiny_2r.0.et", "converted/bert_tiny_2r.1.merged.json")]),
     "./install_chakra_tools.sh": Run([says("Reusing", "Conversion environment ready")]),
