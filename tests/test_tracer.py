@@ -281,10 +281,11 @@ def test_zero_active_steps_is_refused():
 
 
 # ---- early ends and reruns -----------------------------------------------------------------------------------
-def test_run_that_ends_before_the_window_writes_nothing_and_says_why(tmp_path):
+def test_run_stopped_before_the_window_writes_nothing_and_says_why(tmp_path, caplog):
     tracer = ChakraTracer(tmp_path, "short", wait_steps=2, warmup_steps=1, active_steps=1, run_info={"model": "m"})
-    with pytest.raises(TraceError, match="ended after 2 optimizer steps, before trace step 3"):
+    with caplog.at_level("WARNING", logger="utils.chakra_tracer"):
         train(tiny_mlp(), tracer, steps=2)
+    assert "no trace written: the run ended after 2 optimizer steps, before trace step 3" in caplog.text
     assert list((tmp_path / "short").iterdir()) == []
 
 
@@ -309,7 +310,7 @@ def test_error_inside_the_window_finalizes_the_steps_already_traced(tmp_path):
 def test_rerun_under_the_same_name_replaces_the_earlier_runs_files(tmp_path):
     run_dir = tmp_path / "again"
     run_dir.mkdir()
-    for stale in ("host.3.json", "device.3.json", "stacks.3.txt", "host.0.json.invalid"):
+    for stale in ("host.3.json", "device.3.json", "stacks.3.txt", "host.0.json.invalid", ".host.2.json.partial"):
         (run_dir / stale).write_text("{}")
     (run_dir / "notes.txt").write_text("mine")
     train(tiny_mlp(), ChakraTracer(tmp_path, "again", world_size=1, run_info={"model": "m"}), steps=3)
@@ -445,3 +446,20 @@ def test_trainer_with_tracing_off_builds_no_profiler_and_writes_no_traces(tmp_pa
                  *trainer_flags(tmp_path, "--max-steps", "3", "--trace-output-dir", str(outputs))], tmp_path)
     assert not outputs.exists()
     assert (tmp_path / "ckpt" / "final_model").is_dir()
+
+
+def test_host_trace_written_twice_fails_the_run_names_the_file_and_writes_no_run_json(tmp_path, monkeypatch):
+    finalize = ChakraTracer._finalize_capture
+
+    def finalize_then_write_twice(self):
+        already = self._finalized
+        finalize(self)
+        partial = self._partial(self.host_path)
+        if not already and partial.exists():
+            partial.write_bytes(partial.read_bytes() * 2)  # what two observers on one file leave behind
+
+    monkeypatch.setattr(ChakraTracer, "_finalize_capture", finalize_then_write_twice)
+    with pytest.raises(TraceError, match=r"twice/host\.0\.json: 2 JSON objects concatenated .*host\.0\.json\.invalid"):
+        train(tiny_mlp(), ChakraTracer(tmp_path, "twice", run_info={"model": "m"}), steps=3)
+    assert sorted(p.name for p in (tmp_path / "twice").iterdir()) == [
+        "device.0.json", "host.0.json.invalid", "stacks.0.txt"]

@@ -209,14 +209,12 @@ class ChakraTracer:
         if completed:
             errors = self._publish_traces()
         else:
+            # build_tracer refuses a --max-steps shorter than the window, so this is a run stopped early (a signal,
+            # an error): say so, but leave the run's own exit status alone.
             self._discard_traces()
-            message = (f"{self.trace_dir}: no trace written: the run ended after {self._step} optimizer steps, "
-                       f"before trace step {self.first_traced_step} (wait {self.wait_steps} + warmup "
-                       f"{self.warmup_steps}); raise --max-steps or lower --trace-wait-steps/--trace-warmup-steps")
-            if not failed:
-                errors.append(message)
-            else:
-                logger.warning(message)
+            logger.warning("%s: no trace written: the run ended after %d optimizer steps, before trace step %d "
+                           "(wait %d + warmup %d)", self.trace_dir, self._step, self.first_traced_step,
+                           self.wait_steps, self.warmup_steps)
         if completed and len(completed) < self.active_steps:
             logger.warning("rank %d: run ended inside the trace window: traced steps %s of %s",
                            self.rank, completed, self.traced_steps)
@@ -315,7 +313,7 @@ class ChakraTracer:
             return
         (self.trace_dir / RUN_INFO).unlink(missing_ok=True)
         for path in self.trace_dir.iterdir():
-            parts = path.name.split(".")
+            parts = path.name.lstrip(".").split(".")
             if len(parts) >= 3 and parts[0] in ("host", "device", "stacks") and parts[1].isdigit() \
                     and int(parts[1]) >= self.world_size:
                 path.unlink(missing_ok=True)
