@@ -263,6 +263,7 @@ def test_default_trace_name_counts_ranks_and_device_kind(tmp_path):
     tracer = build_tracer(args, rank=0, world_size=2, local_rank=0, device="cpu", run_info={"model": "bert"})
     assert tracer.trace_dir == tmp_path / "bert_2cpu"
     assert chakra_tracer.default_trace_name("gpt2", 8, "cuda") == "gpt2_8gpu"
+    assert chakra_tracer.default_trace_name("models/my-gpt/", 1, "cpu") == "models-my-gpt_1cpu"
     named = build_tracer(parse_tracing_args("--enable-tracing", "--trace-name", "mine"), rank=1, world_size=2,
                          local_rank=1, device="cpu", run_info={"model": "bert"})
     assert named.trace_dir.name == "mine" and named.host_path.name == "host.1.json"

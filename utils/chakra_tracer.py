@@ -41,15 +41,18 @@ def add_tracing_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the tracing flags shared by gpt2/train.py and bert/train.py."""
     group = parser.add_argument_group("Chakra tracing")
     group.add_argument("--enable-tracing", action="store_true",
-                       help="capture host (execution trace) and device (Kineto) traces of the same steps on every rank; "
-                            "the run stops after the trace window unless --max-steps asks for more")
+                       help="capture host (execution trace) and device (Kineto) traces of the same steps on every "
+                            "rank; the run stops after the trace window unless --max-steps asks for more")
     group.add_argument("--trace-output-dir", default="./outputs",
                        help="traces go to <trace-output-dir>/<trace-name>/ (default: ./outputs)")
     group.add_argument("--trace-name", default=None,
-                       help="folder name of this run's traces (default: <model>_<N>gpu, or <model>_<N>cpu without CUDA)")
-    group.add_argument("--trace-wait-steps", type=int, default=1, help="optimizer steps skipped before warm-up (default: 1)")
+                       help="folder name of this run's traces (default: <model>_<N>gpu, or <model>_<N>cpu "
+                            "without CUDA)")
+    group.add_argument("--trace-wait-steps", type=int, default=1,
+                       help="optimizer steps skipped before warm-up (default: 1)")
     group.add_argument("--trace-warmup-steps", type=int, default=1,
-                       help="optimizer steps profiled but discarded, so start-up costs stay out of the trace (default: 1)")
+                       help="optimizer steps profiled but discarded, so start-up costs stay out of the trace "
+                            "(default: 1)")
     group.add_argument("--trace-active-steps", type=int, default=1, help="optimizer steps recorded (default: 1)")
 
 
@@ -59,7 +62,8 @@ def tracing_window_steps(args: argparse.Namespace) -> int:
 
 
 def default_trace_name(model: str, world_size: int, device_type: str) -> str:
-    """<model>_<N>gpu on CUDA, <model>_<N>cpu otherwise."""
+    """<model>_<N>gpu on CUDA, <model>_<N>cpu otherwise (a model given as a path keeps one folder level)."""
+    model = model.strip("/\\").replace("/", "-").replace("\\", "-") or "model"
     return f"{model}_{world_size}{'gpu' if device_type == 'cuda' else 'cpu'}"
 
 
