@@ -40,6 +40,9 @@ SYNC_CALLS = {"cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchr
 # share of the gap at least) waited for that op when it resumed before the op closed by at most this share of the gap.
 BLOCKED_COVER = 0.9
 COMPLETION_SLACK_SHARE = 0.5
+# A collective may start well into the waiting thread's idle gap (its worker thread picks the work up late on a busy
+# machine): one that ran from its start past the resume explains the gap when it covered this share of it.
+COLLECTIVE_COVER = 0.5
 # Fewer matched host operators than this means the two traces do not belong together.
 MIN_MATCH_RATE = 0.1
 # Anchors for the External-id offset search: names that repeat more often than this are too ambiguous to vote.
@@ -917,14 +920,17 @@ def _build_dependencies(linked: LinkedTrace, syncs: list[tuple[int, int, float]]
                         # A thread blocked on another thread's work (the future of a gloo collective) resumes when
                         # the work completes, which is before the work's record function closes (the worker closes it
                         # after waking the waiters, later still when it is not scheduled at once): the op that ran
-                        # through the idle gap before `start` and closed soon after it is what the thread waited for.
+                        # through the idle gap before `start` and closed soon after it is what the thread waited for;
+                        # so is a collective that its worker picked up late in the gap and that ran through the rest.
                         idle_from = own_ends_before(own_ends, start)
                         gap = start - idle_from
                         while j < len(finished) and gap > 0:
                             other = finished[j]
                             other_end = ts[other] + dur[other]
+                            cover = min(other_end, start) - max(ts[other], idle_from)
                             if not (ts[other] < start and other_end - start <= COMPLETION_SLACK_SHARE * gap
-                                    and min(other_end, start) - max(ts[other], idle_from) >= BLOCKED_COVER * gap):
+                                    and (cover >= BLOCKED_COVER * gap or
+                                         (cover >= COLLECTIVE_COVER * gap and other in linked.comm))):
                                 break
                             if position[other] > best:
                                 best = position[other]
