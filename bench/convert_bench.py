@@ -106,7 +106,8 @@ def generate_traces(args, steps: int, cache: Path, tokenizer: Path, vocab: int) 
             "--report-to", "none", "--logging-steps", "1"]
         print(f"    tracing {steps} step(s) of {args.model} {args.model_name} on {args.ranks} CPU rank(s) ...",
               flush=True)
-        run = run_child(command, env=child_env(threads=1), timeout_s=GENERATE_TIMEOUT_S)
+        # CPU ranks even on a GPU machine: the benchmark's traces are the CPU traces issue 3 sizes its targets on.
+        run = run_child(command, env=child_env(threads=1, CUDA_VISIBLE_DEVICES=""), timeout_s=GENERATE_TIMEOUT_S)
         made = scratch / name
         if not run.ok or not is_complete(made, args.ranks):
             raise BenchError(f"tracing {steps} step(s) with {args.model}/train.py failed: "
@@ -216,10 +217,12 @@ def report(sets: list, results: dict, args) -> str:
             ours, chakra, parse = results[(traces.folder, rank)]
             host_mb, device_mb = traces.megabytes(rank)
             rows.append([traces.steps or traces.folder.name, rank, f"{host_mb:.1f}", f"{device_mb:.1f}",
-                         f"{parse.seconds:.2f}", f"{ours.seconds:.2f}", f"{ours.megabytes:.0f}",
+                         f"{parse.seconds:.2f}", f"{ours.seconds:.2f}", ratio(ours.seconds, parse.seconds),
+                         f"{ours.megabytes:.0f}",
                          f"{chakra.seconds:.2f}", f"{chakra.megabytes:.0f}", ratio(chakra.seconds, ours.seconds),
                          ratio(chakra.megabytes, ours.megabytes)])
-    lines = [format_table(["traced steps", "rank", "host MB", "device MB", "orjson parse s", "ours s", "ours peak MB",
+    lines = [format_table(["traced steps", "rank", "host MB", "device MB", "orjson parse s", "ours s", "ours / parse",
+                           "ours peak MB",
                            "chakra_converter s", "chakra peak MB", "time chakra/ours", "memory chakra/ours"], rows)]
 
     # Growth: per trace set, the mean over ranks, relative to the smallest set.
@@ -255,7 +258,10 @@ def report(sets: list, results: dict, args) -> str:
         verdict = "met" if worst_s < TARGET_SECONDS and worst_mb < TARGET_PEAK_MB else "MISSED"
         lines.append(f"target on the {TARGET_STEPS}-step trace (< {TARGET_SECONDS:.0f} s and < {TARGET_PEAK_MB:.0f} MB "
                      f"per rank, one core): slowest rank {worst_s:.2f} s, largest peak {worst_mb:.0f} MB: {verdict}")
-    lines += ["", COMPARABILITY]
+    lines += ["", "orjson parse s: reading both files and parsing each once with orjson, in its own process; "
+              "'ours / parse' compares our whole path with that floor, which depends less on how busy or fast the "
+              "machine is than seconds do (issue 3 measured the parse at about 4 s on the 4-step trace).", "",
+              COMPARABILITY]
     return "\n".join(lines)
 
 

@@ -65,7 +65,12 @@ def main(argv=None) -> int:
     parser.add_argument("--model-name", required=True)
     parser.add_argument("--cache-dir", default=str(DEFAULT_CACHE))
     args = parser.parse_args(argv)
-    folder, before, target = full_vocab_tokenizer(args.model, args.model_name, Path(args.cache_dir))
+    from utils.errors import UsageError
+    try:
+        folder, before, target = full_vocab_tokenizer(args.model, args.model_name, Path(args.cache_dir))
+    except UsageError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     print(f"{before} {target} {folder}")
     return 0
 

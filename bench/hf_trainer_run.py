@@ -10,7 +10,7 @@ if __package__ in (None, ""):
 
 import torch
 
-from utils.data_utils import load_text_splits, tokenize_examples
+from utils.data_utils import ResumableDistributedSampler, load_text_splits, tokenize_examples
 from utils.metrics import count_parameters, flops_per_token, peak_flops_per_gpu
 from utils.tokenization import load_tokenizer
 
@@ -102,8 +102,14 @@ def main(argv=None) -> int:
         remove_unused_columns=False, dataloader_drop_last=True, dataloader_num_workers=0,
         report_to="none", disable_tqdm=True, save_strategy="no", eval_strategy="no", logging_strategy="no",
         seed=args.seed)
-    trainer = Trainer(model=model, args=training_args, train_dataset=train_data, data_collator=collator,
-                      callbacks=[timer])
+    class SameBatchesTrainer(Trainer):
+        """Draws batches in our trainer's order (its sampler and seed), so both sides train on the same batches."""
+
+        def _get_train_sampler(self, *_, **__):
+            return ResumableDistributedSampler(train_data, num_replicas=1, rank=0, shuffle=True, seed=args.seed)
+
+    trainer = SameBatchesTrainer(model=model, args=training_args, train_dataset=train_data, data_collator=collator,
+                                 callbacks=[timer])
     trainer.train()
 
     n_params, compute_params = count_parameters(model)

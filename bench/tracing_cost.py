@@ -14,6 +14,7 @@ from bench.common import (BUNDLED_SQUAD, REPO_ROOT, BenchError, child_env, exit_
                           full_vocab_tokenizer, machine_description, median, our_step_times, run_child, steps_between)
 
 CHILD_TIMEOUT_S = 3600
+DEFAULT_REPEATS = 3  # alternating off/on runs; one pair is at the mercy of whatever else the machine does
 TRACE_NAME = "tracing_cost"
 PROFILER_WARMUP_STEPS = 1  # the tracer's default: one step recorded and thrown away before the window
 
@@ -162,7 +163,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="tracer steps before the window (default: %(default)s)")
     parser.add_argument("--active-steps", type=int, default=5, help="steps inside the window (default: %(default)s)")
     parser.add_argument("--after-steps", type=int, default=4, help="steps after the window (default: %(default)s)")
-    parser.add_argument("--repeats", type=int, default=1, help="runs per condition, alternating (default: %(default)s)")
+    parser.add_argument("--repeats", type=int, default=None,
+                        help=f"runs per condition, alternating (default: {DEFAULT_REPEATS}, with --quick 1)")
     parser.add_argument("--threads", type=int, default=None,
                         help="CPU threads of the trainer (OMP_NUM_THREADS; default: torch's default)")
     parser.add_argument("--quick", action="store_true",
@@ -174,6 +176,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     exit_on_sigterm()
+    if args.repeats is None:
+        args.repeats = 1 if args.quick else DEFAULT_REPEATS
     if args.quick:
         args.model_names, args.batch_size, args.max_seq_length = "tiny", 2, 64
         args.skip_steps, args.wait_steps, args.active_steps, args.after_steps = 1, 3, 3, 2

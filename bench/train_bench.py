@@ -15,6 +15,7 @@ from bench.common import (BUNDLED_SQUAD, REPO_ROOT, BenchError, child_env, exit_
                           steps_between)
 
 CHILD_TIMEOUT_S = 3600
+DEFAULT_REPEATS = 2
 
 
 @dataclass(frozen=True)
@@ -134,9 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-seq-length", type=int, default=None, help="override every case's sequence length")
     parser.add_argument("--skip-steps", type=int, default=None, help="override the warm-up steps left out")
     parser.add_argument("--measure-steps", type=int, default=None, help="override the measured steps")
-    parser.add_argument("--repeats", type=int, default=1,
+    parser.add_argument("--repeats", type=int, default=None,
                         help="runs per side, alternating which goes first; step times are pooled "
-                             "(default: %(default)s)")
+                             f"(default: {DEFAULT_REPEATS}, with --quick 1)")
     parser.add_argument("--threads", type=int, default=None,
                         help="CPU threads of each trainer (OMP_NUM_THREADS; default: torch's default, all cores)")
     parser.add_argument("--keep", metavar="DIR", default=None, help="keep each run's logs under DIR")
@@ -146,6 +147,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     exit_on_sigterm()
+    if args.repeats is None:
+        args.repeats = 1 if args.quick else DEFAULT_REPEATS
     import torch
     cuda = torch.cuda.is_available()
     models = [m.strip() for m in args.models.split(",") if m.strip()]
@@ -217,7 +220,8 @@ def main(argv=None) -> int:
     print()
     print(format_table(headers, rows))
     print("\ntok/s = batch x seq / median step time of the measured steps; each trainer in its own process, same "
-          "model config, tokenizer, data, collator, AdamW (lr 5e-5, wd 0.01, clip 1.0) and precision.")
+          "model config, tokenizer, batches in the same order, collator, AdamW (lr 5e-5, wd 0.01, clip 1.0) and "
+          "precision.")
     for error in errors:
         print(f"error: {error}", file=sys.stderr)
     return 1 if errors else 0
