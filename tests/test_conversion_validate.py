@@ -276,3 +276,14 @@ def test_conversion_grows_linearly_with_the_number_of_traced_steps(tmp_path):
     assert large["s"] < 12 * small["s"], (small, large)  # 8x the trace: no worse than linear, with slack
     assert large["mb"] < 400
     assert 0.9 < large["ratio"] < 1.1
+
+
+def test_peak_memory_reported_is_the_converting_process_own_not_its_parents():
+    # ru_maxrss survives execve: a converter started by a large parent must not report the parent's peak.
+    grow = ("import subprocess, sys; b = bytearray(400 * 1024 * 1024); b[::4096] = b'x' * len(b[::4096]); "
+            "print(subprocess.run([sys.executable, '-c', 'from trace_tools.pipeline import peak_rss_mb; "
+            "print(peak_rss_mb())'], capture_output=True, text=True, check=True).stdout)")
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    run = subprocess.run([sys.executable, "-c", grow], capture_output=True, text=True, env=env, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert float(run.stdout.split()[-1]) < 200

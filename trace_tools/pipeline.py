@@ -183,7 +183,18 @@ def _validate_into(result: RankResult, path: Path, timings: dict[str, float]) ->
 
 
 def peak_rss_mb() -> float:
-    """Peak resident memory of this process (MiB)."""
+    """Peak resident memory of this process (MiB).
+
+    On Linux, VmHWM of /proc/self/status: ru_maxrss survives execve, so a process started by a large parent
+    (pytest, a launcher) would report the parent's peak instead of its own.
+    """
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak / (1 << 20) if sys.platform == "darwin" else peak / 1024
 
