@@ -54,20 +54,43 @@ class ChildRun:
         return f"exit status {self.returncode}: {last[:300]}"
 
 
+# Forks the command, waits for it and writes its ru_maxrss (itself and the descendants it waited for) to argv[1];
+# exits with the command's status (128 + N for a signal, as a shell does). Started with -S, it stays a few MB.
+_REAPER = """
+import os, sys
+pid = os.fork()
+if pid == 0:
+    try:
+        os.execvp(sys.argv[2], sys.argv[2:])
+    except OSError as e:
+        sys.stderr.write(f"error: {sys.argv[2]}: {e}\\n")
+        os._exit(127)
+_, status, usage = os.wait4(pid, 0)
+with open(sys.argv[1], "w") as f:
+    f.write(str(usage.ru_maxrss))
+code = os.waitstatus_to_exitcode(status)
+os._exit(code if code >= 0 else 128 - code)
+"""
+
+
 def run_child(argv: Sequence[str], *, env: dict | None = None, cwd: str | Path = REPO_ROOT, cpu: int | None = None,
               timeout_s: float | None = None) -> ChildRun:
     """Run a command to its end; wall time, and peak RSS from the kernel's rusage of exactly this child.
 
     os.wait4 gives the rusage of the one process waited for (and the descendants it waited for), unlike
-    RUSAGE_CHILDREN, which is the maximum over every child this process ever had. `cpu` pins the child (and
+    RUSAGE_CHILDREN, which is the maximum over every child this process ever had. The command is started by a
+    small reaper (_REAPER) that forks it and reports its wait4 peak: on Linux ru_maxrss survives fork and execve,
+    so a command forked straight from this (large) process would report this process's memory as its own. `cpu` pins the child (and
     everything it starts) to one core. The child gets its own process group, so a timeout stops torchrun's
     workers too.
     """
     argv = [str(a) for a in argv]
-    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err, \
+            tempfile.NamedTemporaryFile("r", suffix=".maxrss") as peak_file:
+        reaped = [sys.executable, "-S", "-c", _REAPER, peak_file.name, *argv]
         pin = (lambda: os.sched_setaffinity(0, {cpu})) if cpu is not None else None
         started = time.perf_counter()
-        process = subprocess.Popen(argv, cwd=str(cwd), env=env, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
+        process = subprocess.Popen(reaped, cwd=str(cwd), env=env, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
                                    preexec_fn=pin, start_new_session=True)
         expired = threading.Event()
 
@@ -96,7 +119,9 @@ def run_child(argv: Sequence[str], *, env: dict | None = None, cwd: str | Path =
         err.seek(0)
         stdout = out.read().decode("utf-8", "replace")
         stderr = err.read().decode("utf-8", "replace")
-    peak_mb = usage.ru_maxrss / (1 << 20) if sys.platform == "darwin" else usage.ru_maxrss / 1024
+        peak_text = peak_file.read().strip()
+    maxrss = int(peak_text) if peak_text else usage.ru_maxrss  # empty only when the reaper itself was killed
+    peak_mb = maxrss / (1 << 20) if sys.platform == "darwin" else maxrss / 1024
     return ChildRun(argv, process.returncode, wall, peak_mb, stdout, stderr, expired.is_set())
 
 
