@@ -354,7 +354,13 @@ CLUSTER = "needs several nodes (or a Slurm cluster) reachable from each other"
 SERVER = "needs the GPU server (ssh access) to copy from"
 NETWORK = "needs the network (PyPI, download.pytorch.org or GitHub)"
 
+BENCHMARK = "the full benchmark takes 10 to 40 minutes here; tests/test_bench.py runs each benchmark with --quick"
+
 NOT_RUNNABLE: dict[str, str] = {
+    # docs/BENCHMARKS.md
+    "python bench/train_bench.py --threads 1": BENCHMARK,
+    "python bench/tracing_cost.py --threads 1": BENCHMARK,
+    "python bench/convert_bench.py": BENCHMARK,
     # README.md
     "./build.sh": DOCKER,
     "./run.sh gpu": DOCKER,
