@@ -194,7 +194,13 @@ def time_parse(traces: TraceSet, rank: int, core: int, measurement: Measurement)
 
 
 def find_chakra_converter(given) -> str:
-    path = given or shutil.which("chakra_converter")
+    """--chakra-converter, else the console script beside this Python (what runs ours), else the one on PATH.
+
+    Beside this Python first: a version manager's shim on PATH (pyenv's is a shell script) would add its own start-up
+    time to chakra's column only.
+    """
+    beside = Path(sys.executable).parent / "chakra_converter"
+    path = given or (str(beside) if beside.is_file() else shutil.which("chakra_converter"))
     if not path or not (os.path.isfile(path) and os.access(path, os.X_OK)):
         raise BenchError(f"{given or 'chakra_converter'}: not found or not executable, so the reference cannot be "
                          "measured (pip install mlc-chakra, or pass --chakra-converter PATH)")

@@ -16,6 +16,7 @@ from bench.common import (BUNDLED_SQUAD, REPO_ROOT, BenchError, child_env, exit_
 CHILD_TIMEOUT_S = 3600
 DEFAULT_REPEATS = 3  # alternating off/on runs; one pair is at the mercy of whatever else the machine does
 TRACE_NAME = "tracing_cost"
+SIZE_LABELS = {"gpt2": "124M", "bert-base-uncased": "110M", "bert-large-uncased": "340M", "gpt2-medium": "355M"}
 PROFILER_WARMUP_STEPS = 1  # the tracer's default: one step recorded and thrown away before the window
 
 
@@ -57,8 +58,7 @@ class Samples:
 
 def train_command(model: str, model_name: str, tokenizer: Path, args, plan: Plan, work: Path, tracing: bool) -> list:
     command = [sys.executable, str(REPO_ROOT / model / "train.py"), "--model-name", model_name,
-               "--tokenizer-path", tokenizer,
-               "--squad-file", str(BUNDLED_SQUAD), "--batch-size", args.batch_size,
+               "--tokenizer-path", tokenizer, "--squad-file", str(BUNDLED_SQUAD), "--batch-size", args.batch_size,
                "--max-seq-length", args.max_seq_length, "--max-steps", plan.max_steps, "--logging-steps", "1",
                "--eval-steps", "0", "--eval-batches", "1", "--save-steps", "0", "--no-save-initial",
                "--save-dir", work / "checkpoints", "--log-dir", work / "logs", "--report-to", "none"]
@@ -204,7 +204,7 @@ def main(argv=None) -> int:
         for name in names:
             print(f"... {args.model} {name}", flush=True)
             samples = measure(args.model, name, args, plan, root, env)
-            rows += table_rows(f"{args.model} {name}", samples)
+            rows += table_rows(f"{args.model} {SIZE_LABELS.get(name, name)}", samples)
     except BenchError as exc:
         return fail(str(exc))
     finally:

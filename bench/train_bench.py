@@ -64,9 +64,9 @@ def default_cases(cuda: bool, quick: bool) -> list:
 
 def our_command(case: Case, work: Path, tokenizer: Path) -> list:
     command = [sys.executable, str(REPO_ROOT / case.family / "train.py"), "--model-name", case.model_name,
-               "--tokenizer-path", tokenizer,
-               "--squad-file", str(BUNDLED_SQUAD), "--batch-size", case.batch_size, "--max-seq-length", case.seq,
-               "--max-steps", case.max_steps, "--precision", case.precision, "--logging-steps", "1",
+               "--tokenizer-path", tokenizer, "--squad-file", str(BUNDLED_SQUAD), "--batch-size", case.batch_size,
+               "--max-seq-length", case.seq, "--max-steps", case.max_steps, "--precision", case.precision,
+               "--logging-steps", "1",
                "--eval-steps", "0", "--eval-batches", "1", "--save-steps", "0", "--no-save-initial",
                "--save-dir", work / "checkpoints", "--log-dir", work / "logs", "--report-to", "none"]
     return command + (["--compile"] if case.compile else [])
@@ -74,8 +74,8 @@ def our_command(case: Case, work: Path, tokenizer: Path) -> list:
 
 def trainer_command(case: Case, work: Path, tokenizer: Path) -> list:
     command = [sys.executable, str(REPO_ROOT / "bench" / "hf_trainer_run.py"), "--family", case.family,
-               "--tokenizer-path", tokenizer,
-               "--model-name", case.model_name, "--squad-file", str(BUNDLED_SQUAD), "--batch-size", case.batch_size,
+               "--tokenizer-path", tokenizer, "--model-name", case.model_name, "--squad-file", str(BUNDLED_SQUAD),
+               "--batch-size", case.batch_size,
                "--max-seq-length", case.seq, "--max-steps", case.max_steps, "--precision", case.precision,
                "--output-dir", work / "hf_output", "--result", work / "hf_result.json"]
     return command + (["--compile"] if case.compile else [])

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from bench.common import BenchError, format_table, our_step_times, run_child
-from bench.convert_bench import growth_exponent
+from bench.convert_bench import build_parser, generate_traces, growth_exponent
 
 ROOT = Path(__file__).resolve().parent.parent
 CPU_TRACES = ROOT / "tests" / "data" / "cpu"
@@ -115,8 +115,14 @@ def test_convert_bench_traces_with_our_tracer_and_caches_the_traces(tmp_path):
     assert sorted(p.name for p in folder.glob("*.json")) == ["device.0.json", "host.0.json", "run.json"]
     assert (folder / "chakra_input" / "merged.0.json").is_file()
     assert len(table_rows(result.stdout, "1")) == 2  # the per-rank row and the growth row
-    again = run_bench("convert_bench.py", "--quick", "--steps", "1", "--cache-dir", str(cache))
-    assert again.returncode == 0 and "cached:" in again.stdout
+    # A second run takes the cached traces instead of training again.
+    args = build_parser().parse_args(["--model-name", "tiny", "--ranks", "1", "--batch-size", "2",
+                                      "--max-seq-length", "64"])
+    before = sorted((p.name, p.stat().st_mtime_ns) for p in folder.iterdir())
+    vocab = int(folder.name.split("_v")[1].split("_")[0])
+    cached = generate_traces(args, 1, cache, tokenizer=Path("unused"), vocab=vocab)
+    assert cached.folder == folder and cached.cached
+    assert sorted((p.name, p.stat().st_mtime_ns) for p in folder.iterdir()) == before
 
 
 # ---------------------------------------------------------------------------------------------- train_bench
