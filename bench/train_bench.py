@@ -84,6 +84,8 @@ def trainer_command(case: Case, work: Path, tokenizer: Path) -> list:
 def measure_ours(case: Case, work: Path, env: dict, tokenizer: Path) -> list:
     """Our trainer's measured step times (seconds), from its per-step log."""
     run = run_child(our_command(case, work, tokenizer), env=env, timeout_s=CHILD_TIMEOUT_S)
+    # The trainer always saves its final model: 0.5 GB for GPT-2 124M per run, not needed here.
+    shutil.rmtree(work / "checkpoints", ignore_errors=True)
     if not run.ok:
         raise BenchError(f"our {case.family}/train.py ({case.model_name}) failed: {run.reason()}")
     times = our_step_times(work / "logs")
