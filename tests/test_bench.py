@@ -46,6 +46,16 @@ def test_child_peak_memory_is_that_of_the_child(tmp_path):
     assert big.wall_s > 0
 
 
+def test_child_peak_memory_leaves_out_the_parents_memory():
+    # Linux carries the high-water RSS across fork and execve: a child forked straight from a large benchmark
+    # process would report the parent's memory as its own.
+    ballast = bytearray(300 * 1024 * 1024)
+    ballast[::4096] = b"x" * len(ballast[::4096])
+    small = run_child([sys.executable, "-c", "pass"])
+    del ballast
+    assert small.ok and small.peak_rss_mb < 100
+
+
 def test_child_failure_reports_its_last_error_line():
     run = run_child([sys.executable, "-c", "import sys; print('error: disk full', file=sys.stderr); sys.exit(3)"])
     assert not run.ok and run.returncode == 3
