@@ -1,6 +1,7 @@
 """Tests of the training core: tiny GPT-2 and BERT runs on the bundled data, one process and two gloo ranks."""
 import contextlib
 import json
+import logging
 import os
 import signal
 import socket
@@ -352,3 +353,19 @@ def test_local_config_directory_of_the_other_family_is_refused(tmp_path):
     with pytest.raises(UsageError, match="model_type is 'bert', but gpt2/train.py trains 'gpt2' models"):
         gpt2.train.GPT2_FAMILY.resolve_config(str(tmp_path))
     assert bert.train.BERT_FAMILY.resolve_config(str(tmp_path)).num_hidden_layers == 1
+
+
+def test_warnings_and_info_still_reach_the_console_while_the_progress_bar_is_shown(tmp_path, capsys):
+    from utils.trainer import console_logging_around_bar, setup_logging, teardown_logging
+    handlers = setup_logging(tmp_path, rank=0, world_size=1)  # binds capsys's stdout and stderr
+    log = logging.getLogger("test_progress_bar")
+    try:
+        with console_logging_around_bar():
+            log.info("step 3/10: loss 2.5")
+            log.warning("SIGTERM: saving a checkpoint")
+    finally:
+        teardown_logging(handlers)
+    captured = capsys.readouterr()
+    assert "step 3/10: loss 2.5" in captured.out and "SIGTERM" not in captured.out
+    assert "SIGTERM: saving a checkpoint" in captured.err
+    assert all(type(h) is not logging.StreamHandler or not hasattr(h.stream, "stream") for h in handlers)

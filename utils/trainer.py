@@ -22,7 +22,6 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from tqdm.auto import tqdm
-from tqdm.contrib.logging import logging_redirect_tqdm
 
 from utils.chakra_tracer import add_tracing_arguments, build_tracer, tracing_window_steps
 from utils.checkpointing import (BEST_MODEL, FINAL_MODEL, INITIAL_MODEL, capture_rng_state, check_resumable,
@@ -240,6 +239,38 @@ def setup_logging(log_dir: Path, rank: int, world_size: int) -> list:
     for handler in handlers:
         root.addHandler(handler)
     return handlers
+
+
+class _AroundProgressBar:
+    """A console stream whose lines are written around the tqdm bar (tqdm.write) instead of through it."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def write(self, text: str) -> None:
+        tqdm.write(text.rstrip("\n"), file=self.stream)
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+
+@contextlib.contextmanager
+def console_logging_around_bar():
+    """Route the root logger's console handlers around the progress bar, each keeping its own stream and filters.
+
+    tqdm's logging_redirect_tqdm replaces all console handlers with one that copies the first handler's filters,
+    which silenced warnings (stdout's handler drops them; stderr's carried them).
+    """
+    consoles = [h for h in logging.getLogger().handlers
+                if type(h) is logging.StreamHandler and h.stream in (sys.stdout, sys.stderr)]
+    originals = [h.stream for h in consoles]
+    for handler in consoles:
+        handler.setStream(_AroundProgressBar(handler.stream))
+    try:
+        yield
+    finally:
+        for handler, stream in zip(consoles, originals):
+            handler.setStream(stream)
 
 
 def teardown_logging(handlers: list) -> None:
@@ -595,7 +626,7 @@ class Trainer:
         # (nohup, pipes) the handlers stay as they are: info on stdout, warnings on stderr.
         progress = tqdm(total=self.max_steps, initial=self.step, desc=f"{self.family.name} training",
                         unit="step", disable=None if ctx.is_main_process else True, dynamic_ncols=True)
-        around_bar = contextlib.nullcontext() if progress.disable else logging_redirect_tqdm()
+        around_bar = contextlib.nullcontext() if progress.disable else console_logging_around_bar()
         with build_tracer(args, rank=ctx.rank, world_size=ctx.world_size, local_rank=ctx.local_rank,
                           device=self.device, run_info=self._run_info()) as tracer, \
                 around_bar, self._stop_on_signals():
