@@ -5,6 +5,8 @@ import gzip
 from pathlib import Path
 
 import orjson
+from chakra.schema.protobuf.et_def_pb2 import GlobalMetadata, Node
+from chakra.src.third_party.utils.protolib import decodeMessage, openFileRd
 
 DATA = Path(__file__).resolve().parent / "data"
 CPU_FIXTURES = DATA / "cpu"
@@ -79,3 +81,18 @@ def write_scaled_run(folder: Path, source: Path, ranks: list[int], copies: int, 
         write_json(folder / f"host.{rank}{suffix}", host, compress)
         write_json(folder / f"device.{rank}{suffix}", device, compress)
     return folder
+
+
+def read_et_with_protolib(path: Path) -> tuple[GlobalMetadata, list[Node]]:
+    """Read a .et the way chakra's own tools do (protolib.decodeMessage), independent of trace_tools."""
+    f = openFileRd(str(path))
+    metadata = GlobalMetadata()
+    assert decodeMessage(f, metadata)
+    nodes = []
+    while True:
+        node = Node()
+        if not decodeMessage(f, node):
+            break
+        nodes.append(node)
+    f.close()
+    return metadata, nodes

@@ -10,31 +10,15 @@ from pathlib import Path
 
 import pytest
 from chakra.schema.protobuf.et_def_pb2 import (ALL_REDUCE, ALL_TO_ALL, BROADCAST, COMM_COLL_NODE, COMP_NODE,
-                                               METADATA_NODE, GlobalMetadata, Node)
-from chakra.src.third_party.utils.protolib import decodeMessage, openFileRd
+                                               METADATA_NODE, Node)
 
-from conversion_helpers import CPU_FIXTURES
+from conversion_helpers import CPU_FIXTURES, read_et_with_protolib
 from trace_tools.discover import find_runs
 from trace_tools.pipeline import convert_runs
 
 GPU_RUNS = {"astra-sim_megatron_tp8_a100_8r": 8, "param_dlrm_v100_8r": 8, "hta_simple_add_a100_1r": 1,
             "param_resnet_2080ti_1r": 1, "param_linear_2080ti_1r": 1}
 CPU_RUNS = {"gpt2_tiny_1r": 1, "bert_tiny_2r": 2, "gpt2_tiny_2r": 2, "bert_tiny_2r_ours": 2}
-
-
-def read_et_with_protolib(path: Path) -> tuple[GlobalMetadata, list[Node]]:
-    """Read a .et the way chakra's own tools do (protolib.decodeMessage), independent of trace_tools."""
-    f = openFileRd(str(path))
-    metadata = GlobalMetadata()
-    assert decodeMessage(f, metadata)
-    nodes = []
-    while True:
-        node = Node()
-        if not decodeMessage(f, node):
-            break
-        nodes.append(node)
-    f.close()
-    return metadata, nodes
 
 
 def attrs(node: Node) -> dict:

@@ -15,9 +15,10 @@ import pytest
 from chakra.schema.protobuf.et_def_pb2 import (
     ALL_REDUCE, COMM_COLL_NODE, COMM_RECV_NODE, COMM_SEND_NODE, COMP_NODE, AttributeProto, GlobalMetadata, Node,
 )
-from chakra.src.third_party.utils.protolib import decodeMessage, encodeMessage, openFileRd
+from chakra.src.third_party.utils.protolib import encodeMessage
 from matplotlib.image import imread
 
+from conversion_helpers import read_et_with_protolib
 from trace_tools import report as report_lib
 from trace_tools.report import ReportError, write_report
 
@@ -68,19 +69,9 @@ def run_dir(request) -> Path:
 
 
 def read_et_independently(path: Path) -> tuple[dict, list[Node]]:
-    """Decode with chakra's own protolib (not the code under test)."""
-    f = openFileRd(str(path))
-    meta = GlobalMetadata()
-    assert decodeMessage(f, meta)
-    nodes = []
-    while True:
-        node = Node()
-        if not decodeMessage(f, node):
-            break
-        nodes.append(node)
-    f.close()
-    attrs = {a.name: getattr(a, a.WhichOneof("value")) for a in meta.attr}
-    return attrs, nodes
+    """Decode with chakra's own protolib (not the code under test); the metadata as a dict of attributes."""
+    meta, nodes = read_et_with_protolib(path)
+    return {a.name: getattr(a, a.WhichOneof("value")) for a in meta.attr}, nodes
 
 
 def node_attrs(node: Node) -> dict:
