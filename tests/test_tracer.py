@@ -253,7 +253,7 @@ def test_tracing_off_creates_no_profiler_no_observer_and_no_files(tmp_path, monk
 def test_tracing_flags_default_to_a_one_step_window():
     args = parse_tracing_args()
     assert not args.enable_tracing and args.trace_output_dir == "./outputs" and args.trace_name is None
-    assert (args.trace_wait_steps, args.trace_warmup_steps, args.trace_active_steps) == (1, 1, 1)
+    assert (args.trace_wait_steps, args.trace_warmup_steps, args.trace_active_steps) == (3, 1, 3)
     assert tracing_window_steps(args) == 3
     assert tracing_window_steps(parse_tracing_args("--trace-wait-steps", "5", "--trace-active-steps", "10")) == 16
 

@@ -29,6 +29,8 @@ STEP_PREFIX = "ProfilerStep#"
 COLLECTIVE_PREFIXES = ("nccl:", "gloo:", "mpi:", "ucc:", "xccl:")
 # Collectives that run on CPU threads become COMM nodes themselves (there is no GPU kernel to stand for them).
 CPU_COLLECTIVE_PREFIXES = ("gloo:", "mpi:", "ucc:")
+# Host-side calls that enqueue a collective (the tensors they hold are the collective's buffer).
+COMM_CALL_PREFIXES = COLLECTIVE_PREFIXES + ("c10d::", "record_param_comms")
 # Runtime calls after which the CPU has waited for GPU work.
 SYNC_CALLS = {"cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchronize", "cudaMemcpy",
               "cudaMemcpy2D", "cudaMemcpyFromSymbol", "cudaMemcpyToSymbol", "cuCtxSynchronize",
@@ -75,6 +77,8 @@ class LinkedTrace:
     launcher_of_rt: dict[int, int] = field(default_factory=dict)  # runtime call -> CPU node it ran in
     inter_thread_dep: dict[int, int] = field(default_factory=dict)  # strongest cross-thread dep (merged JSON)
     sync_deps: dict[int, list[int]] = field(default_factory=dict)   # GPU nodes a CPU node waited for
+    launch_ts: dict[int, float] = field(default_factory=dict)       # GPU node -> start of the call that enqueued it
+    rule_edges: Counter = field(default_factory=Counter)            # cross-lane edges added, by the rule that added them
     step_name: str = ""
     step_start: float = 0.0
     step_dur: float = 0.0
@@ -553,6 +557,7 @@ def _add_gpu_work(linked: LinkedTrace, cpu_lane: list[int], lanes: dict[tuple, i
         if launcher < 0:
             continue
         g_start, g_end = dev.gpu_ts[g], dev.gpu_ts[g] + dev.gpu_dur[g]
+        linked.launch_ts[len(linked.kind)] = dev.rt_ts[r]
         linked.kind.append(GPU_OP)
         linked.src.append(g)
         linked.host_index.append(-1)
@@ -806,21 +811,116 @@ def describe_kernel_only(name: str) -> dict | None:
     return {"node_type": kinds[0], "comm_type": kinds[1], "comm_size": 0, "pg_name": ""}
 
 
+@dataclass
+class _Timeline:
+    """The linked nodes by lane, shared by the dependency phases."""
+
+    linked: LinkedTrace
+    deps: list[list[int]]
+    lane_nodes: dict[int, list[int]]   # lane -> its nodes in lane order (the step annotation last)
+    position: list[int]                # node -> place in its lane's order
+    step_node: list[bool]              # the step annotation and the observer's thread nodes
+    lane_ops: dict[int, list[int]]     # lane -> its nodes but the step annotation, by start
+    lane_starts: dict[int, list[float]]
+    busy: dict[int, "_BusyTime"]       # lane -> when its operators kept it busy
+    cpu_lanes: list[int]
+
+    def add(self, source: int, target: int, rule: str) -> bool:
+        """Edge source -> target when source started first (so every edge keeps the graph acyclic)."""
+        ts = self.linked.ts
+        if source == target or ts[source] > ts[target] or source in self.deps[target]:
+            return False
+        if ts[source] == ts[target] and self.linked.lane[source] == self.linked.lane[target] and \
+                self.position[source] > self.position[target]:
+            return False
+        self.deps[target].append(source)
+        self.linked.rule_edges[rule] += 1
+        return True
+
+    def first_op_from(self, lane: int, t: float) -> int:
+        """The first operator of a lane starting at or after time t (-1 for none)."""
+        p = bisect.bisect_left(self.lane_starts[lane], t)
+        return self.lane_ops[lane][p] if p < len(self.lane_ops[lane]) else -1
+
+    def note_wait(self, waiter: int, source_lane: int) -> None:
+        """The waiter's thread sat idle before it while `source_lane` worked: that time is waiting (already on the
+        path through the other lane), charged to what spans the idle gap on the waiter's thread."""
+        linked = self.linked
+        lane = linked.lane[waiter]
+        ends = self.own_ends[lane]
+        start = linked.ts[waiter]
+        idle_from = own_ends_before(ends, start)
+        overlap = self.busy[source_lane].overlap(idle_from, start)
+        p = self.position[waiter]
+        if overlap <= 0 or p == 0:
+            return
+        holder = _innermost_around(linked, self.lane_nodes[lane][p - 1], (idle_from + start) / 2)
+        if holder >= 0:
+            linked.wait[holder] += overlap
+
+    @property
+    def own_ends(self) -> dict[int, list[float]]:
+        cached = getattr(self, "_own_ends", None)
+        if cached is None:
+            ts, dur = self.linked.ts, self.linked.dur
+            cached = {lane: sorted(ts[i] + dur[i] for i in nodes) for lane, nodes in self.lane_nodes.items()}
+            self._own_ends = cached
+        return cached
+
+
 def _build_dependencies(linked: LinkedTrace, syncs: list[tuple[int, int, float]]) -> None:
-    """Data dependencies that a simulator can execute and that hold in the traced timeline.
+    """Data dependencies from what orders two nodes in the program, never from a coincidence of the timeline.
 
-    - each lane (CPU thread, GPU stream) runs its nodes in order (callers before callees);
-    - a node waits for what finished on the other lanes of its group (CPU threads; streams of one GPU) before it
-      started, never for what merely started before it; a thread that resumed after an idle gap also waits for
-      the other thread's op that ran through the gap and closed just after (what it was blocked on);
-    - GPU work waits for the CPU op that launched it, a gloo collective for the c10d op that enqueued it;
-    - the first CPU op after a synchronising runtime call waits for the GPU work that had finished by then.
-    Every edge goes from an earlier start to a later one (ties only inside a lane), so the graph is acyclic.
+    A simulator replays the graph on another network: an edge that the program does not impose (a collective that
+    merely finished before some backward op started) would make that op wait for the slower collective. So:
+    1. order_lanes: a thread runs its calls in order, a stream its kernels.
+    2. link_launches: GPU work after the CPU op that launched it; a collective after the op that enqueued it.
+    3. order_collectives: the collectives of one process group run one after another (one communicator).
+    4. link_collective_consumers: the first op that touches a collective's buffer after enqueuing it, or waits on
+       its work (DDP's finalize, the optimizer, `wait`), waits for it; on a GPU, the first kernel enqueued from then.
+    5. link_blocked_callers: a call that blocked until its collective completed (a synchronous broadcast) is
+       followed by the next op of its thread only after the collective.
+    6. link_thread_handoffs: on the CPU, an op waits for the non-communication ops other threads finished before it
+       started (forward -> autograd thread -> optimizer); no communication is linked this way.
+    7. link_unexplained_waits: only for a collective without a consumer found in 4-5 (traces without tensor
+       records): the op its thread resumed with after idling through the collective's end.
+    8. link_stream_waits: a collective kernel waits for the last kernel its thread enqueued on another stream
+       before it (ProcessGroupNCCL makes its stream wait on the current one).
+    9. link_synchronizing_calls: the first CPU op after a synchronising runtime call waits for the last GPU work
+       enqueued before the call on the stream(s) it synchronised.
+    Edges between the streams of one GPU come only from 2, 4, 8 and 9: kernels that the program let overlap stay
+    free to. Every edge goes from an earlier start to a later one, so the graph is acyclic.
 
-    Time a CPU op spent blocked (idle on its thread while the lane it then depends on was busy, or inside a
-    synchronising call while the GPU was busy) is already on the path through that other lane; it is recorded in
-    `wait` and left out of the op's .et duration so the critical path does not count it twice.
+    Time a CPU op spent blocked (idle or inside a synchronising call while the lane it then depends on was busy) is
+    recorded in `wait` and left out of its .et duration, so the critical path does not count it twice.
     """
+    timeline = order_lanes(linked)
+    link_launches(timeline)
+    order_collectives(timeline)
+    consumed = link_collective_consumers(timeline)
+    consumed |= link_blocked_callers(timeline)
+    link_thread_handoffs(timeline)
+    link_unexplained_waits(timeline, [i for i in linked.comm if i not in consumed])
+    link_stream_waits(timeline)
+    link_synchronizing_calls(timeline, syncs)
+    deps = timeline.deps
+    wait = linked.wait
+    for i in range(len(linked.kind)):
+        if len(deps[i]) > 1:
+            deps[i] = list(dict.fromkeys(deps[i]))
+        if wait[i] > linked.excl[i]:
+            wait[i] = linked.excl[i]
+    linked.deps = deps
+    linked.stats["sync_edges"] = linked.rule_edges["synchronising call"]
+    linked.stats["dependency_rules"] = dict(sorted(linked.rule_edges.items()))
+    linked.stats["lanes"] = len(linked.lanes)
+    linked.stats["wait_us"] = round(sum(wait), 1)
+
+
+def order_lanes(linked: LinkedTrace) -> _Timeline:
+    """Chain every lane's nodes in order: by start, callers before callees; the step annotation last (its own time
+    is the thread's time between operators, spread over the step: paths leaving the thread mid-step must not carry
+    the rest of the step's gaps). A caller placed after its callee stops being the callee's ctrl dependency."""
     n = len(linked.kind)
     ts, dur, lane_of, kind = linked.ts, linked.dur, linked.lane, linked.kind
     deps: list[list[int]] = [[] for _ in range(n)]
@@ -828,52 +928,217 @@ def _build_dependencies(linked: LinkedTrace, syncs: list[tuple[int, int, float]]
     for i in range(n):
         lane_nodes[lane_of[i]].append(i)
     tiebreak = _tiebreak_keys(linked)
-    # The step annotation's own time is the thread's time between operators, spread over the whole step: it goes
-    # last on its lane, so that paths leaving the thread mid-step do not carry the rest of the step's gaps.
     step_node = [kind[i] != GPU_OP and (linked.name(i).startswith(STEP_PREFIX) or is_structural(linked.name(i)))
                  for i in range(n)]
+    position = [0] * n
     for lane, nodes in lane_nodes.items():
         nodes.sort(key=lambda i: (ts[i] + dur[i], 1, 0, tiebreak[i]) if step_node[i] else
                    (ts[i], 0, -dur[i], tiebreak[i]))
-        for a, b in zip(nodes, nodes[1:]):
-            deps[b].append(a)
-    position = [0] * n
-    for nodes in lane_nodes.values():
         for p, i in enumerate(nodes):
             position[i] = p
-    for i in range(n):  # a caller placed after its callee cannot be their ctrl dependency
+        for a, b in zip(nodes, nodes[1:]):
+            deps[b].append(a)
+    for i in range(n):
         p = linked.parent[i]
         if p >= 0 and lane_of[p] == lane_of[i] and position[p] > position[i]:
             linked.parent[i] = -1
+    lane_ops = {lane: [i for i in nodes if not step_node[i]] for lane, nodes in lane_nodes.items()}
+    for nodes in lane_ops.values():
+        nodes.sort(key=lambda i: (ts[i], position[i]))
+    return _Timeline(
+        linked=linked, deps=deps, lane_nodes=lane_nodes, position=position, step_node=step_node, lane_ops=lane_ops,
+        lane_starts={lane: [ts[i] for i in nodes] for lane, nodes in lane_ops.items()},
+        busy={lane: _BusyTime([ts[i] for i in nodes], [ts[i] + dur[i] for i in nodes])
+              for lane, nodes in lane_ops.items()},
+        cpu_lanes=[lane for lane, key in enumerate(linked.lanes) if key[0] == "cpu"])
 
-    # Callers on another lane: GPU work after its launch; a CPU op after a caller that had finished when it started;
-    # a gloo collective after the c10d op that enqueued it, the innermost op running on its thread as the collective
-    # started. The observer names as parent of an op whatever record function was last opened, on whichever thread
-    # (an enclosing op or the step annotation, which end after the op; for a main-thread op, the collective a
-    # worker thread had just begun): such a parent is no cause, and the finished-before edges order the two.
-    lane_ops = {lane: [i for i in nodes if not step_node[i]] for lane, nodes in lane_nodes.items()}  # by start
-    lane_starts = {lane: [ts[i] for i in nodes] for lane, nodes in lane_ops.items()}
-    for i in range(n):
-        p = linked.parent[i]
+
+def link_launches(timeline: _Timeline) -> None:
+    """GPU work after its launch; a collective on a worker thread after the op that enqueued it; a CPU op after a
+    caller on another thread that had finished when it started. The observer names as parent whatever record
+    function was last opened on any thread: one that is no cause stops being the node's ctrl dependency."""
+    linked = timeline.linked
+    ts, dur, lane_of, kind, parent = linked.ts, linked.dur, linked.lane, linked.kind, linked.parent
+    enqueuers = _collective_enqueuers(timeline)
+    for i in range(len(kind)):
+        p = parent[i]
+        if i in linked.comm and kind[i] != GPU_OP:
+            p = enqueuers.get(i, p if p >= 0 and lane_of[p] != lane_of[i] and not timeline.step_node[p] else -1)
+            parent[i] = p if p >= 0 and timeline.add(p, i, "enqueue") else -1
+            continue
         if p < 0 or lane_of[p] == lane_of[i]:
             continue
-        if kind[i] == GPU_OP or ts[p] + dur[p] <= ts[i] or \
-                (i in linked.comm and not step_node[p] and ts[p] <= ts[i] and _running_on_lane(linked, lane_ops[lane_of[p]],
-                                                                           lane_starts[lane_of[p]], ts[i]) == p):
-            deps[i].append(p)
+        if kind[i] == GPU_OP:
+            timeline.add(p, i, "launch")
+        elif ts[p] + dur[p] <= ts[i] and p not in linked.comm:
+            timeline.add(p, i, "caller")
         else:
-            linked.parent[i] = -1  # a ctrl dep must also be a data ancestor; this one is not
+            parent[i] = -1  # a ctrl dep must also be a data ancestor; this one is not
 
-    # what kept a lane busy: its operators (the step annotation spans the whole step, busy or not)
-    busy = {lane: _BusyTime([ts[i] for i in nodes], [ts[i] + dur[i] for i in nodes]) for lane, nodes in lane_ops.items()}
-    wait = linked.wait
 
-    # A caller that blocked until the collective it enqueued on another thread was done (gloo broadcast_, a
-    # synchronous all_reduce): the overlap is waiting, already on the path through the collective.
+def _collective_enqueuers(timeline: _Timeline) -> dict[int, int]:
+    """CPU-thread collective -> the c10d op on another thread that enqueued it: the last one that started before it
+    and holds the same tensors."""
+    linked = timeline.linked
+    host, ts = linked.host, linked.ts
+    c10d_by_storage: dict[int, list[int]] = defaultdict(list)
+    for i, h in enumerate(linked.host_index):
+        if h >= 0 and host.names[h].startswith("c10d::") and i not in linked.comm:
+            for s in host.storages[h]:
+                c10d_by_storage[s].append(i)
+    for nodes in c10d_by_storage.values():
+        nodes.sort(key=lambda i: ts[i])
+    enqueuers = {}
+    for i in linked.comm:
+        h = linked.host_index[i]
+        if h < 0 or linked.kind[i] == GPU_OP:
+            continue
+        best = -1
+        for s in host.storages[h]:
+            nodes = c10d_by_storage.get(s, ())
+            q = bisect.bisect_right([ts[x] for x in nodes], ts[i]) - 1
+            while q >= 0 and linked.lane[nodes[q]] == linked.lane[i]:
+                q -= 1
+            if q >= 0 and (best < 0 or ts[nodes[q]] > ts[best]):
+                best = nodes[q]
+        if best >= 0:
+            enqueuers[i] = best
+    return enqueuers
+
+
+def order_collectives(timeline: _Timeline) -> None:
+    """The collectives of one process group run in the order they were issued (one communicator, one link)."""
+    linked = timeline.linked
+    groups: dict[tuple, list[int]] = defaultdict(list)
+    for i, info in linked.comm.items():
+        key = linked.lanes[linked.lane[i]]
+        place = ("gpu", key[1]) if key[0] == "gpu" else ("cpu",)
+        groups[(info.get("pg_name", ""),) + place].append(i)
+    for nodes in groups.values():
+        nodes.sort(key=lambda i: (linked.ts[i], timeline.position[i]))
+        for a, b in zip(nodes, nodes[1:]):
+            if linked.lane[a] != linked.lane[b]:
+                timeline.add(a, b, "collective order")
+
+
+def _enqueue_call(linked: LinkedTrace, i: int) -> int:
+    """The outermost communication call on the issuing thread around collective i's enqueue (c10d::allreduce_
+    around record_param_comms around nccl:all_reduce); -1 when unknown."""
+    x = linked.parent[i]
+    outer = -1
+    depth = 0
+    while x >= 0 and depth < 8 and linked.kind[x] != GPU_OP:
+        name = linked.name(x)
+        if not name.startswith(COMM_CALL_PREFIXES):
+            break
+        outer = x
+        x = linked.parent[x]
+        depth += 1
+    return outer
+
+
+def _collective_seq(linked: LinkedTrace, call: int) -> int:
+    """The sequence number record_param_comms gives a collective (what a `wait` record names); -1 when none."""
+    host = linked.host
+    x, depth = call, 0
+    while x >= 0 and depth < 8:
+        h = linked.host_index[x]
+        if h >= 0 and host.names[h].startswith("record_param_comms"):
+            values, types = host.comm_inputs.get(h, ([], []))
+            ints = _int_inputs(values, types)
+            if ints and "wait" not in _string_inputs(values, types):
+                return ints[0]
+        x = linked.parent[x] if linked.parent[x] != x else -1
+        depth += 1
+    return -1
+
+
+def link_collective_consumers(timeline: _Timeline) -> set[int]:
+    """A collective's consumer is the first op of the issuing thread, after the enqueue call returned, that reads or
+    writes one of its tensors, or that waits on its work (`record_param_comms` 'wait' with its sequence number).
+    On the CPU that op waits for the collective; on a GPU the first kernel enqueued from that op on does. Returns
+    the collectives given a consumer."""
+    linked = timeline.linked
+    host, ts, dur, lane_of = linked.host, linked.ts, linked.dur, linked.lane
+    waits_by_seq: dict[int, list[int]] = defaultdict(list)
+    touching: dict[int, list[int]] = defaultdict(list)  # storage -> non-communication CPU ops touching it, by start
+    for i, h in enumerate(linked.host_index):
+        if h < 0 or timeline.step_node[i]:
+            continue
+        name = host.names[h]
+        if name.startswith("record_param_comms"):
+            values, types = host.comm_inputs.get(h, ([], []))
+            ints = _int_inputs(values, types)
+            if ints and "wait" in _string_inputs(values, types):
+                waits_by_seq[ints[0]].append(i)
+        elif not name.startswith(COMM_CALL_PREFIXES) and i not in linked.comm:
+            for s in host.storages[h]:
+                touching[s].append(i)
+    for nodes in touching.values():
+        nodes.sort(key=lambda i: ts[i])
+    touch_times = {s: [ts[i] for i in nodes] for s, nodes in touching.items()}
+    launched: dict[int, list[int]] = defaultdict(list)  # CPU lane -> GPU nodes it enqueued, by enqueue time
+    for g, t in linked.launch_ts.items():
+        p = linked.parent[g]
+        if p >= 0:
+            launched[lane_of[p]].append(g)
+    for nodes in launched.values():
+        nodes.sort(key=lambda g: linked.launch_ts[g])
+    launch_times = {lane: [linked.launch_ts[g] for g in nodes] for lane, nodes in launched.items()}
+    consumed: set[int] = set()
+    for i in sorted(linked.comm, key=lambda x: ts[x]):
+        call = _enqueue_call(linked, i) if linked.kind[i] == GPU_OP else linked.parent[i]
+        if call < 0:
+            continue
+        issuing_lane, returned = lane_of[call], ts[call] + dur[call]
+        storages: set[int] = set()
+        x = i if linked.kind[i] != GPU_OP else linked.parent[i]
+        while x >= 0:  # the collective's own record up to the enqueue call: all hold its buffer
+            if linked.host_index[x] >= 0:
+                storages.update(host.storages[linked.host_index[x]])
+            x = linked.parent[x] if x != call and linked.parent[x] != x else -1
+        if linked.kind[i] != GPU_OP:
+            storages.update(host.storages[linked.host_index[call]] if linked.host_index[call] >= 0 else ())
+        candidates = []
+        for s in storages:
+            nodes = touching.get(s, ())
+            q = bisect.bisect_left(touch_times[s], returned) if nodes else 0
+            while q < len(nodes) and lane_of[nodes[q]] != issuing_lane:
+                q += 1
+            if q < len(nodes):
+                candidates.append(nodes[q])
+        seq = _collective_seq(linked, call)
+        for w in waits_by_seq.get(seq, ()) if seq >= 0 else ():
+            if ts[w] >= ts[call]:
+                candidates.append(w)
+        if not candidates:
+            continue
+        consumer = min(candidates, key=lambda y: ts[y])
+        if linked.kind[i] != GPU_OP:
+            if timeline.add(i, consumer, "consumer"):
+                consumed.add(i)
+                timeline.note_wait(consumer, lane_of[i])
+            continue
+        lane = lane_of[consumer]
+        q = bisect.bisect_left(launch_times.get(lane, []), ts[consumer])
+        nodes = launched.get(lane, [])
+        while q < len(nodes) and lane_of[nodes[q]] == lane_of[i]:
+            q += 1
+        if q < len(nodes) and ts[nodes[q]] >= ts[i] + dur[i] - 1.0 and timeline.add(i, nodes[q], "consumer"):
+            consumed.add(i)
+    return consumed
+
+
+def link_blocked_callers(timeline: _Timeline) -> set[int]:
+    """A call that stayed open through most of the collective it enqueued on another thread (a synchronous gloo
+    broadcast or all_reduce) blocked on it: the overlap is waiting, and its thread's next op follows the collective."""
+    linked = timeline.linked
+    ts, dur, lane_of, kind = linked.ts, linked.dur, linked.lane, linked.kind
     lane_children: dict[int, list[int]] = defaultdict(list)
-    for i in range(n):
-        if linked.lane_parent and i < len(linked.lane_parent) and linked.lane_parent[i] >= 0:
-            lane_children[linked.lane_parent[i]].append(i)
+    for i, p in enumerate(linked.lane_parent):
+        if p >= 0:
+            lane_children[p].append(i)
+    blocked: set[int] = set()
     for i in linked.comm:
         p = linked.parent[i]
         if p < 0 or kind[i] == GPU_OP or lane_of[p] == lane_of[i]:
@@ -882,132 +1147,175 @@ def _build_dependencies(linked: LinkedTrace, syncs: list[tuple[int, int, float]]
         if hi - lo > 0.5 * dur[i] > 0:
             children = lane_children.get(p, ())
             inner = _BusyTime([ts[c] for c in children], [ts[c] + dur[c] for c in children]).overlap(lo, hi)
-            wait[p] += max(0.0, hi - lo - inner)
+            linked.wait[p] += max(0.0, hi - lo - inner)
+            after = timeline.first_op_from(lane_of[p], ts[p] + dur[p])
+            if after >= 0 and timeline.add(i, after, "blocked caller"):
+                blocked.add(i)
+    return blocked
 
-    # what finished on the other lanes before a node started
-    groups: dict[Any, list[int]] = defaultdict(list)
-    for lane, key in enumerate(linked.lanes):
-        groups[("cpu",) if key[0] == "cpu" else ("gpu", key[1])].append(lane)
+
+def link_thread_handoffs(timeline: _Timeline) -> None:
+    """On the CPU: an op waits for what the other threads' non-communication ops finished before it started (the
+    autograd thread starts after the forward, the optimizer after the backward); a thread that resumed after an
+    idle gap also waits for the other thread's op that ran through the gap and closed just after (the engine wakes
+    its waiter before the op's record closes)."""
+    linked = timeline.linked
+    ts, dur = linked.ts, linked.dur
+    lanes = timeline.cpu_lanes
+    if len(lanes) < 2:
+        return
+    position, step_node, comm = timeline.position, timeline.step_node, linked.comm
     inter_thread = linked.inter_thread_dep
-    for group_key, group_lanes in groups.items():
-        if len(group_lanes) < 2:
-            continue
-        on_cpu = group_key[0] == "cpu"
-        by_end = {}
-        for lane in group_lanes:
-            nodes = [i for i in lane_nodes[lane] if dur[i] > 0]
-            nodes.sort(key=lambda i: (ts[i] + dur[i], ts[i]))
-            by_end[lane] = nodes
-        for target in group_lanes:
-            targets = lane_nodes[target]
-            own_ends = sorted(ts[i] + dur[i] for i in targets)
-            waited: dict[int, float] = {}  # target node -> longest overlap with a lane it now depends on
-            for source in group_lanes:
-                if source == target:
-                    continue
-                finished = by_end[source]
-                j = 0
-                best = -1  # deepest position in the source lane among the finished nodes
-                last_added = -1
-                for i in targets:
-                    start = ts[i]
-                    while j < len(finished) and ts[finished[j]] + dur[finished[j]] <= start \
-                            and ts[finished[j]] < start:
-                        if position[finished[j]] > best:
-                            best = position[finished[j]]
+    by_end = {}
+    for lane in lanes:
+        nodes = [i for i in timeline.lane_nodes[lane] if dur[i] > 0 and i not in comm and not step_node[i]]
+        nodes.sort(key=lambda i: (ts[i] + dur[i], ts[i]))
+        by_end[lane] = nodes
+    for target in lanes:
+        targets = [i for i in timeline.lane_nodes[target] if i not in comm]
+        own_ends = timeline.own_ends[target]
+        waited: dict[int, tuple[float, int]] = {}
+        for source in lanes:
+            finished = by_end[source]
+            if source == target or not finished:
+                continue
+            j = 0
+            best = -1
+            last_added = -1
+            for i in targets:
+                start = ts[i]
+                while j < len(finished) and ts[finished[j]] + dur[finished[j]] <= start and ts[finished[j]] < start:
+                    best = max(best, position[finished[j]])
+                    j += 1
+                if j < len(finished) and not step_node[i]:
+                    idle_from = own_ends_before(own_ends, start)
+                    gap = start - idle_from
+                    while j < len(finished) and gap > 0:
+                        other = finished[j]
+                        other_end = ts[other] + dur[other]
+                        cover = min(other_end, start) - max(ts[other], idle_from)
+                        if not (ts[other] < start and other_end - start <= COMPLETION_SLACK_SHARE * gap
+                                and cover >= BLOCKED_COVER * gap):
+                            break
+                        best = max(best, position[other])
                         j += 1
-                    if on_cpu and j < len(finished) and not step_node[i]:
-                        # A thread blocked on another thread's work (the future of a gloo collective) resumes when
-                        # the work completes, which is before the work's record function closes (the worker closes it
-                        # after waking the waiters, later still when it is not scheduled at once): the op that ran
-                        # through the idle gap before `start` and closed soon after it is what the thread waited for;
-                        # so is a collective that its worker picked up late in the gap and that ran through the rest.
-                        idle_from = own_ends_before(own_ends, start)
-                        gap = start - idle_from
-                        while j < len(finished) and gap > 0:
-                            other = finished[j]
-                            other_end = ts[other] + dur[other]
-                            cover = min(other_end, start) - max(ts[other], idle_from)
-                            if not (ts[other] < start and other_end - start <= COMPLETION_SLACK_SHARE * gap
-                                    and (cover >= BLOCKED_COVER * gap or
-                                         (cover >= COLLECTIVE_COVER * gap and other in linked.comm))):
-                                break
-                            if position[other] > best:
-                                best = position[other]
-                            j += 1
-                    if best > last_added:
-                        src = lane_nodes[source][best]
-                        deps[i].append(src)
-                        last_added = best
-                        if on_cpu:
-                            prev = inter_thread.get(i)
-                            if prev is None or ts[src] + dur[src] > ts[prev] + dur[prev]:
-                                inter_thread[i] = src
-                            q = bisect.bisect_right(own_ends, start) - 1
-                            if q >= 0:  # idle on its own thread since own_ends[q]: blocked while `source` worked?
-                                overlap = busy[source].overlap(own_ends[q], start)
-                                if overlap > waited.get(i, 0.0):
-                                    waited[i] = overlap
-            for i, overlap in waited.items():
-                p = position[i]
-                if p == 0:
-                    continue
-                holder = _innermost_around(linked, lane_nodes[target][p - 1], (own_ends_before(own_ends, ts[i]) + ts[i]) / 2)
-                if holder >= 0:
-                    wait[holder] += overlap
+                if best > last_added:
+                    src = timeline.lane_nodes[source][best]
+                    last_added = best
+                    if timeline.add(src, i, "thread handoff"):
+                        prev = inter_thread.get(i)
+                        if prev is None or ts[src] + dur[src] > ts[prev] + dur[prev]:
+                            inter_thread[i] = src
+                        overlap = timeline.busy[source].overlap(own_ends_before(own_ends, start), start)
+                        if overlap > waited.get(i, (0.0, -1))[0]:
+                            waited[i] = (overlap, source)
+        for i, (_, source) in waited.items():
+            timeline.note_wait(i, source)
 
-    # CPU waits for GPU work at synchronising calls
-    gpu_lanes_of_device: dict[int, list[int]] = defaultdict(list)
+
+def link_unexplained_waits(timeline: _Timeline, collectives: list[int]) -> None:
+    """For a CPU-thread collective with no consumer in the trace: the op another thread resumed with, after idling
+    through most of the collective's tail, when the collective closed at most a little after the resume (its
+    worker wakes the waiters before it closes the record)."""
+    linked = timeline.linked
+    ts, dur, lane_of = linked.ts, linked.dur, linked.lane
+    for i in collectives:
+        if linked.kind[i] == GPU_OP:
+            continue
+        end = ts[i] + dur[i]
+        for lane in timeline.cpu_lanes:
+            if lane == lane_of[i]:
+                continue
+            ops, starts = timeline.lane_ops[lane], timeline.lane_starts[lane]
+            q = bisect.bisect_left(starts, ts[i])
+            own_ends = timeline.own_ends[lane]
+            while q < len(ops):
+                resumed = ops[q]
+                start = ts[resumed]
+                idle_from = own_ends_before(own_ends, start)
+                gap = start - idle_from
+                if start > end + gap:
+                    break
+                cover = min(end, start) - max(ts[i], idle_from)
+                if gap > 0 and end - start <= COMPLETION_SLACK_SHARE * gap and cover >= COLLECTIVE_COVER * gap \
+                        and end >= idle_from:
+                    if timeline.add(i, resumed, "idle until it closed"):
+                        timeline.note_wait(resumed, lane_of[i])
+                    break
+                q += 1
+
+
+def link_stream_waits(timeline: _Timeline) -> None:
+    """A collective kernel starts after the last kernel its thread enqueued on another stream of the GPU before
+    it: ProcessGroupNCCL makes its stream wait on the current stream's work so far."""
+    linked = timeline.linked
+    lane_of = linked.lane
+    launched: dict[int, list[int]] = defaultdict(list)
+    for g in linked.launch_ts:
+        p = linked.parent[g]
+        if p >= 0:
+            launched[lane_of[p]].append(g)
+    for nodes in launched.values():
+        nodes.sort(key=lambda g: linked.launch_ts[g])
+    times = {lane: [linked.launch_ts[g] for g in nodes] for lane, nodes in launched.items()}
+    for i in linked.comm:
+        if linked.kind[i] != GPU_OP or linked.parent[i] < 0:
+            continue
+        lane = lane_of[linked.parent[i]]
+        device = linked.lanes[lane_of[i]][1]
+        q = bisect.bisect_left(times[lane], linked.launch_ts[i]) - 1
+        nodes = launched[lane]
+        while q >= 0 and (lane_of[nodes[q]] == lane_of[i] or linked.lanes[lane_of[nodes[q]]][1] != device):
+            q -= 1
+        if q >= 0:
+            timeline.add(nodes[q], i, "stream wait")
+
+
+def link_synchronizing_calls(timeline: _Timeline, syncs: list[tuple[int, int, float]]) -> None:
+    """The first CPU op after a synchronising call waits for the last GPU work enqueued before the call: on every
+    stream of the device for a device or context synchronisation, else on the stream the thread last enqueued to.
+    The time the call spent while the GPU was busy is waiting."""
+    linked = timeline.linked
+    dev, lane_of, ts = linked.device, linked.lane, linked.ts
+    gpu_lanes_of_device: dict[Any, list[int]] = defaultdict(list)
     for lane, key in enumerate(linked.lanes):
         if key[0] == "gpu":
             gpu_lanes_of_device[key[1]].append(lane)
-    device_busy = {device: _BusyTime([ts[i] for lane in lanes for i in lane_nodes[lane]],
-                                     [ts[i] + dur[i] for lane in lanes for i in lane_nodes[lane]])
+    if not gpu_lanes_of_device:
+        return
+    device_busy = {device: _BusyTime([ts[i] for lane in lanes for i in timeline.lane_nodes[lane]],
+                                     [ts[i] + linked.dur[i] for lane in lanes for i in timeline.lane_nodes[lane]])
                    for device, lanes in gpu_lanes_of_device.items()}
-    gpu_by_end: dict[int, tuple[list[float], list[int]]] = {}
-    for lanes in gpu_lanes_of_device.values():
-        for lane in lanes:
-            nodes = sorted(lane_nodes[lane], key=lambda i: ts[i] + dur[i])
-            gpu_by_end[lane] = ([ts[i] + dur[i] for i in nodes], nodes)
-    dev = linked.device
-    sync_edges = 0
+    enqueued: dict[int, list[int]] = defaultdict(list)  # GPU lane -> its nodes by enqueue time
+    by_thread: dict[int, list[int]] = defaultdict(list)  # CPU lane -> GPU nodes it enqueued, by enqueue time
+    for g, t in linked.launch_ts.items():
+        enqueued[lane_of[g]].append(g)
+        if linked.parent[g] >= 0:
+            by_thread[lane_of[linked.parent[g]]].append(g)
+    for nodes in list(enqueued.values()) + list(by_thread.values()):
+        nodes.sort(key=lambda g: linked.launch_ts[g])
+    whole_device = ("DeviceSynchronize", "CtxSynchronize")
     for lane, r, end in syncs:
         holder = linked.launcher_of_rt.get(r, -1)
-        if holder >= 0 and device_busy:
-            blocked = max(b.overlap(dev.rt_ts[r], end) for b in device_busy.values())
-            wait[holder] += blocked
-        starts = lane_starts[lane]
-        p = bisect.bisect_left(starts, end)
-        if p >= len(starts):
+        if holder >= 0:
+            linked.wait[holder] += max(b.overlap(dev.rt_ts[r], end) for b in device_busy.values())
+        waiter = timeline.first_op_from(lane, end)
+        if waiter < 0:
             continue
-        waiter = lane_ops[lane][p]
-        for lanes in gpu_lanes_of_device.values():
-            for gl in lanes:
-                ends, nodes = gpu_by_end[gl]
-                q = bisect.bisect_right(ends, end) - 1
-                if q < 0:
-                    continue
-                gnode = nodes[q]  # a stream runs in order: the last to finish is the deepest finished
-                if gnode not in deps[waiter] and ts[gnode] < ts[waiter]:
-                    deps[waiter].append(gnode)
-                    linked.sync_deps.setdefault(waiter, []).append(gnode)
-                    sync_edges += 1
-    for i in range(n):
-        if len(deps[i]) > 1:
-            deps[i] = list(dict.fromkeys(deps[i]))
-        if wait[i] > linked.excl[i]:
-            wait[i] = linked.excl[i]
-    linked.deps = deps
-    linked.stats["sync_edges"] = sync_edges
-    linked.stats["lanes"] = len(linked.lanes)
-    linked.stats["wait_us"] = round(sum(wait), 1)
-
-
-def _running_on_lane(linked: LinkedTrace, nodes: list[int], starts: list[float], t: float) -> int:
-    """The innermost node of a CPU lane running at time t (-1 when the thread ran none); `nodes` are the lane's
-    nodes other than its step annotation, in start order, and `starts` their start times."""
-    q = bisect.bisect_right(starts, t) - 1
-    return _innermost_around(linked, nodes[q], t) if q >= 0 else -1
+        called = dev.rt_ts[r]
+        mine = by_thread.get(lane, [])
+        q = bisect.bisect_right([linked.launch_ts[g] for g in mine], called) - 1
+        if q < 0:
+            continue
+        if dev.rt_names[r].endswith(whole_device):
+            streams = gpu_lanes_of_device[linked.lanes[lane_of[mine[q]]][1]]
+        else:
+            streams = [lane_of[mine[q]]]
+        for stream in streams:
+            nodes = enqueued[stream]
+            p = bisect.bisect_right([linked.launch_ts[g] for g in nodes], called) - 1
+            if p >= 0 and timeline.add(nodes[p], waiter, "synchronising call"):
+                linked.sync_deps.setdefault(waiter, []).append(nodes[p])
 
 
 def own_ends_before(own_ends: list[float], t: float) -> float:

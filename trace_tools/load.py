@@ -262,6 +262,9 @@ class HostTrace:
     io_fragments: list[bytes] = field(default_factory=list)
     # serialized Node(attr=[rf_id, fw_parent, seq_id, scope, tid, fw_tid, op_schema]) as chakra's converter writes
     attr_fragments: list[bytes] = field(default_factory=list)
+    # Storage ids of the tensors each node reads or writes (inputs and outputs): what ties a collective to the ops
+    # that produce and consume its buffer
+    storages: list[tuple[int, ...]] = field(default_factory=list)
     # Whole inputs of the few nodes that describe collectives: index -> (values, types)
     comm_inputs: dict[int, tuple[list, list]] = field(default_factory=dict)
     process_groups: list[dict] = field(default_factory=list)
@@ -326,7 +329,8 @@ def load_host_trace(path: str | Path, data: bytes | None = None, chunk_bytes: in
 
 
 def _reset_columns(trace: HostTrace) -> None:
-    for name in ("ids", "names", "parents", "rf_ids", "tids", "seq_ids", "io_fragments", "attr_fragments"):
+    for name in ("ids", "names", "parents", "rf_ids", "tids", "seq_ids", "io_fragments", "attr_fragments",
+                 "storages"):
         getattr(trace, name).clear()
     trace.comm_inputs.clear()
     trace.process_groups.clear()
@@ -363,7 +367,7 @@ def _append_host_nodes(trace: HostTrace, nodes: list) -> None:
 
     ids, names, parents, rf_ids = trace.ids, trace.names, trace.parents, trace.rf_ids
     tids, seq_ids, comm_inputs = trace.tids, trace.seq_ids, trace.comm_inputs
-    io_fragments, attr_fragments = trace.io_fragments, trace.attr_fragments
+    io_fragments, attr_fragments, storages = trace.io_fragments, trace.attr_fragments, trace.storages
     interned = _INTERNED
     dump = _dump
     for node in nodes:
@@ -382,6 +386,7 @@ def _append_host_nodes(trace: HostTrace, nodes: list) -> None:
             inputs = node.get("inputs") or {}
             outputs = node.get("outputs") or {}
             values, types = inputs.get("values"), inputs.get("types")
+            output_values = outputs.get("values")
             io = Node(inputs=IOInfo(values=dump(values), shapes=dump(inputs.get("shapes")), types=dump(types)),
                       outputs=IOInfo(values=dump(outputs.get("values")), shapes=dump(outputs.get("shapes")),
                                      types=dump(outputs.get("types"))))
@@ -389,10 +394,12 @@ def _append_host_nodes(trace: HostTrace, nodes: list) -> None:
             parents.append(_as_int(node.get("parent"), -1))
             attrs = node
             values, types = node.get("inputs"), node.get("input_types")
+            output_values = node.get("outputs")
             io = Node(inputs=IOInfo(values=dump(values), shapes=dump(node.get("input_shapes")), types=dump(types)),
                       outputs=IOInfo(values=dump(node.get("outputs")), shapes=dump(node.get("output_shapes")),
                                      types=dump(node.get("output_types"))))
         io_fragments.append(io.SerializeToString())
+        storages.append(tensor_storages(values, output_values))
         rf = attrs.get("rf_id")
         rf = rf if isinstance(rf, int) else -1
         rf_ids.append(rf)
@@ -412,6 +419,28 @@ def _append_host_nodes(trace: HostTrace, nodes: list) -> None:
             comm_inputs[index] = (values if isinstance(values, list) else [], types if isinstance(types, list) else [])
         elif name == PROCESS_GROUP_INIT:
             trace.process_groups.extend(_parse_process_groups(values))
+
+
+_NO_STORAGES: tuple[int, ...] = ()
+
+
+def tensor_storages(*value_lists: Any) -> tuple[int, ...]:
+    """Storage ids of the tensors among an op's input or output values: a tensor is written by the observer as
+    [tensor_id, storage_id, offset, numel, itemsize, device], alone or inside a list (GenericList[Tensor])."""
+    found: list[int] = []
+    for values in value_lists:
+        if not isinstance(values, list):
+            continue
+        pending = list(values)
+        while pending:  # iterative: lists of lists of tensors at most a few levels deep
+            value = pending.pop()
+            if type(value) is not list:
+                continue
+            if len(value) == 6 and type(value[1]) is int and type(value[5]) is str:
+                found.append(value[1])
+            else:
+                pending.extend(value)
+    return tuple(sorted(set(found))) if found else _NO_STORAGES
 
 
 # Operator names repeat thousands of times: one string object each.

@@ -37,6 +37,12 @@ class TraceError(RuntimeError):
     """A trace could not be captured or is not one valid JSON document."""
 
 
+# Untraced steps before the window are timed (the first one, with its one-time start-up costs, is not used by the
+# conversion); several active steps give per-operator medians instead of one sample.
+DEFAULT_WAIT_STEPS = 3
+DEFAULT_ACTIVE_STEPS = 3
+
+
 def add_tracing_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the tracing flags shared by gpt2/train.py and bert/train.py."""
     group = parser.add_argument_group("Chakra tracing")
@@ -48,12 +54,16 @@ def add_tracing_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--trace-name", default=None,
                        help="folder name of this run's traces (default: <model>_<N>gpu, or <model>_<N>cpu "
                             "without CUDA)")
-    group.add_argument("--trace-wait-steps", type=int, default=1,
-                       help="optimizer steps skipped before warm-up (default: 1)")
+    group.add_argument("--trace-wait-steps", type=int, default=DEFAULT_WAIT_STEPS,
+                       help="optimizer steps run untraced before warm-up; all but the first are timed, so the "
+                            "conversion can take the profiler's own cost out of the durations (default: "
+                            f"{DEFAULT_WAIT_STEPS})")
     group.add_argument("--trace-warmup-steps", type=int, default=1,
                        help="optimizer steps profiled but discarded, so start-up costs stay out of the trace "
                             "(default: 1)")
-    group.add_argument("--trace-active-steps", type=int, default=1, help="optimizer steps recorded (default: 1)")
+    group.add_argument("--trace-active-steps", type=int, default=DEFAULT_ACTIVE_STEPS,
+                       help="optimizer steps recorded; the .et holds the median step with per-operator medians "
+                            f"over all of them (default: {DEFAULT_ACTIVE_STEPS})")
 
 
 def tracing_window_steps(args: argparse.Namespace) -> int:
@@ -161,7 +171,8 @@ class ChakraTracer:
         self._device_trace_written = False
         self._step = 0                      # optimizer steps completed so far (= the profiler's step_num)
         self._step_started = 0.0
-        self.step_wall_time_s: dict[int, float] = {}
+        self.step_wall_time_s: dict[int, float] = {}          # traced steps
+        self.untraced_step_wall_time_s: dict[int, float] = {}  # steps before the profiler's window
         self.files: dict[str, Path] = {}
 
     # ---- lifecycle -------------------------------------------------------------------------------------------
@@ -190,20 +201,23 @@ class ChakraTracer:
             self._discard_traces()
             raise
         logger.info("rank %d: tracing optimizer steps %s into %s", self.rank, self.traced_steps, self.trace_dir)
-        self._step_started = self._now(sync=self.first_traced_step == 0)
+        self._step_started = self._now(sync=True)
         return self
 
     def step(self) -> None:
         """Mark the end of one optimizer step; call exactly once per optimizer step on every rank."""
         step = self._step
+        timed = step <= self.traced_steps[-1]
         if step in self.traced_steps:
             self.step_wall_time_s[step] = self._now(sync=True) - self._step_started
+        elif step < self.wait_steps:
+            self.untraced_step_wall_time_s[step] = self._now(sync=True) - self._step_started
         self._step += 1
         if self._profiler is not None and not self._finalized:
             self._profiler.step()
             if self._step >= self.traced_steps[-1] + 1:
                 self._finalize_capture()
-        self._step_started = self._now(sync=self._step == self.first_traced_step)
+        self._step_started = self._now(sync=timed)
 
     def __exit__(self, exc_type, exc_val, exc_tb) -> bool:
         failed = exc_type is not None
@@ -351,6 +365,10 @@ class ChakraTracer:
             "device": str(self.device),
             "device_name": device_name(self.device),
             "step_wall_time_s": [self.step_wall_time_s[s] for s in completed],
+            # Steps before the profiler's window (the first holds one-time start-up costs): the run as it is
+            # without tracing, for the conversion's correction of the profiler's own cost.
+            "untraced_step_wall_time_s": [self.untraced_step_wall_time_s[s]
+                                          for s in sorted(self.untraced_step_wall_time_s)],
             "files": {kind: path.name for kind, path in sorted(self.files.items())},
             "errors": errors,
         }
@@ -377,6 +395,7 @@ class ChakraTracer:
             "ranks": [{k: v for k, v in r.items() if k != "errors"} for r in ranks],
             # The slowest rank sets each step's time in a synchronous data-parallel job.
             "step_wall_time_s_max": [max(t[i] for t in times) for i in range(len(completed))] if times else [],
+            "untraced_steps": sorted(self.untraced_step_wall_time_s),
         }
         path = self.trace_dir / RUN_INFO
         partial = self._partial(path)
