@@ -272,7 +272,7 @@ def _convert_in_fresh_process(folder: Path) -> dict:
 def test_conversion_grows_linearly_with_the_number_of_traced_steps(tmp_path):
     small = _convert_in_fresh_process(write_scaled_run(tmp_path / "steps2", BERT, [0], 2))
     large = _convert_in_fresh_process(write_scaled_run(tmp_path / "steps16", BERT, [0], 16))
-    assert large["nodes"] > 7.5 * small["nodes"]
+    assert large["nodes"] == small["nodes"]  # the .et holds the median step, with medians over all traced steps
     assert large["s"] < 12 * small["s"], (small, large)  # 8x the trace: no worse than linear, with slack
     assert large["mb"] < 400
     assert 0.9 < large["ratio"] < 1.1

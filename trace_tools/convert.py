@@ -44,6 +44,14 @@ def global_metadata(linked: LinkedTrace) -> GlobalMetadata:
         AttributeProto(name="traced_step_start_micros", int64_val=round(linked.step_start)),
         AttributeProto(name="traced_step_micros", int64_val=round(linked.step_dur)),
     ]
+    if linked.stats.get("step_durations_us"):
+        attrs.append(AttributeProto(name="traced_steps_micros",
+                                    string_val=orjson.dumps(linked.stats["step_durations_us"]).decode()))
+    if linked.untraced_step_us:
+        # Durations estimate the run without the profiler: its measured cost was taken out of every CPU op.
+        attrs.append(AttributeProto(name="untraced_step_micros", int64_val=round(linked.untraced_step_us)))
+        attrs.append(AttributeProto(name="recording_overhead_micros",
+                                    int64_val=round(linked.stats.get("recording_overhead_us", 0))))
     distributed = dev.distributed if isinstance(dev.distributed, dict) else {}
     if isinstance(distributed.get("world_size"), int):
         attrs.append(AttributeProto(name="world_size", int64_val=distributed["world_size"]))
@@ -107,6 +115,9 @@ def build_node(linked: LinkedTrace, i: int) -> bytes:
                 attrs.append(AttributeProto(name=key, int32_val=comm[key]))
     if linked.wait[i] >= 0.5:
         attrs.append(_attr_int("wait_micros", round(linked.wait[i])))
+    traced = round(linked.traced_work(i))
+    if traced != node.duration_micros:  # median over the steps and/or the profiler's cost taken out
+        attrs.append(_attr_int("traced_micros", traced))
     blob = node.SerializeToString()
     if h >= 0:  # the host op's attributes (rf_id ... op_schema) first, as chakra writes them, then its tensors
         return host.attr_fragments[h] + blob + host.io_fragments[h]

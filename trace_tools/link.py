@@ -79,6 +79,10 @@ class LinkedTrace:
     sync_deps: dict[int, list[int]] = field(default_factory=dict)   # GPU nodes a CPU node waited for
     launch_ts: dict[int, float] = field(default_factory=dict)       # GPU node -> start of the call that enqueued it
     rule_edges: Counter = field(default_factory=Counter)            # cross-lane edges added, by the rule that added them
+    traced_steps: list[int] = field(default_factory=list)           # Kineto indices of the steps traced
+    traced_excl: list[float] = field(default_factory=list)          # exclusive times as traced, before medians
+    overhead: list[float] = field(default_factory=list)             # profiler cost taken out of each node's time
+    untraced_step_us: float = 0.0                                   # the run's step without the profiler, if measured
     step_name: str = ""
     step_start: float = 0.0
     step_dur: float = 0.0
@@ -88,8 +92,15 @@ class LinkedTrace:
         return len(self.kind)
 
     def work(self, i: int) -> float:
-        """Duration written to the .et: exclusive time less the time the node waited for another lane."""
-        return max(0.0, self.excl[i] - self.wait[i])
+        """Duration written to the .et: exclusive time less the time the node waited for another lane and less
+        the profiler's own cost (when the untraced step time is known)."""
+        overhead = self.overhead[i] if self.overhead else 0.0
+        return max(0.0, self.excl[i] - self.wait[i] - overhead)
+
+    def traced_work(self, i: int) -> float:
+        """The duration as traced in the chosen step (no median, no overhead correction)."""
+        excl = self.traced_excl[i] if self.traced_excl and i < len(self.traced_excl) else self.excl[i]
+        return max(0.0, excl - self.wait[i])
 
     def name(self, i: int) -> str:
         k = self.kind[i]
@@ -450,6 +461,7 @@ def link_host_and_device(host: HostTrace, dev: DeviceTrace, rank: int = 0,
                               for i in range(len(cpu_lane), len(linked.kind))]
     linked.lanes = [key for key, _ in sorted(lanes.items(), key=lambda item: item[1])]
     linked.wait = [0.0] * len(linked.kind)
+    use_median_durations(linked, kexcl)
 
     host_index_of_id = {nid: i for i, nid in enumerate(host.ids)}
     host_parent_idx = [host_index_of_id.get(p, -1) for p in host.parents]
@@ -462,23 +474,136 @@ def link_host_and_device(host: HostTrace, dev: DeviceTrace, rank: int = 0,
 
 
 def _select_step(linked: LinkedTrace, match: list[int], matched: list[int]) -> list[int]:
-    """The traced step: the ProfilerStep#N annotations around the matched operators (a device trace may hold more
-    steps than the host trace), else the span of the matched operators. Returns the step annotations."""
+    """The step the .et stands for: of the ProfilerStep#N annotations around the matched operators (a device trace
+    may hold more steps than the host trace), the one of median duration; else the span of the matched operators.
+    Drops from `matched` the operators of the other steps. Returns the chosen step annotation(s)."""
     dev = linked.device
     ts, dur, names = dev.cpu_ts, dev.cpu_dur, dev.cpu_names
     ops = [match[h] for h in matched if not names[match[h]].startswith(STEP_PREFIX)] or [match[h] for h in matched]
     span_start = min(ts[k] for k in ops)
     span_end = max(ts[k] + dur[k] for k in ops)
-    steps = [k for k, name in enumerate(names) if name.startswith(STEP_PREFIX)
-             and ts[k] < span_end and ts[k] + dur[k] > span_start]
-    if steps:
-        linked.step_start = min(ts[k] for k in steps)
-        linked.step_dur = max(ts[k] + dur[k] for k in steps) - linked.step_start
-        linked.step_name = _step_label(sorted({names[k] for k in steps}, key=_step_number))
-    else:
-        linked.step_start, linked.step_dur, linked.step_name = span_start, span_end - span_start, ""
+    steps = sorted((k for k, name in enumerate(names) if name.startswith(STEP_PREFIX)
+                    and ts[k] < span_end and ts[k] + dur[k] > span_start), key=lambda k: ts[k])
     linked.stats["steps_in_device_trace"] = sum(1 for name in names if name.startswith(STEP_PREFIX))
-    return steps
+    linked.stats["step_durations_us"] = [round(dur[k], 1) for k in steps]
+    linked.traced_steps = steps
+    if not steps:
+        linked.step_start, linked.step_dur, linked.step_name = span_start, span_end - span_start, ""
+        return steps
+    chosen = sorted(steps, key=lambda k: (dur[k], ts[k]))[(len(steps) - 1) // 2]
+    linked.step_start, linked.step_dur, linked.step_name = ts[chosen], dur[chosen], names[chosen]
+    if len(steps) > 1:
+        durations = sorted(dur[k] for k in steps)
+        middle = durations[len(durations) // 2] if len(durations) % 2 else \
+            (durations[len(durations) // 2 - 1] + durations[len(durations) // 2]) / 2
+        linked.stats["step_spread"] = (durations[-1] - durations[0]) / middle if middle > 0 else 0.0
+        lo, hi = ts[chosen], ts[chosen] + dur[chosen]
+        matched[:] = [h for h in matched if lo <= ts[match[h]] < hi or (match[h] == chosen)]
+    return [chosen]
+
+
+def use_median_durations(linked: LinkedTrace, kexcl: list[float]) -> None:
+    """Per-operator medians over the traced steps: every CPU op and GPU kernel of the chosen step gets the median
+    of its own duration and those of the same op in the other steps (same thread or stream, same name, same
+    occurrence of that name in the step), so one slow sample does not make the .et. The raw durations stay in the
+    `traced_micros` attribute of each node."""
+    steps = linked.traced_steps
+    if len(steps) < 2:
+        return
+    dev = linked.device
+    windows = [(dev.cpu_ts[k], dev.cpu_ts[k] + dev.cpu_dur[k]) for k in steps]
+    starts = [w[0] for w in windows]
+
+    def step_of(t: float) -> int:
+        q = bisect.bisect_right(starts, t) - 1
+        return q if q >= 0 and t < windows[q][1] else -1
+
+    samples: dict[tuple, list[list[float]]] = {}
+    seen: dict[tuple, int] = Counter()
+    cpu_order = sorted(range(len(dev.cpu_names)), key=lambda k: (dev.cpu_ts[k], -dev.cpu_dur[k]))
+    key_of_cpu: dict[int, tuple] = {}
+    for k in cpu_order:
+        s = step_of(dev.cpu_ts[k])
+        if s < 0 or dev.cpu_names[k].startswith(STEP_PREFIX):
+            continue
+        base = ("cpu", dev.cpu_tid[k], dev.cpu_names[k], s)
+        occurrence = seen[base]
+        seen[base] += 1
+        key = ("cpu", dev.cpu_tid[k], dev.cpu_names[k], occurrence)
+        samples.setdefault(key, [[] for _ in steps])[s].append(kexcl[k])
+        key_of_cpu[k] = key
+    gpu_order = sorted(range(len(dev.gpu_names)), key=lambda g: dev.gpu_ts[g])
+    key_of_gpu: dict[int, tuple] = {}
+    for g in gpu_order:
+        s = step_of(dev.gpu_ts[g])
+        if s < 0:
+            continue
+        base = ("gpu", dev.gpu_device[g], dev.gpu_stream[g], dev.gpu_names[g], s)
+        occurrence = seen[base]
+        seen[base] += 1
+        key = ("gpu", dev.gpu_device[g], dev.gpu_stream[g], dev.gpu_names[g], occurrence)
+        samples.setdefault(key, [[] for _ in steps])[s].append(dev.gpu_dur[g])
+        key_of_gpu[g] = key
+    linked.traced_excl = list(linked.excl)
+    replaced = 0
+    for i, kind in enumerate(linked.kind):
+        if i in linked.comm or (kind != GPU_OP and dev.cpu_names[linked.src[i]].startswith(STEP_PREFIX)):
+            continue
+        key = (key_of_gpu if kind == GPU_OP else key_of_cpu).get(linked.src[i])
+        if key is None:
+            continue
+        values = sorted(v[0] for v in samples[key] if v)
+        if 2 * len(values) <= len(steps):  # the op is not part of most steps: keep what was traced
+            continue
+        middle = values[len(values) // 2] if len(values) % 2 else (values[len(values) // 2 - 1] + values[len(values) // 2]) / 2
+        linked.excl[i] = middle
+        replaced += 1
+    # The step annotation's own time (the thread between operators) as the median over the steps too.
+    for i, kind in enumerate(linked.kind):
+        if kind != GPU_OP and linked.src[i] in steps:
+            linked.excl[i] = sorted(kexcl[k] for k in steps)[len(steps) // 2]
+    linked.stats["median_durations"] = replaced
+
+
+def remove_recording_overhead(linked: LinkedTrace, traced_step_us: float, untraced_step_us: float) -> float:
+    """Take the profiler's own cost out of the CPU durations; returns the cost per recorded op (µs).
+
+    Recording costs about the same for every op it records (the observer's and Kineto's callbacks at its start
+    and end), so the traced step is longer than the untraced one by that cost times the ops on the critical
+    thread. The cost per op is the c at which taking min(c, the op's own time) out of every op of the thread that
+    holds the step annotation removes exactly the measured difference; every CPU op on every thread then loses
+    min(c, its own time). GPU durations are the device's and carry no recording cost.
+    """
+    linked.overhead = [0.0] * len(linked.kind)
+    excess = traced_step_us - untraced_step_us
+    if excess <= 0 or not linked.traced_steps:
+        return 0.0
+    step_nodes = [i for i in range(len(linked.kind)) if linked.kind[i] != GPU_OP and linked.src[i] in linked.traced_steps]
+    if not step_nodes:
+        return 0.0
+    main_lane = linked.lane[step_nodes[0]]
+    cpu_ops = [i for i in range(len(linked.kind)) if linked.kind[i] != GPU_OP and i not in linked.comm]
+    own = {i: max(0.0, linked.excl[i] - linked.wait[i]) for i in cpu_ops}
+    on_main = sorted(own[i] for i in cpu_ops if linked.lane[i] == main_lane)
+    if not on_main:
+        return 0.0
+    # sum(min(c, t) for t in on_main) grows with c; find the c that equals the excess (all of it, at most).
+    excess = min(excess, sum(on_main))
+    removed_below, below = 0.0, 0
+    cost = on_main[-1]
+    for t in on_main:
+        # with c in [previous t, t]: removed = removed_below + c * (len - below)
+        c = (excess - removed_below) / (len(on_main) - below)
+        if c <= t:
+            cost = c
+            break
+        removed_below += t
+        below += 1
+    for i in cpu_ops:
+        linked.overhead[i] = min(cost, own[i])
+    linked.stats["recording_overhead_per_op_us"] = round(cost, 3)
+    linked.stats["recording_overhead_us"] = round(excess, 1)
+    return cost
 
 
 def _add_cpu_nodes(linked: LinkedTrace, match: list[int], matched: list[int], steps: set[int],

@@ -15,7 +15,8 @@ from typing import Any, Callable
 
 from .convert import write_et, write_merged_json
 from .discover import Run
-from .link import COMM_TYPE_NAMES, NODE_TYPE_NAMES, link_host_and_device
+from .link import COMM_TYPE_NAMES, NODE_TYPE_NAMES, link_host_and_device, remove_recording_overhead
+from .step_timing import STEP_SPREAD_BOUND, read_step_times
 from .load import TraceError, load_device_trace, load_host_trace
 from .validate import collectives_agree, validate_et
 
@@ -53,6 +54,11 @@ class RankResult:
     gpu_ops: int = 0
     gpu_ops_left_out: int = 0
     wait_us: float = 0.0
+    untraced_step_us: float = 0.0          # measured before the profiler's window (run.json); 0 when unknown
+    recording_overhead_us: float = 0.0     # profiler cost taken out of the step's CPU durations
+    overhead_per_op_us: float = 0.0
+    traced_steps_us: list = field(default_factory=list)  # every traced step (the .et holds the median one)
+    step_spread: float = 0.0               # (longest - shortest) / median traced step
     conversion_s: float = 0.0
     timings: dict[str, float] = field(default_factory=dict)
     peak_rss_mb: float = 0.0
@@ -112,6 +118,7 @@ def _convert_rank(host_path, device_path, out_path, rank, merged_path, validate,
     timings["load_host_s"] = time.perf_counter() - mark
     mark = time.perf_counter()
     linked = link_host_and_device(host, device, rank)
+    _correct_for_profiler(linked, result, Path(host_path).parent, rank)
     timings["link_s"] = time.perf_counter() - mark
     mark = time.perf_counter()
     out_path = Path(out_path)
@@ -150,6 +157,24 @@ def _convert_rank(host_path, device_path, out_path, rank, merged_path, validate,
     result.conversion_s = time.perf_counter() - started
     result.peak_rss_mb = peak_rss_mb()
     return result
+
+
+def _correct_for_profiler(linked, result: RankResult, run_dir: Path, rank: int) -> None:
+    """Durations that estimate the untraced run (when run.json measured it), and the spread of the traced steps."""
+    result.traced_steps_us = list(linked.stats.get("step_durations_us", []))
+    result.step_spread = round(linked.stats.get("step_spread", 0.0), 4)
+    if result.step_spread > STEP_SPREAD_BOUND:
+        result.warnings.append(f"the {len(result.traced_steps_us)} traced steps differ by {result.step_spread:.0%} "
+                               f"(more than {STEP_SPREAD_BOUND:.0%}): durations are per-operator medians, but "
+                               "trace again on a quieter machine for a representative .et")
+    times = read_step_times(run_dir, rank)
+    if times is None:
+        return
+    result.untraced_step_us = times.untraced_median_us
+    cost = remove_recording_overhead(linked, times.traced_median_us, times.untraced_median_us)
+    result.overhead_per_op_us = cost
+    result.recording_overhead_us = linked.stats.get("recording_overhead_us", 0.0)
+    linked.untraced_step_us = times.untraced_median_us
 
 
 def describe_match(info: dict) -> str:

@@ -40,10 +40,29 @@ def comm_text(rank: RankResult) -> str:
     return f"{kinds or rank.comm_ops} ({_bytes(rank.comm_bytes)})"
 
 
+def reference_step_us(rank: RankResult) -> float:
+    """The step the .et stands for: the untraced one when the run measured it, else the traced one."""
+    return rank.untraced_step_us or rank.traced_step_us
+
+
 def ratio_text(rank: RankResult) -> str:
-    if not rank.traced_step_us or not rank.critical_path_us:
+    if not reference_step_us(rank) or not rank.critical_path_us:
         return "-"
-    return f"{rank.critical_path_us / rank.traced_step_us:.3f}"
+    return f"{rank.critical_path_us / reference_step_us(rank):.3f}"
+
+
+def durations_text(rank: RankResult) -> str:
+    """What the durations of the .et are: which step, medians over how many, and the profiler's cost removed."""
+    steps = rank.traced_steps_us
+    text = f"{len(steps)} traced steps (spread {rank.step_spread:.1%}), per-operator medians" if len(steps) > 1 \
+        else "one traced step"
+    if rank.untraced_step_us:
+        text += (f"; profiler cost removed: {rank.recording_overhead_us / 1000:.1f} ms per step "
+                 f"({rank.overhead_per_op_us:.1f} µs per op; untraced step {rank.untraced_step_us / 1000:.1f} ms, "
+                 f"run.json)")
+    else:
+        text += "; profiler cost not removed (no untraced step times in run.json)"
+    return text
 
 
 def render_run_summary(result: RunResult) -> str:
@@ -76,6 +95,7 @@ def render_run_summary(result: RunResult) -> str:
                          f"{r.gpu_ops} GPU ops linked ({r.gpu_ops_left_out} of the device trace outside the step); "
                          f"{r.kineto_only_ops} Kineto-only CPU ops added; {r.wait_us / 1000:.1f} ms of blocked time "
                          f"taken out of op durations (it is on the path through what they waited for); "
+                         f"durations: {durations_text(r)}; "
                          f"seconds: {timings}; peak memory {r.peak_rss_mb:.0f} MiB")
     failures = [r for r in result.ranks if not r.ok]
     if failures:
@@ -93,8 +113,9 @@ def render_run_summary(result: RunResult) -> str:
                      "and sizes in the same order per process group)")
     lines.append("- every .et was decoded after writing: all dependencies resolve, no cycle, every node is issued by "
                  "a dependency-respecting walk, only node types ASTRA-sim accepts")
-    lines.append("- ratio = critical path (collectives at their traced durations) / traced step time "
-                 "(`ProfilerStep#N` in the device trace, or the traced span when there is none)")
+    lines.append("- ratio = critical path (collectives at their traced durations) / the step the .et stands for: "
+                 "the untraced step time of run.json when measured, else the traced step (`ProfilerStep#N` in the "
+                 "device trace, or the traced span when there is none)")
     for r in result.ranks:
         for warning in r.warnings:
             lines.append(f"- rank {r.rank}: {warning}")
@@ -138,7 +159,7 @@ def render_table(results: list[RunResult]) -> str:
     for result in results:
         for r in result.ranks:
             if r.ok:
-                rows.append((result.run.name, str(r.rank), "ok", str(r.nodes), comm_text(r), _us(r.traced_step_us),
+                rows.append((result.run.name, str(r.rank), "ok", str(r.nodes), comm_text(r), _us(reference_step_us(r)),
                              _us(r.critical_path_us), ratio_text(r), f"{r.match_rate:.1%}", f"{r.conversion_s:.2f}"))
             else:
                 rows.append((result.run.name, str(r.rank), "FAILED", "-", "-", "-", "-", "-", "-",
@@ -146,6 +167,12 @@ def render_table(results: list[RunResult]) -> str:
     widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]
     out = ["  ".join(cell.ljust(widths[c]) for c, cell in enumerate(row)).rstrip() for row in rows]
     out.insert(1, "  ".join("-" * w for w in widths))
+    if any(r.untraced_step_us for result in results for r in result.ranks):
+        out.append("step µs: the untraced step (run.json) where measured; the .et durations estimate it")
+    for result in results:
+        for r in result.ranks:
+            for warning in r.warnings:
+                out.append(f"warning: {result.run.name} rank {r.rank}: {warning}")
     for result in results:
         for r in result.ranks:
             if not r.ok:

@@ -1,0 +1,197 @@
+"""What-if fidelity of the .et: dependencies from causes, per-operator medians, and the profiler's cost removed."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from conversion_helpers import CPU_FIXTURES, read_et_with_protolib, read_json, scaled_trace, write_json
+from trace_tools.link import GPU_OP, link_host_and_device
+from trace_tools.load import load_device_trace, load_host_trace, tensor_storages
+from trace_tools.pipeline import convert_rank
+
+
+def link_folder(folder: Path, rank: int = 0):
+    host = load_host_trace(next(folder.glob(f"host.{rank}.json*")))
+    device = load_device_trace(next(folder.glob(f"device.{rank}.json*")))
+    return link_host_and_device(host, device, rank)
+
+
+def successors(linked) -> list[list[int]]:
+    children = [[] for _ in range(len(linked.kind))]
+    for i, deps in enumerate(linked.deps):
+        for d in deps:
+            children[d].append(i)
+    return children
+
+
+def touches_buffer(linked, node: int, buffer: set[int]) -> bool:
+    """The node, or the CPU op that launched it, reads or writes one of the storages in `buffer`."""
+    op = linked.parent[node] if linked.kind[node] == GPU_OP else node
+    h = linked.host_index[op] if op >= 0 else -1
+    return h >= 0 and bool(buffer & set(linked.host.storages[h]))
+
+
+def collective_buffer(linked, c: int) -> set[int]:
+    buffer: set[int] = set()
+    x = c if linked.kind[c] != GPU_OP else linked.parent[c]
+    for _ in range(8):
+        if x < 0:
+            break
+        if linked.host_index[x] >= 0:
+            buffer |= set(linked.host.storages[linked.host_index[x]])
+        x = linked.parent[x]
+    return buffer
+
+
+def test_tensor_storages_are_read_from_tensors_alone_and_in_lists():
+    tensor = [7, 42, 0, 16, 4, "cpu"]
+    assert tensor_storages([tensor, [3], 1], [[tensor, [8, 43, 0, 2, 4, "cpu"]]]) == (42, 43)
+    assert tensor_storages(["<Object>", 5], None) == ()
+
+
+@pytest.mark.parametrize("run,rank", [("gpt2_2x128_2r_buckets", 0), ("gpt2_2x128_2r_buckets", 1), ("gpt2_tiny_2r", 0),
+                                      ("bert_tiny_2r_ours", 0)])
+def test_ddp_bucket_all_reduce_gates_only_the_ops_that_consume_its_buffer(run, rank):
+    # The bucket's all-reduce runs on the gloo worker while the backward goes on: no backward op may wait for it
+    # (a slower network would delay the whole backward in the simulator); DDP's finalize, which reads the bucket,
+    # must.
+    linked = link_folder(CPU_FIXTURES / run, rank)
+    children = successors(linked)
+    buckets = [c for c, info in linked.comm.items() if info["comm_size"] > 100_000]
+    assert buckets
+    for c in buckets:
+        consumers = [d for d in children[c] if d not in linked.comm]
+        assert consumers, "the finalize that reads the bucket must wait for its all-reduce"
+        assert all(touches_buffer(linked, d, collective_buffer(linked, c)) for d in consumers)
+        backward_after_enqueue = [i for i in range(len(linked.kind)) if "Backward" in linked.name(i)
+                                  and linked.ts[i] > linked.ts[c]]
+        descendants, stack = set(), [c]
+        while stack:
+            for d in children[stack.pop()]:
+                if d not in descendants:
+                    descendants.add(d)
+                    stack.append(d)
+        assert not descendants & set(backward_after_enqueue)
+    if run == "gpt2_2x128_2r_buckets":  # the first bucket is reduced while most of the backward is still to run
+        first = min(buckets, key=lambda c: linked.ts[c])
+        assert sum(1 for i in range(len(linked.kind)) if "Backward" in linked.name(i) and linked.ts[i] > linked.ts[first]) > 100
+    assert linked.stats["dependency_rules"].get("consumer", 0) >= len(buckets)
+
+
+def test_dlrm_data_parallel_all_reduce_gates_no_backward_kernel_that_does_not_read_its_result(shared_fixtures):
+    linked = link_folder(shared_fixtures / "gpu" / "param_dlrm_v100_8r", 0)
+    children = successors(linked)
+    all_reduces = [c for c, info in linked.comm.items() if info["comm_type"] == 0]
+    assert all_reduces
+    for c in all_reduces:
+        buffer = collective_buffer(linked, c)
+        descendants, stack = set(), [c]
+        while stack:
+            for d in children[stack.pop()]:
+                if d not in descendants:
+                    descendants.add(d)
+                    stack.append(d)
+        for d in descendants:
+            if linked.kind[d] == GPU_OP and d not in linked.comm:
+                launcher = linked.name(linked.parent[d]) if linked.parent[d] >= 0 else ""
+                assert "Backward" not in launcher or touches_buffer(linked, d, buffer), launcher
+
+
+def test_megatron_tensor_parallel_all_reduce_still_gates_the_compute_that_uses_its_output(shared_fixtures):
+    linked = link_folder(shared_fixtures / "gpu" / "astra-sim_megatron_tp8_a100_8r", 0)
+    children = successors(linked)
+    gated = 0
+    for c in linked.comm:
+        compute = [d for d in children[c] if d not in linked.comm and linked.kind[d] == GPU_OP
+                   and linked.lane[d] != linked.lane[c]]
+        gated += bool(compute)
+    assert gated == len(linked.comm) == 84
+    # and the all-reduce itself waits for the kernel that produced its input on the compute stream
+    assert linked.stats["dependency_rules"]["stream wait"] == 84
+
+
+def test_no_edge_between_streams_of_one_gpu_without_a_cause(shared_fixtures):
+    for run in ("param_dlrm_v100_8r", "astra-sim_megatron_tp8_a100_8r", "param_resnet_2080ti_1r"):
+        linked = link_folder(shared_fixtures / "gpu" / run, 0)
+        allowed = {"launch", "consumer", "stream wait", "collective order"}
+        for i, deps in enumerate(linked.deps):
+            if linked.kind[i] != GPU_OP:
+                continue
+            for d in deps:
+                if linked.kind[d] == GPU_OP and linked.lane[d] != linked.lane[i]:
+                    assert d in linked.comm or i in linked.comm, (run, linked.name(d), linked.name(i))
+        assert set(linked.stats["dependency_rules"]) - allowed - {"synchronising call", "thread handoff", "caller",
+                                                                   "enqueue", "blocked caller"} == set()
+
+
+def _three_steps_one_slow(tmp_path: Path, slow_factor: float) -> Path:
+    """The bundled GPT-2 step three times, the last with every CPU op `slow_factor` times longer."""
+    source = CPU_FIXTURES / "gpt2_tiny_2r"
+    host, device = scaled_trace(read_json(source / "host.0.json.gz"), read_json(source / "device.0.json.gz"), 3)
+    events = [e for e in device["traceEvents"] if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "user_annotation")]
+    steps = sorted((e for e in events if e["name"].startswith("ProfilerStep#")), key=lambda e: e["ts"])
+    last_start = steps[-1]["ts"]
+    origin = min(e["ts"] for e in events if e["ts"] >= last_start)
+    for e in events:
+        if e["ts"] >= last_start:
+            e["ts"] = origin + (e["ts"] - origin) * slow_factor
+            e["dur"] = e["dur"] * slow_factor
+    folder = tmp_path / "run"
+    folder.mkdir()
+    write_json(folder / "host.0.json", host)
+    write_json(folder / "device.0.json", device)
+    return folder
+
+
+def test_one_slow_traced_step_does_not_make_the_et(tmp_path):
+    folder = _three_steps_one_slow(tmp_path, 3.0)
+    result = convert_rank(folder / "host.0.json", folder / "device.0.json", folder / "run.0.et")
+    single = convert_rank(CPU_FIXTURES / "gpt2_tiny_2r" / "host.0.json.gz",
+                          CPU_FIXTURES / "gpt2_tiny_2r" / "device.0.json.gz", tmp_path / "one.0.et")
+    assert len(result.traced_steps_us) == 3
+    assert result.step_spread > 1.0 and any("differ by" in w for w in result.warnings)
+    # the .et is the median step: as long as one of the two normal steps, not the slow one
+    assert result.nodes == single.nodes
+    assert result.critical_path_us == pytest.approx(single.critical_path_us, rel=0.02)
+    _, nodes = read_et_with_protolib(folder / "run.0.et")
+    _, single_nodes = read_et_with_protolib(tmp_path / "one.0.et")
+    total = sum(n.duration_micros for n in nodes)
+    assert total == pytest.approx(sum(n.duration_micros for n in single_nodes), rel=0.02)
+
+
+def test_profiler_cost_measured_by_the_tracer_is_taken_out_of_the_durations(tmp_path):
+    source = CPU_FIXTURES / "gpt2_tiny_2r"
+    folder = tmp_path / "run"
+    folder.mkdir()
+    for name in ("host.0.json.gz", "device.0.json.gz"):
+        (folder / name).write_bytes((source / name).read_bytes())
+    plain = convert_rank(folder / "host.0.json.gz", folder / "device.0.json.gz", tmp_path / "plain.0.et")
+    traced_s = plain.traced_step_us / 1e6
+    untraced_s = 0.7 * traced_s
+    (folder / "run.json").write_text(json.dumps({"ranks": [{
+        "rank": 0, "step_wall_time_s": [traced_s],
+        "untraced_step_wall_time_s": [5 * traced_s, untraced_s, untraced_s]}]}))
+    result = convert_rank(folder / "host.0.json.gz", folder / "device.0.json.gz", folder / "run.0.et")
+    assert result.untraced_step_us == pytest.approx(untraced_s * 1e6)
+    assert result.recording_overhead_us == pytest.approx(0.3 * traced_s * 1e6, rel=0.01)
+    # the critical path shrinks by what the profiler added on the thread that holds it
+    assert result.critical_path_us == pytest.approx(untraced_s * 1e6, rel=0.03)
+    metadata, nodes = read_et_with_protolib(folder / "run.0.et")
+    meta = {a.name: a for a in metadata.attr}
+    assert meta["untraced_step_micros"].int64_val == round(untraced_s * 1e6)
+    raw = {n.id: next((a.int64_val for a in n.attr if a.name == "traced_micros"), n.duration_micros) for n in nodes}
+    assert sum(raw.values()) > sum(n.duration_micros for n in nodes)  # the traced durations are kept beside
+
+
+def test_untraced_step_times_without_a_usable_sample_leave_durations_alone(tmp_path):
+    source = CPU_FIXTURES / "gpt2_tiny_2r"
+    folder = tmp_path / "run"
+    folder.mkdir()
+    for name in ("host.0.json.gz", "device.0.json.gz"):
+        (folder / name).write_bytes((source / name).read_bytes())
+    (folder / "run.json").write_text(json.dumps({"ranks": [{"rank": 0, "step_wall_time_s": [0.3],
+                                                             "untraced_step_wall_time_s": [0.2]}]}))
+    result = convert_rank(folder / "host.0.json.gz", folder / "device.0.json.gz", folder / "run.0.et")
+    assert result.untraced_step_us == 0 and result.recording_overhead_us == 0

@@ -1,0 +1,49 @@
+"""Step wall times a traced run measured (run.json): what the .et durations are corrected towards."""
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+RUN_INFO = "run.json"
+# Traced steps that differ by more than this share of their median make any one of them a poor sample of the run:
+# the same bound as the fidelity the .et is held to (a prediction within ±10% of a real run).
+STEP_SPREAD_BOUND = 0.10
+
+
+@dataclass
+class StepTimes:
+    """One rank's measured step times in µs: traced (inside the profiler's window) and untraced (before it)."""
+
+    traced_us: list[float]
+    untraced_us: list[float]
+
+    @property
+    def traced_median_us(self) -> float:
+        return statistics.median(self.traced_us)
+
+    @property
+    def untraced_median_us(self) -> float:
+        return statistics.median(self.untraced_us)
+
+
+def read_step_times(run_dir: str | Path, rank: int) -> StepTimes | None:
+    """The rank's step times from run.json beside its traces, or None when the run did not measure them (foreign
+    traces, runs of older versions, a window without untraced steps before it). The first untraced step holds
+    one-time start-up costs (allocation, DDP's bucket rebuild) and is left out."""
+    path = Path(run_dir) / RUN_INFO
+    try:
+        info = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    entries = [r for r in info.get("ranks", []) if isinstance(r, dict) and r.get("rank") == rank] \
+        if isinstance(info, dict) else []
+    if not entries:
+        return None
+    traced = [float(t) * 1e6 for t in entries[0].get("step_wall_time_s") or [] if isinstance(t, (int, float))]
+    untraced = [float(t) * 1e6 for t in entries[0].get("untraced_step_wall_time_s") or []
+                if isinstance(t, (int, float))][1:]
+    if not traced or not untraced:
+        return None
+    return StepTimes(traced_us=traced, untraced_us=untraced)
