@@ -464,3 +464,23 @@ def test_host_trace_written_twice_fails_the_run_names_the_file_and_writes_no_run
         train(tiny_mlp(), ChakraTracer(tmp_path, "twice", run_info={"model": "m"}), steps=3)
     assert sorted(p.name for p in (tmp_path / "twice").iterdir()) == [
         "device.0.json", "host.0.json.invalid", "stacks.0.txt"]
+
+
+def test_cuda_runs_ask_kineto_for_synchronisation_events_and_cpu_runs_do_not():
+    from utils.chakra_tracer import cuda_sync_events_config
+
+    assert cuda_sync_events_config(False) == {}
+    config = cuda_sync_events_config(True)["experimental_config"]  # torch 2.13 has the option
+    assert type(config).__name__ == "_ExperimentalConfig"
+
+
+def test_run_json_holds_the_untraced_step_times_before_the_window(tmp_path):
+    tracer = ChakraTracer(tmp_path, "timed", wait_steps=3, warmup_steps=1, active_steps=2, run_info={"model": "m"})
+    with tracer:
+        for _ in range(6):
+            torch.ones(8) @ torch.ones(8)
+            tracer.step()
+    info = json.loads((tmp_path / "timed" / "run.json").read_text())
+    rank = info["ranks"][0]
+    assert len(rank["untraced_step_wall_time_s"]) == 3 and len(rank["step_wall_time_s"]) == 2
+    assert all(t > 0 for t in rank["untraced_step_wall_time_s"]) and info["untraced_steps"] == [0, 1, 2]

@@ -195,3 +195,47 @@ def test_untraced_step_times_without_a_usable_sample_leave_durations_alone(tmp_p
                                                              "untraced_step_wall_time_s": [0.2]}]}))
     result = convert_rank(folder / "host.0.json.gz", folder / "device.0.json.gz", folder / "run.0.et")
     assert result.untraced_step_us == 0 and result.recording_overhead_us == 0
+
+
+def _two_stream_run(tmp_path: Path, with_sync_event: bool) -> Path:
+    """A tiny GPU step by hand: `producer` launches a kernel on stream 7, `consumer` one on stream 20 after a
+    cudaStreamWaitEvent on stream 7's recorded event; the kernels are far apart in time either way."""
+    attrs = lambda rf: [{"name": "rf_id", "type": "uint64", "value": rf}, {"name": "tid", "type": "uint64", "value": 1}]
+    io = {"values": [], "shapes": [], "types": []}
+    host = {"schema": "1.1.1-chakra.0.0.4", "pid": 1, "time": "t", "start_ts": 0, "finish_ts": 0, "nodes": [
+        {"id": 1, "name": "[pytorch|profiler|execution_trace|process]", "ctrl_deps": 0, "inputs": io, "outputs": io,
+         "attrs": attrs(0)},
+        {"id": 2, "name": "[pytorch|profiler|execution_trace|thread]", "ctrl_deps": 1, "inputs": io, "outputs": io,
+         "attrs": attrs(0)},
+        {"id": 3, "name": "ProfilerStep#0", "ctrl_deps": 2, "inputs": io, "outputs": io, "attrs": attrs(1)},
+        {"id": 4, "name": "producer", "ctrl_deps": 3, "inputs": io, "outputs": io, "attrs": attrs(2)},
+        {"id": 5, "name": "consumer", "ctrl_deps": 3, "inputs": io, "outputs": io, "attrs": attrs(3)}]}
+    cpu = lambda name, rf, ts, dur, cat="cpu_op": {"ph": "X", "cat": cat, "name": name, "pid": 1, "tid": 1, "ts": ts,
+                                                  "dur": dur, "args": {"External id": rf, "Record function id": rf}}
+    rt = lambda name, corr, ts: {"ph": "X", "cat": "cuda_runtime", "name": name, "pid": 1, "tid": 1, "ts": ts,
+                                 "dur": 5, "args": {"correlation": corr}}
+    kernel = lambda name, corr, stream, ts, dur: {"ph": "X", "cat": "kernel", "name": name, "pid": 0, "tid": stream,
+                                                  "ts": ts, "dur": dur, "args": {"device": 0, "stream": stream,
+                                                                                 "correlation": corr}}
+    events = [cpu("ProfilerStep#0", 1, 0, 1000, "user_annotation"), cpu("producer", 2, 10, 100),
+              rt("cudaLaunchKernel", 11, 20), rt("cudaEventRecord", 12, 40), cpu("consumer", 3, 200, 100),
+              rt("cudaStreamWaitEvent", 13, 210), rt("cudaLaunchKernel", 14, 230),
+              kernel("produce_kernel", 11, 7, 300, 400), kernel("consume_kernel", 14, 20, 800, 50)]
+    if with_sync_event:
+        events.append({"ph": "X", "cat": "cuda_sync", "name": "Stream Wait Event", "pid": 0, "tid": 20, "ts": 212,
+                       "dur": 0, "args": {"device": 0, "stream": 20, "correlation": 13, "wait_on_stream": 7,
+                                          "wait_on_cuda_event_record_corr_id": 12}})
+    folder = tmp_path / ("with" if with_sync_event else "without")
+    folder.mkdir()
+    write_json(folder / "host.0.json", host)
+    write_json(folder / "device.0.json", {"traceEvents": events})
+    return folder
+
+
+@pytest.mark.parametrize("with_sync_event", [True, False])
+def test_a_recorded_stream_wait_orders_two_streams_and_nothing_else_does(tmp_path, with_sync_event):
+    linked = link_folder(_two_stream_run(tmp_path, with_sync_event))
+    produce = next(i for i in range(len(linked.kind)) if linked.name(i) == "produce_kernel")
+    consume = next(i for i in range(len(linked.kind)) if linked.name(i) == "consume_kernel")
+    assert (produce in linked.deps[consume]) == with_sync_event
+    assert linked.stats["dependency_rules"].get("cuda stream wait event", 0) == int(with_sync_event)

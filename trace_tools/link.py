@@ -1009,8 +1009,10 @@ def _build_dependencies(linked: LinkedTrace, syncs: list[tuple[int, int, float]]
        started (forward -> autograd thread -> optimizer); no communication is linked this way.
     7. link_unexplained_waits: only for a collective without a consumer found in 4-5 (traces without tensor
        records): the op its thread resumed with after idling through the collective's end.
-    8. link_stream_waits: a collective kernel waits for the last kernel its thread enqueued on another stream
-       before it (ProcessGroupNCCL makes its stream wait on the current one).
+    8. link_stream_waits: a stream that waited on another's event (Kineto's CUDA sync events, when recorded) runs
+       its next kernel after the last one enqueued on the other stream before the event was recorded; without
+       those events, a collective kernel waits for the last kernel its thread enqueued on another stream before it
+       (ProcessGroupNCCL makes its stream wait on the current one).
     9. link_synchronizing_calls: the first CPU op after a synchronising runtime call waits for the last GPU work
        enqueued before the call on the stream(s) it synchronised.
     Edges between the streams of one GPU come only from 2, 4, 8 and 9: kernels that the program let overlap stay
@@ -1371,6 +1373,42 @@ def link_unexplained_waits(timeline: _Timeline, collectives: list[int]) -> None:
 
 
 def link_stream_waits(timeline: _Timeline) -> None:
+    """Cross-stream waits: from the recorded CUDA sync events when the trace has them, else the NCCL rule."""
+    if linked_stream_wait_events(timeline):
+        return
+    link_collective_stream_waits(timeline)
+
+
+def linked_stream_wait_events(timeline: _Timeline) -> bool:
+    """Each 'Stream Wait Event' (cudaStreamWaitEvent): the first kernel enqueued on the waiting stream after the
+    call depends on the last kernel enqueued on the recorded stream before its cudaEventRecord. False when the
+    trace recorded no such events."""
+    linked = timeline.linked
+    dev = linked.device
+    if not dev.stream_waits:
+        return False
+    rt_start = {corr: t for corr, t in zip(dev.rt_corr, dev.rt_ts) if corr >= 0}
+    enqueued: dict[tuple, list[int]] = defaultdict(list)
+    for g in linked.launch_ts:
+        key = linked.lanes[linked.lane[g]]
+        enqueued[(key[1], key[2])].append(g)
+    for nodes in enqueued.values():
+        nodes.sort(key=lambda g: linked.launch_ts[g])
+    times = {key: [linked.launch_ts[g] for g in nodes] for key, nodes in enqueued.items()}
+    for device, stream, waited_stream, wait_corr, record_corr in dev.stream_waits:
+        waited_at, recorded_at = rt_start.get(wait_corr), rt_start.get(record_corr)
+        if waited_at is None or recorded_at is None:
+            continue
+        before = enqueued.get((device, waited_stream), [])
+        p = bisect.bisect_right(times.get((device, waited_stream), []), recorded_at) - 1
+        after = enqueued.get((device, stream), [])
+        q = bisect.bisect_left(times.get((device, stream), []), waited_at)
+        if p >= 0 and q < len(after):
+            timeline.add(before[p], after[q], "cuda stream wait event")
+    return True
+
+
+def link_collective_stream_waits(timeline: _Timeline) -> None:
     """A collective kernel starts after the last kernel its thread enqueued on another stream of the GPU before
     it: ProcessGroupNCCL makes its stream wait on the current stream's work so far."""
     linked = timeline.linked

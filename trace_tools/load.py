@@ -21,6 +21,8 @@ PROCESS_GROUP_INIT = "## process_group:init ##"
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 CPU_CATEGORIES = ("cpu_op", "user_annotation")
 RUNTIME_CATEGORIES = ("cuda_runtime", "cuda_driver", "hip_runtime", "hip_driver")
+# Kineto's CUDA synchronisation events (torch.profiler._ExperimentalConfig(enable_cuda_sync_events=True)).
+SYNC_CATEGORY = "cuda_sync"
 # Host operators whose tensors describe a collective (sizes, process group); kept whole for the converter.
 COMM_NAME_PREFIXES = ("nccl:", "gloo:", "c10d::", "record_param_comms", "mpi:", "ucc:", "xccl:")
 
@@ -521,6 +523,9 @@ class DeviceTrace:
     gpu_corr: list[int] = field(default_factory=list)
     gpu_bytes: list[int] = field(default_factory=list)
     gpu_pg_name: dict[int, str] = field(default_factory=dict)
+    # "Stream Wait Event" synchronisation events: (device, waiting stream, stream waited on, correlation id of the
+    # cudaStreamWaitEvent call, correlation id of the cudaEventRecord it waits for)
+    stream_waits: list[tuple[int, int, int, int, int]] = field(default_factory=list)
     thread_names: dict = field(default_factory=dict)
 
     @property
@@ -607,6 +612,12 @@ def _append_events(trace: DeviceTrace, events: list) -> None:
             pg = args.get("Process Group Name")
             if isinstance(pg, str) and pg:
                 trace.gpu_pg_name[index] = pg
+        elif cat == SYNC_CATEGORY:
+            if event.get("name") == "Stream Wait Event":
+                trace.stream_waits.append((
+                    _as_int(args.get("device", event.get("pid")), 0), _as_int(args.get("stream", event.get("tid")), 0),
+                    _as_int(args.get("wait_on_stream"), -1), _as_int(args.get("correlation"), -1),
+                    _as_int(args.get("wait_on_cuda_event_record_corr_id"), -1)))
         elif cat in RUNTIME_CATEGORIES:
             corr = args.get("correlation")
             trace.rt_names.append(event.get("name", ""))

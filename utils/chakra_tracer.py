@@ -193,6 +193,7 @@ class ChakraTracer:
                 on_trace_ready=self._export_device_trace,
                 record_shapes=True,
                 execution_trace_observer=self._observer,
+                **cuda_sync_events_config(self.use_cuda),
             )
             self._profiler.__enter__()
         except BaseException:
@@ -402,6 +403,20 @@ class ChakraTracer:
         partial.write_text(json.dumps(info, indent=2, default=str) + "\n", encoding="utf-8")
         partial.replace(path)
         logger.info("traces of steps %s from %d rank(s) in %s", completed, len(ranks), self.trace_dir)
+
+
+def cuda_sync_events_config(on_cuda: bool) -> dict[str, Any]:
+    """profile() keywords that record Kineto's CUDA synchronisation events (stream waits, event and stream syncs):
+    what tells the conversion a real cross-stream wait from a coincidence. Empty on CPU and where this torch lacks
+    the option (added in torch 2.4's successors)."""
+    if not on_cuda:
+        return {}
+    try:
+        from torch.profiler import _ExperimentalConfig
+
+        return {"experimental_config": _ExperimentalConfig(enable_cuda_sync_events=True)}
+    except (ImportError, TypeError):
+        return {}
 
 
 def stacks_sort_key(on_cuda: bool) -> str:
