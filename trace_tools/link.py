@@ -570,13 +570,14 @@ def remove_recording_overhead(linked: LinkedTrace, traced_step_us: float, untrac
 
     Recording costs about the same for every op it records (the observer's and Kineto's callbacks at its start
     and end), so the traced step is longer than the untraced one by that cost times the ops on the critical
-    thread. The cost per op is the c at which taking min(c, the op's own time) out of every op of the thread that
-    holds the step annotation removes exactly the measured difference; every CPU op on every thread then loses
-    min(c, its own time). GPU durations are the device's and carry no recording cost.
+    thread. The measured share 1 - untraced/traced of the thread that holds the step annotation (its time as the
+    .et holds it: per-operator medians) is the profiler's; the cost per op is the c at which taking min(c, the
+    op's own time) out of every op of that thread removes that share; every CPU op on every thread then loses
+    min(c, its own time). GPU durations are the device's and carry no recording cost. Shares, not microseconds:
+    the .et's medians and the wall-clock steps then agree on what "the step" is even when one step was slow.
     """
     linked.overhead = [0.0] * len(linked.kind)
-    excess = traced_step_us - untraced_step_us
-    if excess <= 0 or not linked.traced_steps:
+    if traced_step_us <= untraced_step_us or not linked.traced_steps:
         return 0.0
     step_nodes = [i for i in range(len(linked.kind)) if linked.kind[i] != GPU_OP and linked.src[i] in linked.traced_steps]
     if not step_nodes:
@@ -587,8 +588,9 @@ def remove_recording_overhead(linked: LinkedTrace, traced_step_us: float, untrac
     on_main = sorted(own[i] for i in cpu_ops if linked.lane[i] == main_lane)
     if not on_main:
         return 0.0
-    # sum(min(c, t) for t in on_main) grows with c; find the c that equals the excess (all of it, at most).
-    excess = min(excess, sum(on_main))
+    thread_time = sum(linked.excl[i] for i in range(len(linked.kind)) if linked.lane[i] == main_lane)
+    excess = min((1.0 - untraced_step_us / traced_step_us) * thread_time, sum(on_main))
+    # sum(min(c, t) for t in on_main) grows with c: find the c at which it equals the excess.
     removed_below, below = 0.0, 0
     cost = on_main[-1]
     for t in on_main:
