@@ -11,7 +11,9 @@ from pathlib import Path
 
 import pytest
 import yaml
+from chakra.src.third_party.utils.protolib import encodeMessage
 
+from conversion_helpers import read_et_with_protolib
 from trace_tools import simulate
 from trace_tools.simulate import (GIB, Network, SimulationError, find_astra_sim, find_workload, measured_steps,
                                   network_yaml, parse_bandwidth, process_groups, simulate_run, simulate_workload,
@@ -83,8 +85,17 @@ def test_system_file_replays_compute_and_uses_the_chosen_collective_for_every_ty
     config = system_config(Network(2, 1.0, collective="halvingdoubling"))
     assert config["roofline-enabled"] == 0
     assert config["all-reduce-implementation"] == config["all-gather-implementation"] == \
-        config["reduce-scatter-implementation"] == config["all-to-all-implementation"] == ["halvingDoubling"]
+        config["reduce-scatter-implementation"] == ["halvingDoubling"]
     assert config["scheduling-policy"] == "LIFO" and config["active-chunks-per-dimension"] == 1
+
+
+def test_collective_types_astra_sim_lacks_for_an_algorithm_fall_back_to_one_it_has():
+    halving = system_config(Network(4, 1.0, collective="halvingDoubling"))
+    assert halving["all-to-all-implementation"] == ["direct"]
+    assert halving["reduce-scatter-implementation"] == ["halvingDoubling"]
+    tree = Network(4, 1.0, collective="doubleBinaryTree")
+    assert system_config(tree)["all-gather-implementation"] == ["ring"]
+    assert "doubleBinaryTree collectives (all-gather ring, reduce-scatter ring, all-to-all direct)" in tree.describe()
 
 
 def test_configs_are_written_into_the_work_folder_with_the_flags_that_name_them(tmp_path):
@@ -145,6 +156,36 @@ def test_a_folder_without_et_files_says_to_convert_first(tmp_path):
 
 def test_the_world_group_needs_no_communicator_file(converted):
     assert process_groups(converted / "gpt2_tiny_2r", 2) == {}
+
+
+def with_process_group(converted: Path, folder: Path, pg_name: str, groups: list[dict]) -> Path:
+    """A copy of the converted .et set whose collectives run in process group `pg_name`, with `groups` as the
+    process_groups metadata (as torch's distributed info lists a run's groups)."""
+    folder.mkdir()
+    for rank in range(2):
+        metadata, nodes = read_et_with_protolib(converted / f"gpt2_tiny_2r.{rank}.et")
+        next(a for a in metadata.attr if a.name == "process_groups").string_val = json.dumps(groups)
+        for node in nodes:
+            for attr in node.attr:
+                if attr.name == "pg_name":
+                    attr.string_val = pg_name
+        with open(folder / f"{folder.name}.{rank}.et", "wb") as f:
+            encodeMessage(f, metadata)
+            for node in nodes:
+                encodeMessage(f, node)
+    return folder / folder.name
+
+
+def test_named_process_groups_are_listed_for_astra_sims_communicator_file(converted, tmp_path):
+    groups = [{"pg_name": "0", "ranks": []}, {"pg_name": "5", "ranks": [1, 0]}, {"pg_name": "7", "ranks": []}]
+    workload = with_process_group(converted, tmp_path / "pg5", "5", groups)
+    assert process_groups(workload, 2) == {"5": [1, 0], "7": [0, 1]}
+
+
+def test_a_process_group_name_that_is_not_a_number_is_refused(converted, tmp_path):
+    workload = with_process_group(converted, tmp_path / "named", "tp", [{"pg_name": "tp", "ranks": [0, 1]}])
+    with pytest.raises(SimulationError, match="process group 'tp' is not a number"):
+        process_groups(workload, 2)
 
 
 def test_measured_steps_come_from_run_json_and_prefer_the_untraced_ones(converted, tmp_path):
@@ -362,7 +403,7 @@ def test_at_a_very_high_bandwidth_the_prediction_is_the_et_critical_path(convert
         # it nearly free: close, and never longer.
         critical = result.critical_path_ms[rank]
         assert predicted <= critical * 1.01
-        assert predicted == pytest.approx(critical, rel=0.15), (rank, predicted, critical)
+        assert predicted == pytest.approx(critical, rel=0.10), (rank, predicted, critical)
 
 
 @needs_astra_sim
@@ -397,12 +438,36 @@ def test_the_command_line_prints_predicted_beside_measured_and_writes_simulation
 @needs_astra_sim
 def test_each_collective_algorithm_runs(converted, tmp_path):
     steps = {}
-    for collective in ("ring", "direct", "halvingDoubling"):
+    for collective in ("ring", "direct", "doubleBinaryTree"):
         steps[collective] = simulate_run(converted, bandwidth_gbs=parse_bandwidth("1Gbit/s"), collective=collective,
                                          topology="FullyConnected", work_dir=tmp_path / collective).step_ms
     assert all(step > 0 for step in steps.values())
     # On two NPUs every algorithm moves the same bytes once each way.
     assert max(steps.values()) / min(steps.values()) < 1.05, steps
+
+
+@needs_astra_sim
+def test_a_collective_in_a_named_group_of_every_rank_simulates_like_the_world_group(converted, tmp_path):
+    workload = with_process_group(converted, tmp_path / "pg5", "5", [{"pg_name": "5", "ranks": [0, 1]}])
+    rate = parse_bandwidth("100Mbit/s")
+    grouped = simulate_workload(workload, 2, bandwidth_gbs=rate, work_dir=tmp_path / "grouped")
+    world = simulate_workload(converted / "gpt2_tiny_2r", 2, bandwidth_gbs=rate, work_dir=tmp_path / "world")
+    assert json.loads((tmp_path / "grouped" / "comm_groups.json").read_text()) == {"5": [0, 1]}
+    assert grouped.per_rank_ns == world.per_rank_ns
+
+
+@needs_astra_sim
+def test_a_group_astra_sim_does_not_know_stops_it_with_its_own_message(converted, tmp_path):
+    workload = with_process_group(converted, tmp_path / "pg5", "5", [])  # no metadata: no communicator file
+    with pytest.raises(SimulationError, match="communicator group 5 not found"):
+        simulate_workload(workload, 2, bandwidth_gbs=1.0, work_dir=tmp_path / "w")
+
+
+@needs_astra_sim
+def test_halving_doubling_on_a_collective_of_a_few_bytes_fails_with_a_hint(converted, tmp_path):
+    # The run's 8-byte all-reduce, in 4 splits halved again: ASTRA-sim asserts on an empty chunk.
+    with pytest.raises(SimulationError, match=r"chunk_size > 0.*use ring or direct"):
+        simulate_run(converted, bandwidth_gbs=1.0, collective="halvingDoubling", work_dir=tmp_path / "w")
 
 
 def test_module_imports_no_torch():

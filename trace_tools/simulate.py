@@ -26,6 +26,10 @@ OUTPUT_FILE = "astra-sim.out"
 
 TOPOLOGIES = ("Ring", "FullyConnected", "Switch")  # the analytical backend's building blocks
 COLLECTIVES = ("ring", "direct", "halvingDoubling", "doubleBinaryTree", "oneRing", "oneDirect", "oneHalvingDoubling")
+# What ASTRA-sim implements besides all-reduce: halving-doubling has no all-to-all (it exits), the double binary tree
+# is an all-reduce only. Those collective types fall back to these algorithms.
+NOT_IMPLEMENTED = {"all-to-all": ({"halvingDoubling", "oneHalvingDoubling", "doubleBinaryTree"}, "direct"),
+                   "all-gather": ({"doubleBinaryTree"}, "ring"), "reduce-scatter": ({"doubleBinaryTree"}, "ring")}
 DEFAULT_LATENCY_NS = 500.0
 # One collective in flight at a time, split into 4 chunks: the configuration whose 2-NPU ring matched a real gloo
 # all-reduce within 1-6% (issue 9). "roofline-enabled": 0 replays every compute node for its traced duration.
@@ -122,9 +126,19 @@ class Network:
         if not (math.isfinite(self.latency_ns) and self.latency_ns >= 0):
             raise SimulationError(f"--latency {self.latency_ns}: must be 0 or more (nanoseconds)")
 
+    def algorithms(self) -> dict[str, str]:
+        """The algorithm of each collective type: the chosen one, or a fallback where ASTRA-sim has none."""
+        chosen = {}
+        for kind in ("all-reduce", "all-gather", "reduce-scatter", "all-to-all"):
+            unsupported, fallback = NOT_IMPLEMENTED.get(kind, (set(), ""))
+            chosen[kind] = fallback if self.collective in unsupported else self.collective
+        return chosen
+
     def describe(self) -> str:
+        fallbacks = [f"{kind} {algo}" for kind, algo in self.algorithms().items() if algo != self.collective]
+        collectives = f"{self.collective} collectives" + (f" ({', '.join(fallbacks)})" if fallbacks else "")
         return (f"{self.topology} of {self.npus} NPUs, {format_bandwidth(self.bandwidth_gbs)} per link, "
-                f"{self.latency_ns:g} ns latency, {self.collective} collectives")
+                f"{self.latency_ns:g} ns latency, {collectives}")
 
 
 def network_yaml(network: Network) -> str:
@@ -136,10 +150,10 @@ def network_yaml(network: Network) -> str:
 
 
 def system_config(network: Network) -> dict:
-    """ASTRA-sim's system file: scheduling, chunking and one collective algorithm for every collective type."""
+    """ASTRA-sim's system file: scheduling, chunking and the collective algorithm of each collective type."""
     config = dict(SYSTEM_DEFAULTS)
-    for kind in ("all-reduce", "all-gather", "reduce-scatter", "all-to-all"):
-        config[f"{kind}-implementation"] = [network.collective]
+    for kind, algorithm in network.algorithms().items():
+        config[f"{kind}-implementation"] = [algorithm]
     return config
 
 
@@ -310,10 +324,16 @@ def write_configs(work_dir: Path, network: Network, groups: dict[str, list[int]]
 
 
 def _failure_line(output: str) -> str:
-    """The line of ASTRA-sim's output that says what went wrong (critical/error log lines, exceptions)."""
+    """The first line of ASTRA-sim's output that says what went wrong (a critical or error log line, an exception)."""
     lines = [line.strip() for line in output.splitlines() if line.strip()]
-    for line in reversed(lines):
-        if re.search(r"\[(C|E|critical|error)\]|\[Error\]|error|what\(\)|terminate|Assertion", line, re.I):
+    for line in lines:
+        if re.search(r"\[(critical|error|C|E)\]|\[Error\]|what\(\)|terminate called|Assertion", line):
+            line = re.sub(r"^\[[^\]]*\d\] ", "", line)  # its timestamp
+            if "chunk_size > 0" in line:
+                line += (" (the algorithm split a collective of a few bytes into empty chunks, an ASTRA-sim "
+                         "limitation: use ring or direct)")
+            if "removed before call stoi" in line:
+                line += " (a collective's pg_name that is not a number: ASTRA-sim takes it as a communicator id)"
             return line[-300:]
     return lines[-1][-300:] if lines else "no output"
 
@@ -355,8 +375,10 @@ def simulate_workload(workload_prefix: Path, ranks: int, *, bandwidth_gbs: float
                               f"{work_dir / OUTPUT_FILE})")
     unfinished = [r for r in range(ranks) if r not in finished]
     if unfinished:
-        raise SimulationError(f"{binary}: rank(s) {', '.join(map(str, unfinished[:8]))} never finished (a "
-                              f"collective no other rank joined?); output: {work_dir / OUTPUT_FILE}")
+        said = _failure_line(output) if re.search(r"\[(critical|error)\]", output) else \
+            "nothing (a collective no other rank joined?)"
+        raise SimulationError(f"{binary}: rank(s) {', '.join(map(str, unfinished[:8]))} never finished; ASTRA-sim "
+                              f"said: {said}; output: {work_dir / OUTPUT_FILE}")
     per_rank = [finished[r][0] for r in range(ranks)]
     return SimulationResult(per_rank_ns=per_rank, step_ms=max(per_rank) / 1e6, workload=workload, network=network,
                             command=command, work_dir=work_dir,
