@@ -135,8 +135,9 @@ fix_empty_yaml_cpp() {
     local dir="$1/extern/network_backend/analytical/extern/yaml-cpp"
     if grep -q "extern/yaml-cpp" "$1/extern/network_backend/analytical/CMakeLists.txt" && [ ! -f "$dir/CMakeLists.txt" ]; then
         say "Fix: empty CMakeLists.txt in the analytical backend's extern/yaml-cpp (yaml-cpp comes from FetchContent)"
-        step mkdir -p "$dir"
-        [ "$DRY_RUN" = 1 ] || : >"$dir/CMakeLists.txt"
+        [ "$DRY_RUN" = 1 ] && return 0
+        mkdir -p "$dir"
+        : >"$dir/CMakeLists.txt"
     fi
 }
 
