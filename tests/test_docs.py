@@ -341,7 +341,8 @@ RUN: dict[str, Run] = {
     "python3 simulate.py outputs/bert_tiny_2r --bandwidth 2Gbit/s":
         Run([files("outputs/bert_tiny_2r/SIMULATION.md", "outputs/bert_tiny_2r/astra-sim/network.yml"),
              says("Ring of 2 NPUs, 2 Gbit/s", "predicted step:")], setup=[astra_sim_built, converted]),
-    "python3 simulate.py outputs/bert_tiny_2r --bandwidth 100Mbit/s --latency 1000 --topology Switch --collective direct":
+    "python3 simulate.py outputs/bert_tiny_2r --bandwidth 100Mbit/s --latency 1000 --topology Switch "
+    "--collective direct":
         Run([files("outputs/bert_tiny_2r/SIMULATION.md"), says("Switch of 2 NPUs, 100 Mbit/s", "predicted step:")],
             setup=[astra_sim_built, converted]),
     '"$ASTRA_SIM" --workload-configuration=outputs/bert_tiny_2r/bert_tiny_2r '
@@ -431,7 +432,8 @@ NOT_RUNNABLE: dict[str, str] = {
     "xcode-select --install": "macOS only, and it downloads the command line tools",
     "sudo apt-get install -y python3 python3-venv": "needs root and the Debian package mirrors",
     "rsync -a gpu-server:/path/to/mosim-llms/outputs/ outputs/": SERVER,
-    "sudo apt-get install -y git cmake g++ protobuf-compiler libprotobuf-dev": "needs root and the Debian package mirrors",
+    "sudo apt-get install -y git cmake g++ protobuf-compiler libprotobuf-dev":
+        "needs root and the Debian package mirrors",
     "./install_astra_sim.sh": NETWORK + " (it clones ASTRA-sim from GitHub) and builds for 10-15 minutes; "
         "tests/test_simulate.py runs its --dry-run and its errors",
     "export ASTRA_SIM=~/.local/astra-sim/bin/AstraSim_Analytical_Congestion_Unaware":

@@ -233,7 +233,7 @@ def process_groups(workload: Path, ranks: int) -> dict[str, list[int]]:
     """Communicator groups other than the world group, from each .et's `process_groups` metadata: pg_name -> ranks.
 
     ASTRA-sim takes pg_name "" or "0" as every rank and any other name as the integer id of a group that the
-    --comm-group-configuration file must list (a name that is not a number stops it)."""
+    --comm-group-configuration file must list; it cannot take a name that is not a number (torch's hashed names)."""
     from chakra.schema.protobuf.et_def_pb2 import GlobalMetadata
     from chakra.src.third_party.utils.protolib import decodeMessage, openFileRd
 
@@ -253,11 +253,8 @@ def process_groups(workload: Path, ranks: int) -> dict[str, list[int]]:
             continue
         for group in listed if isinstance(listed, list) else []:
             name = str(group.get("pg_name", "")) if isinstance(group, dict) else ""
-            if name in ("", "0"):
-                continue
-            if not name.isdigit():
-                raise SimulationError(f"{path}: process group {name!r} is not a number, which ASTRA-sim needs as "
-                                      "a communicator group id")
+            if name in ("", "0") or not name.isdigit():
+                continue  # a name that is not a number cannot be listed; a collective in it stops ASTRA-sim
             members = [int(r) for r in group.get("ranks") or range(ranks)]
             if name in groups and groups[name] != members:
                 raise SimulationError(f"{path}: process group {name} has ranks {members}, another rank's .et "
@@ -332,6 +329,9 @@ def _failure_line(output: str) -> str:
             if "chunk_size > 0" in line:
                 line += (" (the algorithm split a collective of a few bytes into empty chunks, an ASTRA-sim "
                          "limitation: use ring or direct)")
+            group = re.search(r"communicator group (\d+) not found", line)
+            if group:
+                line += f" (the .et files record no process group {group.group(1)})"
             if "removed before call stoi" in line:
                 line += " (a collective's pg_name that is not a number: ASTRA-sim takes it as a communicator id)"
             return line[-300:]
