@@ -435,6 +435,16 @@ def test_the_command_line_prints_predicted_beside_measured_and_writes_simulation
 
 
 @needs_astra_sim
+def test_more_ranks_than_traced_are_scaled_first_and_simulated(converted, tmp_path):
+    pytest.importorskip("trace_tools.scale", reason="trace_tools.scale (the scaler) is not in this checkout")
+    result = simulate_run(converted, ranks=4, bandwidth_gbs=parse_bandwidth("1Gbit/s"), work_dir=tmp_path / "w")
+    assert result.network.npus == 4 and len(result.per_rank_ns) == 4 and result.traced_ranks == 2
+    assert result.workload.parent == tmp_path / "w" / "scaled_4" and result.run_folder == converted
+    assert set(result.measured_ms) == {0, 1}  # only the traced ranks were measured
+    assert "scaled from the 2 traced ranks" in simulate.render_simulation(result, "python3 simulate.py ...")
+
+
+@needs_astra_sim
 def test_each_collective_algorithm_runs(converted, tmp_path):
     steps = {}
     for collective in ("ring", "direct", "doubleBinaryTree"):

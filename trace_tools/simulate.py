@@ -454,11 +454,14 @@ def simulate_run(run_dir: Path, *, ranks: int | None = None, work_dir: Path | No
         raise SimulationError(f"--ranks {ranks}: the run has {traced} traced ranks; simulate at least as many")
     if ranks > traced:
         try:
-            from .scale import scale_run
+            from .scale import ScaleError, scale_run
         except ImportError as e:
             raise SimulationError(f"--ranks {ranks}: more ranks than the {traced} traced needs trace_tools.scale, "
                                   f"which this checkout does not have: scaling is unavailable ({e})") from e
-        workload = Path(scale_run(folder, ranks, output_dir=work_dir / f"scaled_{ranks}"))
+        try:
+            workload = Path(scale_run(folder, ranks, output_dir=work_dir / f"scaled_{ranks}"))
+        except ScaleError as e:
+            raise SimulationError(f"--ranks {ranks}: {e}") from e
     result = simulate_workload(workload, ranks, work_dir=work_dir, **network)
     result.traced_ranks, result.run_folder = traced, folder
     result.measured_ms, result.measured_source = measured_steps(folder)
