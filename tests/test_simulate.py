@@ -246,6 +246,16 @@ def test_the_command_line_refuses_a_bad_bandwidth_before_anything_else(converted
     assert proc.returncode == 2 and proc.stderr.startswith("error: --bandwidth 'lots': not a rate")
 
 
+@pytest.mark.parametrize("args, says", [
+    (["--topology", "Torus"], "error: --topology Torus: not one of Ring, FullyConnected, Switch"),
+    (["--ranks", "1"], "error: --ranks 1: ASTRA-sim's analytical network needs at least 2 NPUs"),
+    (["--latency", "-5"], "error: --latency -5"),
+])
+def test_the_command_line_checks_the_network_flags_before_looking_for_astra_sim(converted, args, says):
+    proc = run_cli(converted, "--bandwidth", "1Gbit/s", *args, env={"ASTRA_SIM": ""})
+    assert proc.returncode == 2 and proc.stderr.startswith(says), proc.stderr
+
+
 def test_more_ranks_than_traced_needs_the_scaler(converted, monkeypatch, tmp_path):
     fake = tmp_path / "astra"
     fake.write_text("#!/bin/sh\nexit 0\n")

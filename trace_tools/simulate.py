@@ -559,9 +559,8 @@ def main(argv: list[str] | None = None) -> int:
     invocation = shlex.join(["python3", "simulate.py", *(sys.argv[1:] if argv is None else argv)])
     try:
         bandwidth = parse_bandwidth(args.bandwidth)
+        Network(args.ranks or 2, bandwidth, args.latency, args.topology, args.collective)  # flags checked first
         binary = find_astra_sim(args.astra_sim)
-        if args.ranks is not None and args.ranks < 1:
-            raise SimulationError(f"--ranks {args.ranks}: must be at least 1")
         result = simulate_run(Path(args.run), ranks=args.ranks, bandwidth_gbs=bandwidth, latency_ns=args.latency,
                               topology=args.topology, collective=args.collective, binary=binary)
         path = write_simulation(result, result.run_folder, invocation)
