@@ -259,6 +259,23 @@ def profiling_outputs() -> list[Check]:
     return checks + [says("Conversion to Chakra .et")]
 
 
+SCALE_SOURCE = "mkdir -p outputs && cp -r tests/data/cpu/gpt2_tiny_2r outputs/ && ./setup_and_convert.sh outputs/gpt2_tiny_2r"
+
+
+def scaled_set(folder: str, name: str, ranks: int) -> Check:
+    return files(f"{folder}/{name}.0.et", f"{folder}/{name}.{ranks - 1}.et", f"{folder}/SCALE_SUMMARY.md")
+
+
+def network_has_npus(path: str, npus: int) -> Check:
+    def check(root: Path, output: str) -> None:
+        network = yaml.safe_load((root / path).read_text())
+        count = 1
+        for n in network["npus_count"]:
+            count *= n
+        assert count == npus, f"{path} has {count} NPUs, not {npus}"
+    return check
+
+
 CONVERTED_BUNDLED = [converted_run("outputs/bert_tiny_2r", "bert_tiny_2r", 2),
                      converted_run("outputs/gpt2_tiny_1r", "gpt2_tiny_1r", 1)]
 MANUAL_TRACE = [*trace_folder("bert_manual_2cpu", 2), files("checkpoints/bert_manual_2cpu/final_model/config.json")]
@@ -324,6 +341,16 @@ RUN: dict[str, Run] = {
                    doc_command_ran("cat > astra-configs/remote_memory.json <<'EOF'")]),
     "cat > astra-configs/remote_memory.json <<'EOF'": Run([files("astra-configs/remote_memory.json")],
                                                           setup=[lambda root: (root / "astra-configs").mkdir()]),
+    # README.md and docs/CHAKRA_SETUP.md: scale-out
+    SCALE_SOURCE: Run([converted_run("outputs/gpt2_tiny_2r", "gpt2_tiny_2r", 2), says("==> Done")]),
+    "chakra-venv/bin/python scale_et.py outputs/gpt2_tiny_2r --ranks 1024":
+        Run([scaled_set("outputs/gpt2_tiny_2r_1024npus", "gpt2_tiny_2r_1024npus", 1024),
+             says("wrote 1024 ranks from 2 traced: 2 files, 1022 hard links")], setup=[doc_command_ran(SCALE_SOURCE)]),
+    "chakra-venv/bin/python scale_et.py outputs/gpt2_tiny_2r --ranks 1024 --slow 3:1.5":
+        Run([scaled_set("outputs/gpt2_tiny_2r_1024npus", "gpt2_tiny_2r_1024npus", 1024),
+             says("wrote 1024 ranks from 2 traced: 3 files, 1021 hard links")], setup=[doc_command_ran(SCALE_SOURCE)]),
+    "cat > astra-configs/network_1024.yml <<'EOF'": Run([network_has_npus("astra-configs/network_1024.yml", 1024)],
+                                                       setup=[lambda root: (root / "astra-configs").mkdir()]),
     # docs/TRAINING.md
     "python gpt2/train.py --model-name tiny --max-steps 20 --save-dir checkpoints/smoke-gpt2":
         Run([files("checkpoints/smoke-gpt2/final_model/config.json"), says("done: 20 steps")], slow=True),
@@ -416,6 +443,12 @@ NOT_RUNNABLE: dict[str, str] = {
     "--network-configuration=astra-configs/network.yml --remote-memory-configuration=astra-configs/remote_memory.json":
         "needs ASTRA-sim built as above; the configuration files it reads are checked by the cat > astra-configs/... "
         "commands here",
+    "~/astra-sim/build/astra_analytical/build/bin/AstraSim_Analytical_Congestion_Unaware "
+    "--workload-configuration=outputs/gpt2_tiny_2r_1024npus/gpt2_tiny_2r_1024npus "
+    "--system-configuration=astra-configs/system.json --network-configuration=astra-configs/network_1024.yml "
+    "--remote-memory-configuration=astra-configs/remote_memory.json":
+        "needs ASTRA-sim built as above; the scaled set it reads is checked by the scale_et.py commands here and "
+        "simulated at 8 to 1024 NPUs by bench/scale_bench.py --astra-sim",
     # docs/MULTINODE.md
     "./run_gpt2_quick.sh --num-gpus 8 --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 --master-port 29500": CLUSTER,
     "./run_gpt2_quick.sh --num-gpus 8 --nnodes 2 --node-rank 1 --master-addr 10.0.0.1 --master-port 29500": CLUSTER,

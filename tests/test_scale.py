@@ -305,3 +305,12 @@ def test_scale_et_runs_on_the_conversion_side_without_torch(gpt2_run, tmp_path):
     assert result.returncode == 0, result.stderr
     assert "wrote 32 ranks from 2 traced: 2 files, 30 hard links" in result.stdout
     assert f"--workload-configuration={tmp_path / f'{GPT2_2R}_32npus'}" in result.stdout
+
+
+def test_the_benchmark_measures_time_and_disk_per_rank_count():
+    result = subprocess.run([sys.executable, "bench/scale_bench.py", "--quick"], cwd=REPO, capture_output=True,
+                            text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    rows = [line for line in result.stdout.splitlines() if line.startswith("|") and line.split("|")[1].strip().isdigit()]
+    assert [int(row.split("|")[1]) for row in rows] == [8, 64]
+    assert all(float(row.split("|")[4]) < 10 for row in rows)  # new disk (MB): two files, whatever N
