@@ -27,7 +27,7 @@ from chakra.schema.protobuf.et_def_pb2 import (
     AttributeProto, GlobalMetadata, Node,
 )
 
-from .convert import new_file_mode
+from .convert import _varint, new_file_mode
 from .link import COMM_TYPE_NAMES
 from .pipeline import FALLBACK_OUTPUT_ROOT, _writable
 from .validate import EtFormatError, collectives_agree, iter_et_messages, validate_et
@@ -88,6 +88,8 @@ def find_source_set(source: str | Path) -> SourceSet:
     if not source.is_dir():
         if source.parent.is_dir() and (source.parent / f"{source.name}.0.et").is_file():
             return _complete_set(source.parent, source.name)
+        if source.is_file():
+            raise ScaleError(source, "is a file; give the run folder or the workload prefix <dir>/<name>")
         raise ScaleError(source, "no such folder (expected a converted run folder with <name>.<rank>.et files)")
     sets: dict[str, set[int]] = {}
     for entry in os.scandir(source):
@@ -374,17 +376,8 @@ def write_scaled_et(source: SourceEt, out_path: Path, *, ranks: int, traced_rank
 
 
 def _write_message(f, blob: bytes) -> None:
-    """protolib.encodeMessage's framing: a varint length, then the message."""
-    size, prefix = len(blob), bytearray()
-    while True:
-        bits = size & 0x7F
-        size >>= 7
-        if size:
-            prefix.append(0x80 | bits)
-        else:
-            prefix.append(bits)
-            break
-    f.write(bytes(prefix))
+    """protolib.encodeMessage's framing (a varint length, then the message) for a message already serialized."""
+    f.write(_varint(len(blob)))
     f.write(blob)
 
 
