@@ -34,8 +34,9 @@ NETWORK_YML = "topology: [ Ring ]\nnpus_count: [ {npus} ]\nbandwidth: [ {bandwid
 FINISHED = re.compile(r"sys\[(\d+)\] finished, (\d+) cycles")
 SCALED_LINE = re.compile(r"wrote (\d+) ranks from (\d+) traced: (\d+) files, (\d+) hard links.*?, ([0-9.]+) s$", re.M)
 # Communication-dominated growth check: the gradient all-reduce (0.86 MiB) at 1 MB/s takes seconds, the traced
-# compute a quarter of a second; the same sets at 1000 GB/s give the compute-only step to subtract.
-GROWTH_RANKS = (2, 8, 64, 512, 1024)
+# compute a quarter of a second; the same sets at 1000 GB/s give the compute-only step to subtract. Up to 64 NPUs:
+# ASTRA-sim's time grows faster than N (about 1 s at 8 NPUs, 20 s at 64, 500 s at 512 on a busy 2-core machine).
+GROWTH_RANKS = (2, 4, 8, 16, 32, 64)
 GROWTH_SLOW_GBS, GROWTH_FAST_GBS = 0.001, 1000.0
 CONSISTENCY_GBS = (0.01, 0.1, 1.0)
 CONSISTENCY_TOLERANCE = 0.05
@@ -49,11 +50,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--repeats", type=int, default=3, help="timings of scale_et.py per N (median shown)")
     parser.add_argument("--astra-sim", default=os.environ.get("ASTRA_SIM"), metavar="PATH",
                         help="ASTRA-sim's analytical binary (default: $ASTRA_SIM); without it nothing is simulated")
+    parser.add_argument("--simulate-ranks", type=int, nargs="+", default=None, metavar="N",
+                        help="the N to simulate (default: every --ranks)")
+    parser.add_argument("--simulate-timeout", type=float, default=SIMULATE_TIMEOUT_S, metavar="S",
+                        help=f"seconds per ASTRA-sim run (default: {SIMULATE_TIMEOUT_S})")
     parser.add_argument("--bandwidth", type=float, default=50.0, help="GB/s per ring link for the simulated sets")
     parser.add_argument("--latency", type=float, default=500.0, help="ns per ring link")
     parser.add_argument("--growth", action="store_true",
                         help=f"also simulate N = {', '.join(map(str, GROWTH_RANKS))} at {GROWTH_SLOW_GBS} and "
                         f"{GROWTH_FAST_GBS} GB/s and compare the communication time with 2(N-1)/N")
+    parser.add_argument("--growth-ranks", type=int, nargs="+", default=list(GROWTH_RANKS), metavar="N")
     parser.add_argument("--consistency", type=Path, default=None, metavar="RUN4",
                         help="a converted 4-rank run: simulate it, and its ranks {0,1} scaled to 4, at "
                         f"{', '.join(map(str, CONSISTENCY_GBS))} GB/s")
@@ -98,7 +104,8 @@ def scale(run: Path, ranks: int, out: Path) -> dict:
             "prefix": out / f"{run.name}_{ranks}npus"}
 
 
-def simulate(binary: str, prefix: Path, npus: int, bandwidth: float, latency: float, work: Path) -> dict:
+def simulate(binary: str, prefix: Path, npus: int, bandwidth: float, latency: float, work: Path,
+             timeout_s: float = SIMULATE_TIMEOUT_S) -> dict:
     """ASTRA-sim (analytical) on one set: which ranks finished, the slowest rank's simulated time, wall time."""
     work.mkdir(parents=True, exist_ok=True)
     (work / "system.json").write_text(SYSTEM_JSON)
@@ -107,7 +114,7 @@ def simulate(binary: str, prefix: Path, npus: int, bandwidth: float, latency: fl
     child = run_child([binary, f"--workload-configuration={prefix}", f"--system-configuration={work / 'system.json'}",
                        f"--network-configuration={work / 'network.yml'}",
                        f"--remote-memory-configuration={work / 'memory.json'}"],
-                      cwd=work, env=child_env(), timeout_s=SIMULATE_TIMEOUT_S)
+                      cwd=work, env=child_env(), timeout_s=timeout_s)
     (work / "astra-sim.log").write_text(child.stdout + child.stderr)
     cycles = {int(r): int(c) for r, c in FINISHED.findall(child.stdout + child.stderr)}
     if not child.ok or len(cycles) != npus:
@@ -179,8 +186,10 @@ def main(argv=None) -> int:
 def simulate_table(args, runs: dict[int, list[dict]], work: Path) -> str:
     rows = []
     for ranks, timings in runs.items():
+        if args.simulate_ranks is not None and ranks not in args.simulate_ranks:
+            continue
         sim = simulate(args.astra_sim, timings[-1]["prefix"], ranks, args.bandwidth, args.latency,
-                       work / f"sim_{ranks}")
+                       work / f"sim_{ranks}", args.simulate_timeout)
         print(f"... simulated N = {ranks}: {sim['wall_s']:.1f} s", flush=True)
         rows.append((ranks, f"{sim['finished']}/{ranks}", f"{sim['step_ms']:.3f}", f"{sim['wall_s']:.2f}",
                      f"{sim['peak_mb']:.0f}"))
@@ -193,7 +202,7 @@ def simulate_table(args, runs: dict[int, list[dict]], work: Path) -> str:
 def growth_table(args, run: Path, work: Path) -> str:
     """Communication time (step at low bandwidth minus step at high bandwidth) against 2(N-1)/N, relative to N=2."""
     rows, base = [], None
-    for ranks in GROWTH_RANKS:
+    for ranks in args.growth_ranks:
         prefix = scale(run, ranks, work / f"growth_{ranks}")["prefix"]
         slow = simulate(args.astra_sim, prefix, ranks, GROWTH_SLOW_GBS, args.latency, work / f"growth_{ranks}_slow")
         fast = simulate(args.astra_sim, prefix, ranks, GROWTH_FAST_GBS, args.latency, work / f"growth_{ranks}_fast")
