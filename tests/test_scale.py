@@ -314,3 +314,37 @@ def test_the_benchmark_measures_time_and_disk_per_rank_count():
     rows = [line for line in result.stdout.splitlines() if line.startswith("|") and line.split("|")[1].strip().isdigit()]
     assert [int(row.split("|")[1]) for row in rows] == [8, 64]
     assert all(float(row.split("|")[4]) < 10 for row in rows)  # new disk (MB): two files, whatever N
+
+
+# ---- ASTRA-sim itself (where it is built: $ASTRA_SIM) ---------------------------------------------------------------
+@pytest.fixture(scope="session")
+def astra_sim() -> Path:
+    path = os.environ.get("ASTRA_SIM")
+    if not path or not os.access(path, os.X_OK):
+        pytest.skip("ASTRA-sim is not built here: set $ASTRA_SIM to its AstraSim_Analytical_Congestion_Unaware")
+    return Path(path)
+
+
+def simulated_steps_ns(binary: Path, prefix: Path, npus: int, work: Path) -> dict[int, int]:
+    """{rank: simulated ns} of every rank that finished, from ASTRA-sim's `sys[r] finished, N cycles` lines."""
+    from bench.scale_bench import FINISHED, MEMORY_JSON, NETWORK_YML, SYSTEM_JSON
+    work.mkdir()
+    (work / "system.json").write_text(SYSTEM_JSON)
+    (work / "memory.json").write_text(MEMORY_JSON)
+    (work / "network.yml").write_text(NETWORK_YML.format(npus=npus, bandwidth=50.0, latency=500.0))
+    result = subprocess.run([str(binary), f"--workload-configuration={prefix}",
+                             f"--system-configuration={work / 'system.json'}",
+                             f"--network-configuration={work / 'network.yml'}",
+                             f"--remote-memory-configuration={work / 'memory.json'}"],
+                            cwd=work, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    return {int(r): int(c) for r, c in FINISHED.findall(result.stdout + result.stderr)}
+
+
+def test_astra_sim_runs_every_rank_of_a_scaled_set_and_feels_the_straggler(astra_sim, gpt2_run, tmp_path):
+    even = simulated_steps_ns(astra_sim, scale_run(gpt2_run, 8, output_dir=tmp_path / "even"), 8, tmp_path / "a")
+    slowed = simulated_steps_ns(astra_sim, scale_run(gpt2_run, 8, output_dir=tmp_path / "slow", slow={3: 2.0}), 8,
+                                tmp_path / "b")
+    assert sorted(even) == sorted(slowed) == list(range(8))
+    # The gradient all-reduce waits for the slow rank: every rank's step grows by about its compute before it.
+    assert min(slowed.values()) > max(even.values()) * 1.3
