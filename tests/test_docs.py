@@ -273,6 +273,23 @@ def profiling_outputs() -> list[Check]:
     return checks + [says("Conversion to Chakra .et")]
 
 
+SCALE_SOURCE = "mkdir -p outputs && cp -r tests/data/cpu/gpt2_tiny_2r outputs/ && ./setup_and_convert.sh outputs/gpt2_tiny_2r"
+
+
+def scaled_set(folder: str, name: str, ranks: int) -> Check:
+    return files(f"{folder}/{name}.0.et", f"{folder}/{name}.{ranks - 1}.et", f"{folder}/SCALE_SUMMARY.md")
+
+
+def network_has_npus(path: str, npus: int) -> Check:
+    def check(root: Path, output: str) -> None:
+        network = yaml.safe_load((root / path).read_text())
+        count = 1
+        for n in network["npus_count"]:
+            count *= n
+        assert count == npus, f"{path} has {count} NPUs, not {npus}"
+    return check
+
+
 CONVERTED_BUNDLED = [converted_run("outputs/bert_tiny_2r", "bert_tiny_2r", 2),
                      converted_run("outputs/gpt2_tiny_1r", "gpt2_tiny_1r", 1)]
 MANUAL_TRACE = [*trace_folder("bert_manual_2cpu", 2), files("checkpoints/bert_manual_2cpu/final_model/config.json")]
@@ -349,6 +366,17 @@ RUN: dict[str, Run] = {
     "--system-configuration=astra-configs/system.json --network-configuration=astra-configs/network.yml "
     "--remote-memory-configuration=astra-configs/remote_memory.json":
         Run([says("sys[0] finished", "sys[1] finished")], setup=[astra_sim_built, converted, astra_configs_written]),
+    # README.md and docs/CHAKRA_SETUP.md: scale-out
+    SCALE_SOURCE: Run([converted_run("outputs/gpt2_tiny_2r", "gpt2_tiny_2r", 2), says("==> Done")]),
+    "chakra-venv/bin/python scale_et.py outputs/gpt2_tiny_2r --ranks 1024":
+        Run([scaled_set("outputs/gpt2_tiny_2r_1024npus", "gpt2_tiny_2r_1024npus", 1024),
+             says("wrote 1024 ranks from 2 traced: 2 files, 1022 hard links")], setup=[doc_command_ran(SCALE_SOURCE)]),
+    "chakra-venv/bin/python scale_et.py outputs/gpt2_tiny_2r --ranks 1024 --slow 3:1.5":
+        Run([scaled_set("outputs/gpt2_tiny_2r_1024npus", "gpt2_tiny_2r_1024npus", 1024),
+             says("wrote 1024 ranks from 2 traced: 3 files, 1021 hard links")], setup=[doc_command_ran(SCALE_SOURCE)]),
+    "chakra-venv/bin/python simulate.py outputs/gpt2_tiny_2r --ranks 1024 --bandwidth 100Gbit/s":
+        Run([files("outputs/gpt2_tiny_2r/SIMULATION.md"), says("predicted step:")],
+            setup=[astra_sim_built, doc_command_ran(SCALE_SOURCE)]),
     # docs/TRAINING.md
     "python gpt2/train.py --model-name tiny --max-steps 20 --save-dir checkpoints/smoke-gpt2":
         Run([files("checkpoints/smoke-gpt2/final_model/config.json"), says("done: 20 steps")], slow=True),

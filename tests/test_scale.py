@@ -1,0 +1,350 @@
+"""Scale-out: a data-parallel run traced on k ranks becomes N ranks for ASTRA-sim; other parallelism is refused."""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from chakra.schema.protobuf.et_def_pb2 import COMM_COLL_NODE, COMM_SEND_NODE, COMP_NODE, GlobalMetadata, Node
+from chakra.src.third_party.utils.protolib import encodeMessage
+
+import scale_et
+from conversion_helpers import CPU_FIXTURES, read_et_with_protolib
+from trace_tools import scale
+from trace_tools.discover import find_runs
+from trace_tools.pipeline import convert_runs
+from trace_tools.scale import NotDataParallelError, ScaleError, scale_run, scale_set
+from trace_tools.validate import attr_value, collectives_agree, validate_et
+
+REPO = Path(__file__).resolve().parent.parent
+GPT2_2R = "gpt2_tiny_2r"
+
+
+def metadata_of(path: Path) -> dict:
+    metadata, _ = read_et_with_protolib(path)
+    return {a.name: getattr(a, a.WhichOneof("value")) for a in metadata.attr}
+
+
+def collective_nodes(path: Path) -> list[Node]:
+    return [n for n in read_et_with_protolib(path)[1] if n.type == COMM_COLL_NODE]
+
+
+def write_et(path: Path, metadata: GlobalMetadata, nodes: list[Node]) -> Path:
+    with open(path, "wb") as f:
+        encodeMessage(f, metadata)
+        for node in nodes:
+            encodeMessage(f, node)
+    return path
+
+
+@pytest.fixture(scope="session")
+def gpt2_run(tmp_path_factory) -> Path:
+    """The bundled 2-rank GPT-2 DDP trace (with its run.json), converted in its own folder: gpt2_tiny_2r.{0,1}.et."""
+    folder = tmp_path_factory.mktemp("scale_source") / GPT2_2R
+    shutil.copytree(CPU_FIXTURES / GPT2_2R, folder)
+    result = convert_runs(find_runs([folder]), jobs=2, progress=False)[0]
+    assert result.ok, [r.error for r in result.ranks]
+    return folder
+
+
+@pytest.fixture(scope="session")
+def gpu_runs(shared_fixtures, tmp_path_factory) -> Path:
+    """The Megatron tensor-parallel and DLRM all-to-all 8-rank fixtures, converted (no run.json: foreign traces)."""
+    out = tmp_path_factory.mktemp("scale_gpu")
+    runs = find_runs([shared_fixtures / "gpu" / "astra-sim_megatron_tp8_a100_8r",
+                      shared_fixtures / "gpu" / "param_dlrm_v100_8r"])
+    results = convert_runs(runs, output_dir=out, jobs=2, progress=False)
+    assert all(r.ok for r in results)
+    return out
+
+
+@pytest.fixture
+def bare_gpt2(gpt2_run, tmp_path) -> Path:
+    """The converted .et files alone, as a foreign user would have them: no run.json, no CONVERSION_SUMMARY.md."""
+    folder = tmp_path / GPT2_2R
+    folder.mkdir()
+    for r in (0, 1):
+        shutil.copy(gpt2_run / f"{GPT2_2R}.{r}.et", folder)
+    return folder
+
+
+# ---- ranks, groups, metadata --------------------------------------------------------------------------------------
+def test_rank_r_replays_traced_rank_r_mod_k_with_world_size_n(gpt2_run, tmp_path):
+    prefix = scale_run(gpt2_run, 5, output_dir=tmp_path / "out")
+    assert prefix == tmp_path / "out" / f"{GPT2_2R}_5npus"
+    files = sorted(prefix.parent.glob("*.et"))
+    assert [f.name for f in files] == [f"{GPT2_2R}_5npus.{r}.et" for r in range(5)]
+    for r in range(5):
+        meta = metadata_of(Path(f"{prefix}.{r}.et"))
+        assert (meta["source_rank"], meta["world_size"], meta["traced_world_size"], meta["scaled"]) == (r % 2, 5, 2, True)
+        assert "rank" not in meta  # the rank is the file name: ranks replaying one traced rank share the file
+        _, nodes = read_et_with_protolib(Path(f"{prefix}.{r}.et"))
+        _, traced = read_et_with_protolib(gpt2_run / f"{GPT2_2R}.{r % 2}.et")
+        assert [(n.id, n.duration_micros) for n in nodes] == [(n.id, n.duration_micros) for n in traced]
+
+
+def test_collectives_keep_their_sizes_and_run_over_the_n_rank_world_group(gpt2_run, tmp_path):
+    prefix = scale_run(gpt2_run, 64, output_dir=tmp_path)
+    traced = collective_nodes(gpt2_run / f"{GPT2_2R}.0.et")
+    scaled = collective_nodes(Path(f"{prefix}.62.et"))
+    assert [attr_value(n, "comm_size") for n in scaled] == [attr_value(n, "comm_size") for n in traced] == [900352, 8]
+    assert [attr_value(n, "comm_type") for n in scaled] == [attr_value(n, "comm_type") for n in traced]
+    # ASTRA-sim runs pg_name "0" (or none) over every NPU, with no --comm-group-configuration
+    assert {attr_value(n, "pg_name") for n in scaled} == {"0"}
+    groups = scale._process_groups(metadata_of(Path(f"{prefix}.62.et")))
+    assert [(g["pg_name"], g["group_size"], g["ranks"]) for g in groups] == [("0", 64, [])]
+
+
+def test_fewer_ranks_or_a_count_that_is_not_a_multiple_of_the_traced_one_is_fine(gpt2_run, tmp_path):
+    one = scale_run(gpt2_run, 1, output_dir=tmp_path / "one")
+    assert [p.name for p in one.parent.glob("*.et")] == [f"{GPT2_2R}_1npus.0.et"]
+    three = scale_run(gpt2_run, 3, output_dir=tmp_path / "three")
+    assert [metadata_of(Path(f"{three}.{r}.et"))["source_rank"] for r in range(3)] == [0, 1, 0]
+
+
+# ---- disk ---------------------------------------------------------------------------------------------------------
+def test_ranks_replaying_one_traced_rank_are_hard_links_to_one_file(gpt2_run, tmp_path):
+    result = scale_set(gpt2_run, 1024, output_dir=tmp_path)
+    stats = [os.stat(f"{result.prefix}.{r}.et") for r in range(1024)]
+    assert {s.st_ino for s in stats[0::2]} == {stats[0].st_ino} and {s.st_ino for s in stats[1::2]} == {stats[1].st_ino}
+    assert stats[0].st_ino != stats[1].st_ino and stats[0].st_nlink == stats[1].st_nlink == 512
+    assert (len(result.written), result.links, result.copies) == (2, 1022, 0)
+    source_bytes = sum((gpt2_run / f"{GPT2_2R}.{r}.et").stat().st_size for r in (0, 1))
+    assert result.new_bytes < 1.1 * source_bytes + 65536  # 1024 ranks cost two files
+
+
+def test_without_hard_links_every_rank_gets_a_copy(gpt2_run, tmp_path, monkeypatch):
+    def refuse(src, dst):
+        raise PermissionError(1, "Operation not permitted")
+    monkeypatch.setattr(scale.os, "link", refuse)
+    result = scale_set(gpt2_run, 4, output_dir=tmp_path)
+    assert (result.links, result.copies) == (0, 2)
+    assert len({os.stat(f"{result.prefix}.{r}.et").st_ino for r in range(4)}) == 4
+    assert Path(f"{result.prefix}.2.et").read_bytes() == Path(f"{result.prefix}.0.et").read_bytes()
+
+
+# ---- the simulator's view -----------------------------------------------------------------------------------------
+def test_scaled_set_passes_the_validator_and_the_cross_rank_collective_check(gpt2_run, tmp_path):
+    prefix = scale_run(gpt2_run, 8, output_dir=tmp_path, slow={5: 1.5})
+    reports = {r: validate_et(f"{prefix}.{r}.et") for r in range(8)}
+    assert all(report.ok for report in reports.values()), {r: rep.problems for r, rep in reports.items()}
+    assert collectives_agree({r: report.collectives for r, report in reports.items()}) == []
+    assert {len(report.collectives) for report in reports.values()} == {2}
+
+
+def test_a_slow_rank_has_its_compute_scaled_in_a_file_of_its_own(gpt2_run, tmp_path):
+    result = scale_set(gpt2_run, 8, output_dir=tmp_path, slow={3: 2.0})
+    slow_path, peer_path = Path(f"{result.prefix}.3.et"), Path(f"{result.prefix}.1.et")  # both replay traced rank 1
+    assert os.stat(slow_path).st_ino != os.stat(peer_path).st_ino
+    assert os.stat(peer_path).st_ino == os.stat(f"{result.prefix}.7.et").st_ino
+    _, slow_nodes = read_et_with_protolib(slow_path)
+    _, peer_nodes = read_et_with_protolib(peer_path)
+    for slow_node, node in zip(slow_nodes, peer_nodes, strict=True):
+        expected = node.duration_micros * 2 if node.type == COMP_NODE else node.duration_micros
+        assert (slow_node.id, slow_node.duration_micros) == (node.id, expected)
+    assert metadata_of(slow_path)["compute_scale"] == 2.0 and "compute_scale" not in metadata_of(peer_path)
+    slow_path_us = validate_et(slow_path).critical_path_us
+    assert slow_path_us > 1.8 * validate_et(peer_path).critical_path_us
+    assert "| 3 | 1 | x2 (--slow 3:2) | its own |" in (tmp_path / scale.SUMMARY_NAME).read_text()
+
+
+def test_a_scaled_set_scales_again_keeping_the_traced_rank(gpt2_run, tmp_path):
+    first = scale_run(gpt2_run, 4, output_dir=tmp_path / "four")
+    result = scale_set(first.parent, 12, output_dir=tmp_path / "twelve")
+    assert [metadata_of(Path(f"{result.prefix}.{r}.et"))["source_rank"] for r in range(12)] == [0, 1] * 6
+    assert len(result.written) == 2  # the 4-rank set's hard links are read as the 2 files they are
+    assert result.parallelism.startswith("a scaled set")
+
+
+def test_summary_says_what_was_scaled_and_how_to_run_it(gpt2_run, tmp_path):
+    result = scale_set(gpt2_run, 16, output_dir=tmp_path)
+    summary = (tmp_path / "SCALE_SUMMARY.md").read_text()
+    assert f"--workload-configuration={result.prefix}" in summary
+    assert "0, 2, 4, ... (8 ranks: r mod 2 = 0)" in summary
+    assert "our trainer's DDP run (world size 2, backend gloo)" in summary
+    assert "2 distinct files written, 14 hard links" in summary
+
+
+# ---- what is refused ----------------------------------------------------------------------------------------------
+def test_megatron_tensor_parallel_set_is_refused(gpu_runs, tmp_path):
+    with pytest.raises(NotDataParallelError, match="tensor-parallel"):
+        scale_run(gpu_runs / "astra-sim_megatron_tp8_a100_8r", 16, output_dir=tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_dlrm_all_to_all_set_is_refused_in_one_line(gpu_runs, tmp_path, capsys):
+    code = scale_et.main([str(gpu_runs / "param_dlrm_v100_8r"), "--ranks", "16", "--output-dir", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert code == 1 and err.count("\n") == 1
+    assert err.startswith(f"error: {gpu_runs / 'param_dlrm_v100_8r'}: not data-parallel: 5 all-to-all")
+    assert "--assume-data-parallel" in err and not list(tmp_path.iterdir())
+
+
+def test_the_override_scales_a_refused_set_with_a_warning(gpu_runs, tmp_path, caplog):
+    with caplog.at_level(logging.WARNING, logger="trace_tools.scale"):
+        result = scale_set(gpu_runs / "astra-sim_megatron_tp8_a100_8r", 16, output_dir=tmp_path,
+                           assume_data_parallel=True)
+    assert "does not look data-parallel" in caplog.text and "tensor-parallel" in caplog.text
+    assert [metadata_of(Path(f"{result.prefix}.{r}.et"))["source_rank"] for r in (0, 7, 8, 15)] == [0, 7, 0, 7]
+
+
+def test_a_foreign_set_without_run_json_needs_the_override(bare_gpt2, tmp_path, caplog):
+    with pytest.raises(NotDataParallelError, match="no run.json"):
+        scale_run(bare_gpt2, 4, output_dir=tmp_path / "refused")
+    with caplog.at_level(logging.WARNING, logger="trace_tools.scale"):
+        scale_run(bare_gpt2, 4, output_dir=tmp_path / "assumed", assume_data_parallel=True)
+    assert "no run.json: assuming" in caplog.text
+
+
+def test_run_json_is_found_through_the_conversion_summary(gpt2_run, tmp_path):
+    converted = tmp_path / "converted"
+    convert_runs(find_runs([gpt2_run]), output_dir=converted, jobs=1, progress=False)
+    assert not (converted / "run.json").exists()
+    result = scale_set(converted, 4, output_dir=tmp_path / "out")
+    assert result.parallelism.startswith(str(gpt2_run / "run.json"))
+
+
+def _rewritten(source: Path, folder: Path, change) -> Path:
+    """A copy of the 2-rank set with change(nodes) applied to each rank's nodes."""
+    folder.mkdir()
+    (folder / "run.json").write_bytes((source / "run.json").read_bytes())
+    for r in (0, 1):
+        metadata, nodes = read_et_with_protolib(source / f"{GPT2_2R}.{r}.et")
+        change(nodes)
+        write_et(folder / f"{GPT2_2R}.{r}.et", metadata, nodes)
+    return folder
+
+
+def test_collectives_in_two_process_groups_are_refused(gpt2_run, tmp_path):
+    def second_group(nodes):
+        for attr in collective_nodes_of(nodes)[1].attr:
+            if attr.name == "pg_name":
+                attr.string_val = "1"
+    with pytest.raises(NotDataParallelError, match=r"2 process groups \(0, 1\)"):
+        scale_run(_rewritten(gpt2_run, tmp_path / "groups", second_group), 4, output_dir=tmp_path / "out")
+
+
+def test_send_and_recv_are_refused(gpt2_run, tmp_path):
+    def as_send(nodes):
+        collective_nodes_of(nodes)[1].type = COMM_SEND_NODE
+    with pytest.raises(NotDataParallelError, match="1 send/recv nodes per rank"):
+        scale_run(_rewritten(gpt2_run, tmp_path / "p2p", as_send), 4, output_dir=tmp_path / "out")
+
+
+def test_an_all_reduce_inside_the_forward_is_refused_as_tensor_parallel(gpt2_run, tmp_path):
+    def early(nodes):
+        collective_nodes_of(nodes)[0].start_time_micros = min(n.start_time_micros for n in nodes)
+    with pytest.raises(NotDataParallelError, match="1 of 2 all-reduces .* inside the forward"):
+        scale_run(_rewritten(gpt2_run, tmp_path / "tp", early), 4, output_dir=tmp_path / "out")
+
+
+def collective_nodes_of(nodes: list[Node]) -> list[Node]:
+    return sorted((n for n in nodes if n.type == COMM_COLL_NODE), key=lambda n: n.start_time_micros)
+
+
+# ---- bad input and failures ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("argv, message", [
+    (["{tmp}/missing", "--ranks", "4"], "{tmp}/missing: no such folder"),
+    (["{tmp}", "--ranks", "4"], "{tmp}: no <name>.<rank>.et files; convert the traces first"),
+    (["{run}", "--ranks", "0"], "--ranks: must be at least 1 (got 0)"),
+    (["{run}", "--ranks", "4", "--slow", "4:2"], "--slow: rank 4 is not one of the 4 output ranks (0-3)"),
+    (["{run}", "--ranks", "4", "--slow", "1:fast"], "--slow 1:fast: expected RANK:FACTOR"),
+    (["{run}", "--ranks", "4", "--slow", "1:0"], "--slow: factor 0.0 of rank 1 must be a positive number"),
+    (["{run}", "--ranks", "4", "--output-dir", "{run}", "--name", GPT2_2R], "--name: gpt2_tiny_2r would overwrite"),
+])
+def test_bad_input_is_one_error_line(gpt2_run, tmp_path, capsys, argv, message):
+    code = scale_et.main([a.format(tmp=tmp_path, run=gpt2_run) for a in argv])
+    err = capsys.readouterr().err
+    assert code in (1, 2) and err.count("\n") == 1
+    assert err.startswith("error: " + message.format(tmp=tmp_path, run=gpt2_run)), err
+
+
+def test_a_missing_rank_is_named(gpt2_run, tmp_path):
+    shutil.copy(gpt2_run / f"{GPT2_2R}.1.et", tmp_path)
+    with pytest.raises(ScaleError, match=rf"{GPT2_2R}\.0\.et: missing"):
+        scale_run(tmp_path, 4)
+
+
+def test_a_failure_leaves_no_partial_set_and_keeps_the_previous_one(gpt2_run, tmp_path, monkeypatch):
+    previous = scale_run(gpt2_run, 4, output_dir=tmp_path, name="run")
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+
+    def failing_link(existing, new):
+        if new.name.endswith(".5.et"):
+            raise RuntimeError("disk full")
+        return os.link(existing, new) or True
+    monkeypatch.setattr(scale, "link_or_copy", failing_link)
+    with pytest.raises(RuntimeError):
+        scale_run(gpt2_run, 8, output_dir=tmp_path, name="run")
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before  # no staging folder, no rank 4-7
+    assert previous == tmp_path / "run"
+
+
+def test_a_smaller_set_replaces_a_larger_one_of_the_same_name(gpt2_run, tmp_path):
+    scale_run(gpt2_run, 8, output_dir=tmp_path, name="run")
+    scale_run(gpt2_run, 4, output_dir=tmp_path, name="run")
+    assert sorted(p.name for p in tmp_path.glob("*.et")) == [f"run.{r}.et" for r in range(4)]
+
+
+def test_the_default_output_is_a_folder_beside_the_run(gpt2_run, tmp_path):
+    source = tmp_path / GPT2_2R
+    shutil.copytree(gpt2_run, source, ignore=shutil.ignore_patterns("*.json.gz"))
+    prefix = scale_run(source, 8)
+    assert prefix == tmp_path / f"{GPT2_2R}_8npus" / f"{GPT2_2R}_8npus"
+
+
+def test_scale_et_runs_on_the_conversion_side_without_torch(gpt2_run, tmp_path):
+    code = ("import sys, runpy; sys.argv = ['scale_et.py', *sys.argv[1:]]; "
+            "sys.modules['torch'] = None; runpy.run_path('scale_et.py', run_name='__main__')")
+    result = subprocess.run([sys.executable, "-c", code, str(gpt2_run), "--ranks", "32", "--output-dir", str(tmp_path)],
+                            cwd=REPO, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert "wrote 32 ranks from 2 traced: 2 files, 30 hard links" in result.stdout
+    assert f"--workload-configuration={tmp_path / f'{GPT2_2R}_32npus'}" in result.stdout
+
+
+def test_the_benchmark_measures_time_and_disk_per_rank_count():
+    result = subprocess.run([sys.executable, "bench/scale_bench.py", "--quick"], cwd=REPO, capture_output=True,
+                            text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    rows = [line for line in result.stdout.splitlines() if line.startswith("|") and line.split("|")[1].strip().isdigit()]
+    assert [int(row.split("|")[1]) for row in rows] == [8, 64]
+    assert all(float(row.split("|")[4]) < 10 for row in rows)  # new disk (MB): two files, whatever N
+
+
+# ---- ASTRA-sim itself (where it is built: $ASTRA_SIM) ---------------------------------------------------------------
+@pytest.fixture(scope="session")
+def astra_sim() -> Path:
+    path = os.environ.get("ASTRA_SIM")
+    if not path or not os.access(path, os.X_OK):
+        pytest.skip("ASTRA-sim is not built here: set $ASTRA_SIM to its AstraSim_Analytical_Congestion_Unaware")
+    return Path(path)
+
+
+def simulated_steps_ns(binary: Path, prefix: Path, npus: int, work: Path) -> dict[int, int]:
+    """{rank: simulated ns} of every rank that finished, from ASTRA-sim's `sys[r] finished, N cycles` lines."""
+    from bench.scale_bench import FINISHED, MEMORY_JSON, NETWORK_YML, SYSTEM_JSON
+    work.mkdir()
+    (work / "system.json").write_text(SYSTEM_JSON)
+    (work / "memory.json").write_text(MEMORY_JSON)
+    (work / "network.yml").write_text(NETWORK_YML.format(npus=npus, bandwidth=50.0, latency=500.0))
+    result = subprocess.run([str(binary), f"--workload-configuration={prefix}",
+                             f"--system-configuration={work / 'system.json'}",
+                             f"--network-configuration={work / 'network.yml'}",
+                             f"--remote-memory-configuration={work / 'memory.json'}"],
+                            cwd=work, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    return {int(r): int(c) for r, c in FINISHED.findall(result.stdout + result.stderr)}
+
+
+def test_astra_sim_runs_every_rank_of_a_scaled_set_and_feels_the_straggler(astra_sim, gpt2_run, tmp_path):
+    even = simulated_steps_ns(astra_sim, scale_run(gpt2_run, 8, output_dir=tmp_path / "even"), 8, tmp_path / "a")
+    slowed = simulated_steps_ns(astra_sim, scale_run(gpt2_run, 8, output_dir=tmp_path / "slow", slow={3: 2.0}), 8,
+                                tmp_path / "b")
+    assert sorted(even) == sorted(slowed) == list(range(8))
+    # The gradient all-reduce waits for the slow rank: every rank's step grows by about its compute before it.
+    assert min(slowed.values()) > max(even.values()) * 1.3

@@ -1,0 +1,693 @@
+"""Scale a converted data-parallel run from the k ranks it was traced on to N simulated ranks (ASTRA-sim NPUs).
+
+Data parallelism makes this principled: every rank runs the same program and the gradient all-reduce carries the
+same bytes at any world size; only the collective's cost changes, and that is the simulator's job. Output rank r
+replays traced rank r mod k, so the measured spread between ranks survives. Nothing in a scaled file depends on
+its output rank (ASTRA-sim takes the rank from the file name and runs a collective without a process group, or in
+group "0", over every NPU), so the N files are hard links to k written files.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import math
+import os
+import re
+import shutil
+import tempfile
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import orjson
+from chakra.schema.protobuf.et_def_pb2 import (
+    ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, COMM_COLL_NODE, COMM_RECV_NODE, COMM_SEND_NODE, COMP_NODE, REDUCE_SCATTER,
+    AttributeProto, GlobalMetadata, Node,
+)
+
+from .convert import _varint, new_file_mode
+from .link import COMM_TYPE_NAMES
+from .pipeline import FALLBACK_OUTPUT_ROOT, _writable
+from .validate import EtFormatError, collectives_agree, iter_et_messages, validate_et
+
+logger = logging.getLogger(__name__)
+
+ET_FILE = re.compile(r"^(?P<name>.+)\.(?P<rank>\d+)\.et$")
+DEFAULT_NAME = "{name}_{ranks}npus"
+SUMMARY_NAME = "SCALE_SUMMARY.md"
+RUN_INFO = "run.json"
+CONVERSION_SUMMARY = "CONVERSION_SUMMARY.md"
+# ASTRA-sim runs a collective whose pg_name is "" or "0" over every NPU (Workload::extract_comm_group), with no
+# --comm-group-configuration; "0" is also PyTorch's name for the default (world) process group.
+WORLD_GROUP = "0"
+# Metadata this module writes; replaced when a scaled set is scaled again.
+SCALE_ATTRS = {"rank", "world_size", "process_groups", "scaled", "source_rank", "traced_world_size", "compute_scale"}
+# What run.json's optional "parallelism" field may say for a data-parallel run (the tracer does not write it yet).
+DATA_PARALLEL_NAMES = {"ddp", "dp", "data_parallel", "data-parallel", "distributeddataparallel"}
+OVERRIDE_HINT = "--assume-data-parallel scales it anyway"
+
+
+class ScaleError(Exception):
+    """A problem with the input or a flag, said in one line that names the file or flag."""
+
+    def __init__(self, where: str | Path, problem: str):
+        self.where = str(where)
+        self.problem = problem
+        super().__init__(f"{where}: {problem}")
+
+
+class NotDataParallelError(ScaleError):
+    """The traced run is not (or not known to be) data-parallel, so scaling it would misstate its communication."""
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Reading the source set
+# ---------------------------------------------------------------------------------------------------------------
+@dataclass
+class SourceSet:
+    """A converted run: `<name>.<rank>.et` for rank 0..k-1 in one folder."""
+
+    folder: Path
+    name: str
+    paths: list[Path]
+
+    @property
+    def prefix(self) -> Path:
+        return self.folder / self.name
+
+    @property
+    def ranks(self) -> int:
+        return len(self.paths)
+
+
+def find_source_set(source: str | Path) -> SourceSet:
+    """The .et set in a run folder (or at a workload prefix such as ASTRA-sim's `--workload-configuration`)."""
+    source = Path(source)
+    if not source.is_dir():
+        if source.parent.is_dir() and (source.parent / f"{source.name}.0.et").is_file():
+            return _complete_set(source.parent, source.name)
+        if source.is_file():
+            raise ScaleError(source, "is a file; give the run folder or the workload prefix <dir>/<name>")
+        raise ScaleError(source, "no such folder (expected a converted run folder with <name>.<rank>.et files)")
+    sets: dict[str, set[int]] = {}
+    for entry in os.scandir(source):
+        match = ET_FILE.match(entry.name)
+        if match and entry.is_file():
+            sets.setdefault(match["name"], set()).add(int(match["rank"]))
+    if not sets:
+        raise ScaleError(source, "no <name>.<rank>.et files; convert the traces first (convert_to_et.py)")
+    if len(sets) > 1:
+        if source.name not in sets:
+            raise ScaleError(source, f"several .et sets ({', '.join(sorted(sets))}); name one as the prefix "
+                             f"{source}/<name>")
+        return _complete_set(source, source.name)
+    return _complete_set(source, next(iter(sets)))
+
+
+def _complete_set(folder: Path, name: str) -> SourceSet:
+    ranks = set()
+    pattern = re.compile(rf"^{re.escape(name)}\.(\d+)\.et$")
+    for entry in os.scandir(folder):
+        match = pattern.match(entry.name)
+        if match:
+            ranks.add(int(match[1]))
+    missing = sorted(set(range(max(ranks) + 1)) - ranks) if ranks else [0]
+    if missing:
+        raise ScaleError(folder / f"{name}.{missing[0]}.et", f"missing (the set has ranks {_ranges(sorted(ranks))}; "
+                         "every rank from 0 up is needed)")
+    return SourceSet(folder=folder, name=name, paths=[folder / f"{name}.{r}.et" for r in range(len(ranks))])
+
+
+@dataclass
+class SourceEt:
+    """One source .et in memory: its metadata, its node messages as read, and what its communication looks like."""
+
+    path: Path
+    metadata: GlobalMetadata
+    blobs: list[bytes]
+    node_types: list[int]
+    comm_indices: list[int]
+    # (process group, comm type name, bytes) of every collective in start order, as validate.EtReport has them
+    collectives: list[tuple[str, str, int]] = field(default_factory=list)
+    all_reduce_starts: list[int] = field(default_factory=list)
+    p2p: int = 0
+    first_backward_us: int | None = None
+
+    @property
+    def meta(self) -> dict:
+        return {a.name: getattr(a, a.WhichOneof("value")) for a in self.metadata.attr if a.WhichOneof("value")}
+
+
+def read_source_et(path: Path) -> SourceEt:
+    """Decode the .et once: messages are kept as bytes (copied unchanged into the scaled files), and the collectives,
+    point-to-point nodes and the start of the backward pass are noted for the data-parallel check."""
+    try:
+        messages = iter_et_messages(path)
+        metadata = GlobalMetadata()
+        try:
+            metadata.ParseFromString(next(messages))
+        except StopIteration:
+            raise EtFormatError(f"{path}: empty .et") from None
+        source = SourceEt(path=path, metadata=metadata, blobs=[], node_types=[], comm_indices=[])
+        collectives = []
+        node = Node()
+        for blob in messages:
+            node.Clear()
+            node.ParseFromString(blob)
+            index = len(source.blobs)
+            source.blobs.append(blob)
+            source.node_types.append(node.type)
+            if node.type in (COMM_COLL_NODE, COMM_SEND_NODE, COMM_RECV_NODE):
+                source.comm_indices.append(index)
+                if node.type != COMM_COLL_NODE:
+                    source.p2p += 1
+                    continue
+                attrs = {a.name: getattr(a, a.WhichOneof("value")) for a in node.attr if a.WhichOneof("value")}
+                comm_type = attrs.get("comm_type")
+                collectives.append((node.start_time_micros, node.id, str(attrs.get("pg_name", "")),
+                                    COMM_TYPE_NAMES.get(comm_type, str(comm_type)), attrs.get("comm_size", 0)))
+                if comm_type == ALL_REDUCE:
+                    source.all_reduce_starts.append(node.start_time_micros)
+            elif _is_backward(node.name):
+                start = node.start_time_micros
+                if source.first_backward_us is None or start < source.first_backward_us:
+                    source.first_backward_us = start
+    except (EtFormatError, OSError) as e:
+        raise ScaleError(path, f"cannot read the .et ({e})") from None
+    except Exception as e:  # protobuf decode errors
+        raise ScaleError(path, f"not a Chakra .et ({e})") from None
+    collectives.sort()
+    source.collectives = [(pg, comm_type, size) for _, _, pg, comm_type, size in collectives]
+    return source
+
+
+def _is_backward(name: str) -> bool:
+    """An op of the backward pass: autograd's per-function record (host) or a `...Backward0` node."""
+    return name.startswith("autograd::engine::evaluate_function") or "Backward" in name
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Is the run data-parallel?
+# ---------------------------------------------------------------------------------------------------------------
+def communication_problem(sources: list[SourceEt]) -> str | None:
+    """Why the traced collectives are not the gradient all-reduce (and broadcasts) of one world group, or None."""
+    first = sources[0]
+    meta = first.meta
+    if any(s.p2p for s in sources):
+        return (f"{max(s.p2p for s in sources)} send/recv nodes per rank (pipeline parallelism or point-to-point "
+                "exchanges name peer ranks, which do not exist at another world size)")
+    kinds = Counter(comm_type for s in sources for _, comm_type, _ in s.collectives)
+    per_rank = {kind: count // len(sources) or 1 for kind, count in kinds.items()}
+    if kinds.get(COMM_TYPE_NAMES[ALL_TO_ALL]):
+        return (f"{per_rank[COMM_TYPE_NAMES[ALL_TO_ALL]]} all-to-all collectives per rank (embedding or expert "
+                "model parallelism: each rank's share changes with the world size)")
+    sharded = sum(kinds.get(COMM_TYPE_NAMES[k], 0) for k in (ALL_GATHER, REDUCE_SCATTER))
+    if sharded:
+        return (f"{sharded // len(sources) or 1} all-gather/reduce-scatter collectives per rank (sharded data "
+                "parallelism such as FSDP or ZeRO: the shard sizes change with the world size)")
+    groups = sorted({pg or WORLD_GROUP for s in sources for pg, _, _ in s.collectives})
+    if len(groups) > 1:
+        return f"collectives in {len(groups)} process groups ({', '.join(groups)}): model parallelism"
+    world = meta.get("world_size")
+    for group in _process_groups(meta):
+        if str(group.get("pg_name")) in groups and isinstance(group.get("group_size"), int) and world \
+                and group["group_size"] != world:
+            return (f"the collectives run in process group {group['pg_name']} of {group['group_size']} ranks, "
+                    f"not over all {world}")
+    if not kinds.get(COMM_TYPE_NAMES[ALL_REDUCE]):
+        return ("no all-reduce: nothing in the trace is a gradient all-reduce (a 1-rank run has none; trace at least "
+                "2 ranks)")
+    for s in sources:
+        count = len(s.all_reduce_starts)
+        if s.first_backward_us is None:
+            return (f"{count} all-reduces per rank and no backward pass in {s.path.name}: not a training step of "
+                    "data parallelism (tensor-parallel layers all-reduce inside the forward)")
+        forward = sum(1 for start in s.all_reduce_starts if start < s.first_backward_us)
+        if forward:
+            return (f"{forward} of {count} all-reduces in {s.path.name} run inside the forward, before the first "
+                    "backward op (tensor parallelism); data parallelism all-reduces gradients in the backward")
+    disagreement = collectives_agree({r: s.collectives for r, s in enumerate(sources)})
+    if disagreement:
+        return f"the traced ranks' collectives differ ({disagreement[0]})"
+    return None
+
+
+def _process_groups(meta: dict) -> list[dict]:
+    try:
+        groups = orjson.loads(meta.get("process_groups", "[]"))
+    except orjson.JSONDecodeError:
+        return []
+    return [g for g in groups if isinstance(g, dict)] if isinstance(groups, list) else []
+
+
+def find_run_info(source: SourceSet) -> Path | None:
+    """run.json beside the .et files, or in the trace folder CONVERSION_SUMMARY.md says they were converted from."""
+    beside = source.folder / RUN_INFO
+    if beside.is_file():
+        return beside
+    try:
+        summary = (source.folder / CONVERSION_SUMMARY).read_text(encoding="utf-8")
+    except OSError:
+        return None
+    match = re.search(r"by trace_tools from `([^`]+)`", summary)
+    if not match:
+        return None
+    traces = Path(match[1])
+    for candidate in (traces, source.folder / traces):
+        if (candidate / RUN_INFO).is_file():
+            return candidate / RUN_INFO
+    return None
+
+
+def declared_parallelism(run_info: Path) -> tuple[bool, str]:
+    """(data-parallel?, what run.json says). Our trainer wraps every multi-rank run in DDP; run.json records the
+    world size and backend of it (a `parallelism` field, when the tracer writes one, is read first)."""
+    try:
+        info = json.loads(run_info.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        return False, f"{run_info}: unreadable ({e})"
+    parallelism = info.get("parallelism")
+    if isinstance(parallelism, str):
+        return parallelism.lower() in DATA_PARALLEL_NAMES, f"{run_info}: parallelism {parallelism!r}"
+    if isinstance(parallelism, dict):
+        others = {k: v for k, v in parallelism.items()
+                  if k not in ("data_parallel", "wrapper") and isinstance(v, int) and v > 1}
+        return not others, f"{run_info}: parallelism {json.dumps(parallelism, sort_keys=True)}"
+    if isinstance(info.get("world_size"), int) and isinstance(info.get("backend"), str):
+        return True, (f"{run_info}: our trainer's DDP run (world size {info['world_size']}, backend "
+                      f"{info['backend']})")
+    return False, f"{run_info}: says nothing about parallelism"
+
+
+def check_data_parallel(source: SourceSet, sources: list[SourceEt], assume: bool) -> tuple[str, list[str]]:
+    """How the run is known to be data-parallel, and warnings; raises NotDataParallelError when it is not."""
+    warnings = []
+    problem = communication_problem(sources)
+    if problem:
+        if not assume:
+            raise NotDataParallelError(source.folder, f"not data-parallel: {problem}; {OVERRIDE_HINT}")
+        warnings.append(f"scaling a set that does not look data-parallel (--assume-data-parallel): {problem}")
+    if sources[0].meta.get("scaled"):
+        return "a scaled set (checked when it was scaled)", warnings
+    run_info = find_run_info(source)
+    if run_info is not None:
+        ok, said = declared_parallelism(run_info)
+        if ok:
+            return said, warnings
+        if not assume:
+            raise NotDataParallelError(source.folder, f"not data-parallel: {said}; {OVERRIDE_HINT}")
+        warnings.append(f"{said}; scaling anyway (--assume-data-parallel)")
+        return said + ", overridden by --assume-data-parallel", warnings
+    if not assume:
+        raise NotDataParallelError(source.folder, "no run.json beside the .et files or in the traced run's folder "
+                                   "says the run is data-parallel (runs traced by this project have one); if it "
+                                   f"is, {OVERRIDE_HINT}")
+    if not problem:
+        warnings.append("no run.json: assuming the run is data-parallel (--assume-data-parallel); its collectives "
+                        "look like it")
+    return "assumed (--assume-data-parallel)", warnings
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Writing scaled files
+# ---------------------------------------------------------------------------------------------------------------
+def scaled_metadata(metadata: GlobalMetadata, ranks: int, traced_ranks: int, source_rank: int,
+                    compute_scale: float) -> GlobalMetadata:
+    """The source's metadata with world size N, the traced rank it replays, `scaled`, and one world group.
+    No `rank`: the output rank is the file name, so every rank replaying one traced rank can share one file."""
+    old = {a.name: getattr(a, a.WhichOneof("value")) for a in metadata.attr if a.WhichOneof("value")}
+    attrs = [a for a in metadata.attr if a.name not in SCALE_ATTRS]
+    previous_scale = old.get("compute_scale", 1.0)
+    world_group = {"pg_name": WORLD_GROUP, "pg_desc": "default_pg", "ranks": [], "group_size": ranks,
+                   "group_count": 1}
+    backend = next((g.get("backend_config") for g in _process_groups(old) if g.get("backend_config")), None)
+    if backend:
+        world_group["backend_config"] = backend
+    attrs += [
+        AttributeProto(name="world_size", int64_val=ranks),
+        AttributeProto(name="scaled", bool_val=True),
+        AttributeProto(name="source_rank", int64_val=old.get("source_rank", old.get("rank", source_rank))),
+        AttributeProto(name="traced_world_size", int64_val=old.get("traced_world_size",
+                                                                   old.get("world_size", traced_ranks))),
+        AttributeProto(name="process_groups", string_val=orjson.dumps([world_group]).decode()),
+    ]
+    if compute_scale != 1.0 or previous_scale != 1.0:
+        attrs.append(AttributeProto(name="compute_scale", double_val=compute_scale * previous_scale))
+    return GlobalMetadata(version=metadata.version, attr=attrs)
+
+
+def _in_world_group(blob: bytes) -> bytes:
+    node = Node()
+    node.ParseFromString(blob)
+    if node.type == COMM_COLL_NODE:
+        for attr in node.attr:
+            if attr.name == "pg_name":
+                attr.string_val = WORLD_GROUP
+                break
+        else:
+            node.attr.append(AttributeProto(name="pg_name", string_val=WORLD_GROUP))
+    return node.SerializeToString()
+
+
+def _slowed(blob: bytes, factor: float) -> bytes:
+    node = Node()
+    node.ParseFromString(blob)
+    node.duration_micros = round(node.duration_micros * factor)
+    return node.SerializeToString()
+
+
+def write_scaled_et(source: SourceEt, out_path: Path, *, ranks: int, traced_ranks: int, source_rank: int,
+                    compute_scale: float = 1.0) -> Path:
+    """Write one scaled .et: collectives in the N-rank world group, compute durations times compute_scale, every
+    other node byte for byte as in the source."""
+    rewrite: dict[int, bytes] = {i: _in_world_group(source.blobs[i]) for i in source.comm_indices}
+    metadata = scaled_metadata(source.metadata, ranks, traced_ranks, source_rank, compute_scale)
+    with open(out_path, "xb", buffering=1 << 20) as f:
+        _write_message(f, metadata.SerializeToString())
+        for i, blob in enumerate(source.blobs):
+            if i in rewrite:
+                blob = rewrite[i]
+            elif compute_scale != 1.0 and source.node_types[i] == COMP_NODE:
+                blob = _slowed(blob, compute_scale)
+            _write_message(f, blob)
+    return out_path
+
+
+def _write_message(f, blob: bytes) -> None:
+    """protolib.encodeMessage's framing (a varint length, then the message) for a message already serialized."""
+    f.write(_varint(len(blob)))
+    f.write(blob)
+
+
+def link_or_copy(existing: Path, new: Path) -> bool:
+    """Hard-link `new` to `existing` (True), or copy it where the file system refuses links (False)."""
+    try:
+        os.link(existing, new)
+        return True
+    except OSError:  # no hard links (FAT, some network shares), or too many links to one inode (EMLINK)
+        shutil.copyfile(existing, new)
+        return False
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Scaling a run
+# ---------------------------------------------------------------------------------------------------------------
+@dataclass
+class ScaleResult:
+    """What scale_set wrote and why it was allowed to."""
+
+    source: SourceSet
+    output_dir: Path
+    name: str
+    ranks: int
+    source_of_rank: list[int]
+    slow: dict[int, float]
+    parallelism: str
+    written: list[str] = field(default_factory=list)  # file names of the distinct files written
+    links: int = 0
+    copies: int = 0
+    new_bytes: int = 0
+    collectives: list[tuple[str, str, int]] = field(default_factory=list)
+    critical_path_us: dict[int, float] = field(default_factory=dict)  # per distinct file, by its first rank
+    seconds: float = 0.0
+    warnings: list[str] = field(default_factory=list)
+    note: str = ""
+
+    @property
+    def prefix(self) -> Path:
+        return self.output_dir / self.name
+
+
+def default_output(source: SourceSet, name: str) -> tuple[Path, str]:
+    """A folder named after the scaled set beside the source run, or ./converted/<name> when that is read-only."""
+    parent = source.folder.parent
+    if _writable(parent):
+        return parent / name, ""
+    fallback = FALLBACK_OUTPUT_ROOT / name
+    return fallback, f"{parent} is not writable: writing to {fallback}"
+
+
+def check_slow(slow: dict[int, float] | None, ranks: int) -> dict[int, float]:
+    checked = {}
+    for rank, factor in (slow or {}).items():
+        if not isinstance(rank, int) or not 0 <= rank < ranks:
+            raise ScaleError("--slow", f"rank {rank} is not one of the {ranks} output ranks (0-{ranks - 1})")
+        if not isinstance(factor, (int, float)) or not math.isfinite(factor) or factor <= 0:
+            raise ScaleError("--slow", f"factor {factor} of rank {rank} must be a positive number")
+        if factor != 1.0:
+            checked[rank] = float(factor)
+    return checked
+
+
+def parse_slow(items: list[str]) -> dict[int, float]:
+    """`RANK:FACTOR` strings (the --slow flag) as {rank: factor}."""
+    slow: dict[int, float] = {}
+    for item in items:
+        rank_text, sep, factor_text = item.partition(":")
+        try:
+            rank, factor = int(rank_text), float(factor_text)
+        except ValueError:
+            raise ScaleError(f"--slow {item}", "expected RANK:FACTOR, e.g. 3:1.5 (rank 3's compute 1.5x slower)") \
+                from None
+        if not sep:
+            raise ScaleError(f"--slow {item}", "expected RANK:FACTOR, e.g. 3:1.5 (rank 3's compute 1.5x slower)")
+        if rank in slow:
+            raise ScaleError(f"--slow {item}", f"rank {rank} is given twice")
+        slow[rank] = factor
+    return slow
+
+
+def scale_run(source: Path, ranks: int, *, output_dir: Path | None = None, name: str | None = None,
+              slow: dict[int, float] | None = None, assume_data_parallel: bool = False) -> Path:
+    """Write `<name>.<r>.et` for r in 0..ranks-1 from the converted run at `source`; returns the workload prefix
+    (ASTRA-sim's --workload-configuration). Raises ScaleError (one line) for bad input or a refused run."""
+    return scale_set(source, ranks, output_dir=output_dir, name=name, slow=slow,
+                     assume_data_parallel=assume_data_parallel).prefix
+
+
+def scale_set(source: str | Path, ranks: int, *, output_dir: str | Path | None = None, name: str | None = None,
+              slow: dict[int, float] | None = None, assume_data_parallel: bool = False) -> ScaleResult:
+    """scale_run, returning everything it did (and writing SCALE_SUMMARY.md beside the set).
+
+    All files are written, linked and validated in a hidden folder inside the output folder and renamed into
+    place at the end: a failure leaves no partial set."""
+    started = time.perf_counter()
+    if not isinstance(ranks, int) or ranks < 1:
+        raise ScaleError("--ranks", f"must be at least 1 (got {ranks})")
+    source_set = find_source_set(source)
+    slow = check_slow(slow, ranks)
+    name = name or DEFAULT_NAME.format(name=source_set.name, ranks=ranks)
+    if not re.fullmatch(r"[A-Za-z0-9_.+-]+", name) or name.startswith("."):
+        raise ScaleError("--name", f"{name!r}: use letters, digits and _ . + - (it becomes <name>.<rank>.et)")
+    note = ""
+    if output_dir is None:
+        out_dir, note = default_output(source_set, name)
+    else:
+        out_dir = Path(output_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ScaleError(out_dir, "exists and is not a folder")
+    if out_dir.is_dir() and out_dir.resolve() == source_set.folder.resolve() and name == source_set.name:
+        raise ScaleError("--name", f"{name} would overwrite the source set in {out_dir}; pick another name")
+
+    # Ranks sharing one file (a scaled set as source) are read once; output rank r replays file r mod k.
+    sources: list[SourceEt] = []
+    file_of_rank: list[int] = []
+    by_inode: dict[tuple[int, int], int] = {}
+    for path in source_set.paths:
+        stat = path.stat()
+        key = (stat.st_dev, stat.st_ino)
+        if key not in by_inode:
+            by_inode[key] = len(sources)
+            sources.append(read_source_et(path))
+        file_of_rank.append(by_inode[key])
+    distinct = [sources[i] for i in sorted(set(file_of_rank))]
+    parallelism, warnings = check_data_parallel(source_set, distinct, assume_data_parallel)
+    for warning in warnings:
+        logger.warning(warning)
+
+    k = source_set.ranks
+    source_of_rank = [r % k for r in range(ranks)]
+    result = ScaleResult(source=source_set, output_dir=out_dir, name=name, ranks=ranks, source_of_rank=source_of_rank,
+                         slow=slow, parallelism=parallelism, warnings=warnings, note=note)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{name}.scaling-", dir=out_dir))
+    except OSError as e:
+        raise ScaleError(out_dir, f"cannot write there ({e.strerror or e})") from None
+    try:
+        _write_set(result, sources, file_of_rank, staging)
+        _publish(result, staging)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    result.seconds = time.perf_counter() - started
+    write_scale_summary(result)
+    return result
+
+
+def _write_set(result: ScaleResult, sources: list[SourceEt], file_of_rank: list[int], staging: Path) -> None:
+    """Distinct files first (one per traced rank replayed as traced, one per slowed rank) and validated; then
+    every other rank's name as a hard link to its traced rank's file."""
+    ranks, k = result.ranks, result.source.ranks
+    base: dict[int, Path] = {}  # source file index -> its scaled file in staging
+    distinct: dict[int, Path] = {}  # first output rank of each distinct file -> the file
+    for r in range(ranks):
+        source_rank = result.source_of_rank[r]
+        index = file_of_rank[source_rank]
+        if r not in result.slow and index in base:
+            continue
+        path = staging / f"{result.name}.{r}.et"
+        write_scaled_et(sources[index], path, ranks=ranks, traced_ranks=k, source_rank=source_rank,
+                        compute_scale=result.slow.get(r, 1.0))
+        distinct[r] = path
+        if r not in result.slow:
+            base[index] = path
+    reports = {}
+    for r, path in distinct.items():
+        report = validate_et(path)
+        if not report.ok:
+            raise ScaleError(result.output_dir / path.name,
+                             "the scaled .et failed validation: " + "; ".join(report.problems[:3]))
+        reports[r] = report
+        result.new_bytes += path.stat().st_blocks * 512
+        result.written.append(path.name)
+    problems = collectives_agree({r: report.collectives for r, report in reports.items()})
+    if problems:
+        raise ScaleError(result.output_dir, "the scaled ranks' collectives disagree: " + problems[0])
+    result.collectives = reports[min(reports)].collectives
+    result.critical_path_us = {r: report.critical_path_us for r, report in reports.items()}
+    for r in range(ranks):
+        if r in distinct:
+            continue
+        index = file_of_rank[result.source_of_rank[r]]
+        target = staging / f"{result.name}.{r}.et"
+        if link_or_copy(base[index], target):
+            result.links += 1
+        else:
+            result.copies += 1
+            result.new_bytes += target.stat().st_blocks * 512
+            base[index] = target  # link the next ranks to the copy (after EMLINK: the first inode is full)
+
+
+def _publish(result: ScaleResult, staging: Path) -> None:
+    """Rename every rank's file into place, then drop ranks >= N left by an earlier, larger set of this name."""
+    for r in range(result.ranks):
+        name = f"{result.name}.{r}.et"
+        os.replace(staging / name, result.output_dir / name)
+    pattern = re.compile(rf"^{re.escape(result.name)}\.(\d+)\.et$")
+    for entry in os.scandir(result.output_dir):
+        match = pattern.match(entry.name)
+        if match and int(match[1]) >= result.ranks:
+            os.unlink(entry.path)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# SCALE_SUMMARY.md
+# ---------------------------------------------------------------------------------------------------------------
+def _ranges(ranks: list[int]) -> str:
+    """0-3, 8, 10-11"""
+    parts, i = [], 0
+    while i < len(ranks):
+        j = i
+        while j + 1 < len(ranks) and ranks[j + 1] == ranks[j] + 1:
+            j += 1
+        parts.append(str(ranks[i]) if i == j else f"{ranks[i]}-{ranks[j]}")
+        i = j + 1
+    return ", ".join(parts)
+
+
+def _outputs_of(result: ScaleResult, source_rank: int) -> str:
+    ranks = [r for r, s in enumerate(result.source_of_rank) if s == source_rank]
+    k = result.source.ranks
+    if len(ranks) > 3 and k > 1 and ranks == list(range(source_rank, result.ranks, k)):
+        return f"{source_rank}, {source_rank + k}, {source_rank + 2 * k}, ... ({len(ranks)} ranks: r mod {k} = {source_rank})"
+    return _ranges(ranks) + f" ({len(ranks)} rank{'s' if len(ranks) != 1 else ''})"
+
+
+def _size(value: int) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if value >= size:
+            return f"{value / size:.1f} {unit}"
+    return f"{value} B"
+
+
+def render_scale_summary(result: ScaleResult) -> str:
+    source, ranks, k = result.source, result.ranks, result.source.ranks
+    kinds = Counter(comm_type for _, comm_type, _ in result.collectives)
+    comm = ", ".join(f"{count} {kind}" for kind, count in sorted(kinds.items())) or "none"
+    total = sum(size for _, _, size in result.collectives)
+    lines = [
+        f"# Scale summary: {result.name}",
+        "",
+        f"Scaled {datetime.datetime.now().strftime('%Y-%m-%d %H:%M:%S')} by trace_tools from `{source.prefix}` "
+        f"({k} traced rank{'s' if k != 1 else ''}) to {ranks} ranks in {result.seconds:.2f} s.",
+        "",
+        f"ASTRA-sim: `--workload-configuration={result.prefix}` (reads `{result.name}.<rank>.et` for rank 0 to "
+        f"{ranks - 1}); the network must have {ranks} NPUs (the product of `npus_count`).",
+        "",
+        "| output ranks | replay traced rank | compute | file |",
+        "|---|---:|---|---|",
+    ]
+    for s in range(min(k, ranks)):
+        lines.append(f"| {_outputs_of(result, s)} | {s} | as traced | shared (hard links) |")
+    for r, factor in sorted(result.slow.items()):
+        lines.append(f"| {r} | {result.source_of_rank[r]} | x{factor:g} (--slow {r}:{factor:g}) | its own |")
+    if result.slow:
+        lines.append("")
+        lines.append("Slowed ranks are listed twice: the shared row counts them, but they have their own file.")
+    files = (f"{len(result.written)} distinct file{'s' if len(result.written) != 1 else ''} written, "
+             f"{result.links} hard links" + (f", {result.copies} copies (the file system refused hard links)"
+                                             if result.copies else "") + f"; {_size(result.new_bytes)} of new disk")
+    lines += [
+        "",
+        "## What was done",
+        "",
+        f"- Data parallelism: {result.parallelism}.",
+        f"- Collectives per rank: {comm} ({_size(total)}), sizes as traced; every collective is now in process group "
+        f"`{WORLD_GROUP}` (`pg_name`), which ASTRA-sim runs over all {ranks} NPUs without a "
+        "`--comm-group-configuration`.",
+        f"- Metadata of every file: `world_size` {ranks}, `source_rank` (the traced rank it replays), "
+        f"`traced_world_size` {k}, `scaled` true, one world process group; no `rank` (the rank is the file name).",
+        f"- Files: {files}.",
+        "- Every distinct file was decoded after writing (dependencies resolve, no cycle, only node types ASTRA-sim "
+        "accepts) and the collectives agree across them (same types and sizes in the same order).",
+        "",
+        "## What the simulator needs",
+        "",
+        f"- One file per NPU named `{result.name}.<rank>.et`: ASTRA-sim opens `<prefix>.<sys id>.et` for each NPU and "
+        "reads nothing rank-specific inside it, so ranks that replay the same traced rank share one file (hard links; "
+        "the file system copies where it has none).",
+        f"- {ranks} open files at once (each NPU's feeder keeps its file open): `ulimit -n` above {ranks}.",
+        "- Files it may open for writing: Chakra's feeder opens each .et in read+append mode (it writes nothing), so "
+        "a read-only .et fails with `Failed to open file`; do not make the set read-only. A hard-linked file changed "
+        f"through one name changes every rank that shares it: regenerate with scale_et.py instead of editing.",
+    ]
+    if result.critical_path_us:
+        paths = ", ".join(f"rank {r}: {us:,.0f}" for r, us in result.critical_path_us.items())
+        lines += ["", f"Critical path with collectives at their traced durations (µs), per distinct file: {paths}."]
+    if result.warnings or result.note:
+        lines += ["", "## Warnings", ""]
+        lines += [f"- {w}" for w in result.warnings]
+        if result.note:
+            lines.append(f"- {result.note}")
+    status = {"name": result.name, "ranks": ranks, "source": str(source.prefix), "traced_ranks": k,
+              "source_of_rank": "r mod traced_ranks", "slow": {str(r): f for r, f in result.slow.items()},
+              "parallelism": result.parallelism, "files_written": len(result.written), "links": result.links,
+              "copies": result.copies, "new_bytes": result.new_bytes, "seconds": round(result.seconds, 3)}
+    lines += ["", "<!-- trace_tools-scale-status", json.dumps(status, sort_keys=True), "-->", ""]
+    return "\n".join(lines)
+
+
+def write_scale_summary(result: ScaleResult) -> Path:
+    path = result.output_dir / SUMMARY_NAME
+    fd, tmp = tempfile.mkstemp(prefix="." + SUMMARY_NAME, dir=result.output_dir)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(render_scale_summary(result))
+        os.chmod(tmp, new_file_mode())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
