@@ -35,7 +35,8 @@ FINISHED = re.compile(r"sys\[(\d+)\] finished, (\d+) cycles")
 SCALED_LINE = re.compile(r"wrote (\d+) ranks from (\d+) traced: (\d+) files, (\d+) hard links.*?, ([0-9.]+) s$", re.M)
 # Communication-dominated growth check: the gradient all-reduce (0.86 MiB) at 1 MB/s takes seconds, the traced
 # compute a quarter of a second; the same sets at 1000 GB/s give the compute-only step to subtract. Up to 64 NPUs:
-# ASTRA-sim's time grows faster than N (about 1 s at 8 NPUs, 20 s at 64, 500 s at 512 on a busy 2-core machine).
+# ASTRA-sim's time grows faster than N (2 s at 8 NPUs, 25 s at 64, 9 min at 512, 26 min and 4.5 GB at 1024 on a
+# busy 2-core machine).
 GROWTH_RANKS = (2, 4, 8, 16, 32, 64)
 GROWTH_SLOW_GBS, GROWTH_FAST_GBS = 0.001, 1000.0
 CONSISTENCY_GBS = (0.01, 0.1, 1.0)
