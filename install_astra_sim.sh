@@ -37,7 +37,7 @@ Without --source it runs git clone $REPO_URL, checks out
 ${PINNED_COMMIT:0:12} and fetches the submodules the analytical backend needs. Needs git, cmake, a C++17
 compiler and protobuf (Debian/Ubuntu: sudo apt-get install -y git cmake g++ protobuf-compiler libprotobuf-dev).
 Compatibility fixes are applied only where the tree needs them (newer chakra or analytical submodules than the
-pinned ones). Takes about 10 minutes on 2 cores. Prints the export ASTRA_SIM=... line that simulate.py reads.
+pinned ones). Takes 10 to 20 minutes on 2 cores. Prints the export ASTRA_SIM=... line that simulate.py reads.
 Exit status: 0 built (or already built); 1 the build failed; 2 bad usage.
 EOF
 }
@@ -262,7 +262,7 @@ main() {
         # Offline: CMake's FetchContent takes yaml-cpp from this tree instead of GitHub.
         configure+=("-DFETCHCONTENT_SOURCE_DIR_YAML-CPP=$YAML_CPP" -DFETCHCONTENT_FULLY_DISCONNECTED=ON)
     fi
-    say "Configuring and building with $JOBS jobs (about 10 minutes on 2 cores)"
+    say "Configuring and building with $JOBS jobs (10 to 20 minutes on 2 cores)"
     step "${configure[@]}" || die "cmake could not configure $src (see above)"
     step cmake --build "$build" -j "$JOBS" --target AstraSim_Analytical_Congestion_Unaware ||
         die "the build failed (see above)"

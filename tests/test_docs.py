@@ -462,13 +462,13 @@ NOT_RUNNABLE: dict[str, str] = {
     "rsync -a gpu-server:/path/to/mosim-llms/outputs/ outputs/": SERVER,
     "sudo apt-get install -y git cmake g++ protobuf-compiler libprotobuf-dev":
         "needs root and the Debian package mirrors",
-    "./install_astra_sim.sh": NETWORK + " (it clones ASTRA-sim from GitHub) and builds for 10-15 minutes; "
+    "./install_astra_sim.sh": NETWORK + " (it clones ASTRA-sim from GitHub) and builds for 10-20 minutes; "
         "tests/test_simulate.py runs its --dry-run and its errors",
     "export ASTRA_SIM=~/.local/astra-sim/bin/AstraSim_Analytical_Congestion_Unaware":
         "names the binary ./install_astra_sim.sh builds, which a clone does not have; the commands that run ASTRA-sim "
         "here read $ASTRA_SIM and are skipped without it",
     "./install_astra_sim.sh --source ~/astra-sim --yaml-cpp ~/yaml-cpp":
-        "needs an ASTRA-sim tree and yaml-cpp in the reader's home, then builds for 10-15 minutes; "
+        "needs an ASTRA-sim tree and yaml-cpp in the reader's home, then builds for 10-20 minutes; "
         "tests/test_simulate.py runs --source with --dry-run on a tree that needs both fixes",
     # docs/MULTINODE.md
     "./run_gpt2_quick.sh --num-gpus 8 --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 --master-port 29500": CLUSTER,
