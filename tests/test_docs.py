@@ -374,9 +374,6 @@ RUN: dict[str, Run] = {
     "chakra-venv/bin/python scale_et.py outputs/gpt2_tiny_2r --ranks 1024 --slow 3:1.5":
         Run([scaled_set("outputs/gpt2_tiny_2r_1024npus", "gpt2_tiny_2r_1024npus", 1024),
              says("wrote 1024 ranks from 2 traced: 3 files, 1021 hard links")], setup=[doc_command_ran(SCALE_SOURCE)]),
-    "chakra-venv/bin/python simulate.py outputs/gpt2_tiny_2r --ranks 1024 --bandwidth 100Gbit/s":
-        Run([files("outputs/gpt2_tiny_2r/SIMULATION.md"), says("predicted step:")],
-            setup=[astra_sim_built, doc_command_ran(SCALE_SOURCE)]),
     # docs/TRAINING.md
     "python gpt2/train.py --model-name tiny --max-steps 20 --save-dir checkpoints/smoke-gpt2":
         Run([files("checkpoints/smoke-gpt2/final_model/config.json"), says("done: 20 steps")], slow=True),
@@ -410,6 +407,9 @@ NETWORK = "needs the network (PyPI, download.pytorch.org or GitHub)"
 BENCHMARK = "the full benchmark takes 10 to 40 minutes here; tests/test_bench.py runs each benchmark with --quick"
 
 NOT_RUNNABLE: dict[str, str] = {
+    "chakra-venv/bin/python simulate.py outputs/gpt2_tiny_2r --ranks 1024 --bandwidth 100Gbit/s":
+        "ASTRA-sim itself takes about 26 minutes for 1024 NPUs on 2 cores (docs/BENCHMARKS.md); "
+        "tests/test_simulate.py runs the same --ranks path on 8 NPUs where $ASTRA_SIM is built",
     # docs/BENCHMARKS.md
     "python bench/train_bench.py --threads 1": BENCHMARK,
     "python bench/tracing_cost.py --threads 1": BENCHMARK,
