@@ -188,12 +188,12 @@ def file_fingerprint(path: str | Path) -> dict[str, Any]:
     return {"name": Path(path).name, "size": st.st_size, "mtime_ns": st.st_mtime_ns}
 
 
-def et_fingerprint(path: str | Path) -> dict[str, Any]:
+def et_fingerprint(path: str | Path, name: str | None = None) -> dict[str, Any]:
     """Name, size and SHA-256 of a written .et: it is still the file a summary describes (whatever its mtime)."""
     import hashlib
 
     data = Path(path).read_bytes()
-    return {"name": Path(path).name, "size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    return {"name": name or Path(path).name, "size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
 
 
 def _step_names(names) -> list[str]:
@@ -274,13 +274,13 @@ def _convert_rank(host_path, device_path, out_path, rank, merged_path, validate,
         del linked, host, device
         if validate:
             _validate_into(result, staging, timings)
+        result.inputs["et"] = et_fingerprint(staging, out_path.name)
         try:
             os.replace(staging, out_path)
         except OSError as e:
             raise OutputError(out_path, f"cannot write the .et: {_os_problem(e, out_path.parent)}") from None
     finally:
         staging.unlink(missing_ok=True)
-    result.inputs["et"] = et_fingerprint(out_path)
     if result.match_rate < 0.95:
         result.warnings.append(f"only {result.host_ops_matched} of {result.host_ops} host operators have a Kineto "
                                f"event ({result.match_rate:.1%}); the others are left out of the .et")
