@@ -229,10 +229,16 @@ def _convert_rank(host_path, device_path, out_path, rank, merged_path, validate,
     del device_data
     timings["load_device_s"] = time.perf_counter() - started
     mark = time.perf_counter()
+    warned = len(result.warnings)
     host_data = read_trace_checked(host_path, result.warnings)
     result.host_repair = host_repair_note(host_data)
     host = load_host_checked(host_path, result.warnings, host_data)
     del host_data
+    if merged_path is not None and len(result.warnings) > warned:
+        # The merged JSON is copied from the host trace file, which is not strict JSON (read here with a warning).
+        result.warnings.append(f"no merged JSON for this rank: it is copied from {host_path}, which is not strict JSON "
+                               "(see above); the .et is complete")
+        merged_path = None
     timings["load_host_s"] = time.perf_counter() - mark
     _check_steps(host, device, result)
     mark = time.perf_counter()

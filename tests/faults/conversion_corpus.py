@@ -395,6 +395,17 @@ def host_bom(work: Path):
 
 
 @case
+def host_bom_with_merged_json(work: Path):
+    folder = copy_run(GPT2_1R, work / "run")
+    (folder / "host.0.json").write_bytes(b"\xef\xbb\xbf" + (folder / "host.0.json").read_bytes())
+    proc = convert(folder, "--emit-merged")
+    outcome = expect_warning(proc, "no merged JSON")
+    if outcome[0] == "clear" and not (folder / "run.0.et").is_file():
+        return "lost", "no .et either"
+    return outcome
+
+
+@case
 def host_bom_fix(work: Path):
     folder = copy_run(GPT2_1R, work / "run")
     (folder / "host.0.json").write_bytes(b"\xef\xbb\xbf" + (folder / "host.0.json").read_bytes())
