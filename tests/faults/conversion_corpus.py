@@ -627,7 +627,7 @@ def ctrl_c_during_conversion(work: Path):
 
 def rank_0_done(folder: Path) -> Callable[[], bool]:
     """Ready once the summary records rank 0 as converted (or, for a converter that writes the summary only at
-    the end, half a second after rank 0's .et appeared)."""
+    the end, a moment after rank 0's .et appeared)."""
     seen: list[float] = []
 
     sys.path.insert(0, str(REPO))
@@ -639,7 +639,7 @@ def rank_0_done(folder: Path) -> Callable[[], bool]:
             return True
         if (folder / "run.0.et").exists():
             seen.append(time.monotonic())
-            return seen[-1] - seen[0] > 0.5
+            return seen[-1] - seen[0] > 0.05
         return False
     return ready
 
