@@ -40,9 +40,14 @@ def main(argv=None) -> int:
         print(problem, file=sys.stderr)
     counts = {"unchanged": 0, "repaired": 0, "needs_repair": 0, "failed": 0}
     started = time.perf_counter()
-    for path in files:
-        result = repair_host_trace(path, keep_original=not args.no_backup, check_only=args.check,
-                                   min_nodes=args.min_nodes)
+    for done, path in enumerate(files):
+        try:
+            result = repair_host_trace(path, keep_original=not args.no_backup, check_only=args.check,
+                                       min_nodes=args.min_nodes)
+        except KeyboardInterrupt:
+            print(f"interrupted: stopped by Ctrl-C at {path}, which is left as it was (a repair is written to a "
+                  f"temporary file first); {done} of {len(files)} host traces done", file=sys.stderr)
+            return 130
         counts[result.status] += 1
         print(result.line(), file=sys.stdout if result.ok else sys.stderr, flush=True)
     if len(files) > 1:

@@ -8,14 +8,17 @@ import sys
 from pathlib import Path
 
 from .discover import find_runs
-from .pipeline import ET_NAME, convert_runs, output_dir_for
+from .load import TraceError
+from .pipeline import (ET_NAME, convert_runs, et_fingerprint, file_fingerprint, output_dir_for,
+                       output_dir_problem)
 from .summary import read_previous_results, render_table
 
 DEFAULT_PATH = "outputs"
 
 
 def build_parser(remaining: bool) -> argparse.ArgumentParser:
-    what = ("Convert only the ranks whose .et is missing or failed in the last CONVERSION_SUMMARY.md."
+    what = ("Convert only the ranks that have no good .et: missing, failed or interrupted in the last "
+            "CONVERSION_SUMMARY.md, an .et that no longer validates, or traces changed since it was made."
             if remaining else "Link and convert PyTorch host + device traces into Chakra .et files, one per rank.")
     parser = argparse.ArgumentParser(
         prog="convert_remaining.py" if remaining else "convert_to_et.py",
@@ -44,6 +47,22 @@ def build_parser(remaining: bool) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None, remaining: bool = False) -> int:
     args = build_parser(remaining).parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
+    try:
+        return _main(args, remaining)
+    except KeyboardInterrupt:
+        what = "convert_remaining.py" if remaining else "convert_to_et.py"
+        print(f"interrupted: {what} stopped by Ctrl-C; ranks already converted are kept (see CONVERSION_SUMMARY.md), "
+              "convert_remaining.py converts the rest", file=sys.stderr)
+        return 130
+    except TraceError as e:  # an output that cannot be written (the summary)
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except BrokenPipeError:  # whoever read the output stopped reading (`| head`): nothing more to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+
+
+def _main(args: argparse.Namespace, remaining: bool) -> int:
     if args.jobs is not None and args.jobs < 1:
         print("error: --jobs must be at least 1", file=sys.stderr)
         return 2
@@ -56,21 +75,30 @@ def main(argv: list[str] | None = None, remaining: bool = False) -> int:
             print(f"error: no traces found in {', '.join(args.paths)} (expected host.<rank>.json + "
                   "device.<rank>.json, or <name>_host.json + <name>_device.json, gzipped or not)", file=sys.stderr)
         return 2
+    several = len(runs) > 1
+    if args.output_dir is not None:
+        problem = output_dir_problem(args.output_dir)
+        if problem:
+            print(f"error: --output-dir {args.output_dir}: {problem}", file=sys.stderr)
+            return 2
+    for run in runs:
+        out_dir, _ = output_dir_for(run, args.output_dir, several)
+        problem = output_dir_problem(out_dir)
+        if problem:
+            print(f"error: {out_dir}: {problem} (choose another --output-dir)", file=sys.stderr)
+            return 2
     only = previous = None
     if remaining:
-        several = len(runs) > 1
         previous = {}
         for run in runs:
             out_dir, _ = output_dir_for(run, args.output_dir, several)
             previous[str(out_dir)] = read_previous_results(out_dir) or {}
-        only = _still_to_convert(previous, args.output_dir, several)
+        only, kept = _still_to_convert(runs, previous, args.output_dir, several)
         todo = sum(1 for run in runs for rank in run.ranks if only(run, rank))
         if todo == 0:
-            print(f"nothing to do: every rank of {len(runs)} run(s) already has a converted .et")
+            print(f"nothing to do: every rank of {len(runs)} run(s) has a valid .et made from the traces there now")
             return 0
-        print(f"converting {todo} remaining rank(s)")
-        # Kept ranks still take part in the cross-rank check: re-read their collectives from their .et files.
-        _reload_collectives(previous)
+        print(f"converting {todo} remaining rank(s)" + (f" ({kept})" if kept else ""))
     results = convert_runs(runs, output_dir=args.output_dir, jobs=args.jobs, emit_merged=args.emit_merged,
                            progress=not args.no_progress and sys.stderr.isatty(), only=only, previous=previous)
     print(render_table(results))
@@ -102,19 +130,55 @@ def write_reports(results) -> bool:
     return written_all
 
 
-def _still_to_convert(previous: dict, output_dir: str | None, several: bool):
-    """Predicate (run, rank) -> True when the rank has no .et or failed in the last summary."""
-    def needed(run, rank) -> bool:
-        out_dir, _ = output_dir_for(run, output_dir, several)
-        old = previous[str(out_dir)].get(rank)
-        et = out_dir / ET_NAME.format(name=run.name, rank=rank)
-        return not (old is not None and old.ok and et.is_file())
-    return needed
+def _still_to_convert(runs, previous: dict, output_dir: str | None, several: bool):
+    """(predicate (run, rank) -> True when the rank must be converted again, words on why some are redone).
 
-
-def _reload_collectives(previous: dict) -> None:
+    A rank is kept only when the last summary says ok, its .et is the file that summary recorded and still
+    validates as that rank, and its host and device traces are the files it was made from. Kept ranks get their
+    collectives back from their .et, for the cross-rank check."""
     from .validate import validate_et
-    for results in previous.values():
-        for result in results.values():
-            if result.ok and result.et_path and os.path.isfile(result.et_path):
-                result.collectives = [list(c) for c in validate_et(result.et_path).collectives]
+
+    redo: set[tuple[str, int]] = set()
+    reasons: dict[str, int] = {}
+    for run in runs:
+        out_dir, _ = output_dir_for(run, output_dir, several)
+        for rank in run.ranks:
+            old = previous[str(out_dir)].get(rank)
+            reason = _why_redo(run, rank, old, out_dir / ET_NAME.format(name=run.name, rank=rank), validate_et)
+            if reason:
+                redo.add((str(out_dir), rank))
+                reasons[reason] = reasons.get(reason, 0) + 1
+                previous[str(out_dir)].pop(rank, None)
+
+    def needed(run, rank) -> bool:
+        return (str(output_dir_for(run, output_dir, several)[0]), rank) in redo
+
+    changed = {k: v for k, v in reasons.items() if k not in ("new", "not ok")}
+    return needed, ", ".join(f"{count} {reason}" for reason, count in sorted(changed.items()))
+
+
+def _why_redo(run, rank: int, old, et: Path, validate_et) -> str | None:
+    """Why a rank's earlier result cannot be kept (None: keep it)."""
+    if old is None:
+        return "new"
+    if not old.ok:
+        return "not ok"
+    if not et.is_file():
+        return ".et gone"
+    inputs = old.inputs or {}
+    if not inputs:
+        return "converted before summaries recorded their traces"
+    try:
+        now = {"host": file_fingerprint(run.hosts[rank]), "device": file_fingerprint(run.devices[rank]),
+               "et": et_fingerprint(et)}
+    except (KeyError, OSError):
+        return "traces gone"
+    if any(inputs.get(kind) != now[kind] for kind in ("host", "device")):
+        return "traces changed"
+    if inputs.get("et") != now["et"]:
+        return ".et changed"
+    report = validate_et(et)
+    if not report.ok or (report.rank is not None and report.rank != rank):
+        return ".et invalid"
+    old.collectives = [list(c) for c in report.collectives]
+    return None

@@ -63,6 +63,8 @@ def global_metadata(linked: LinkedTrace) -> GlobalMetadata:
         attrs.append(AttributeProto(name="process_groups", string_val=orjson.dumps(groups).decode()))
     if dev.base_time_ns is not None:
         attrs.append(AttributeProto(name="kineto_base_time_ns", int64_val=dev.base_time_ns))
+    if linked.stats.get("host_repair"):  # fix_host_traces.py changed the host trace (nodes dropped, inputs lost)
+        attrs.append(AttributeProto(name="host_trace_repaired", string_val=linked.stats["host_repair"]))
     return GlobalMetadata(version=ET_VERSION, attr=attrs)
 
 

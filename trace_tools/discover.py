@@ -22,6 +22,7 @@ class Run:
     hosts: dict[int, Path] = field(default_factory=dict)
     devices: dict[int, Path] = field(default_factory=dict)
     world_size: int | None = None
+    run_id: str | None = None  # the tracer's run id in run.json (each device trace carries it too)
 
     @property
     def ranks(self) -> list[int]:
@@ -85,10 +86,13 @@ def _scan_folder(folder: Path) -> list[Run]:
         info = folder / RUN_INFO
         if info.is_file():
             try:
-                world_size = json.loads(info.read_text()).get("world_size")
-                tracer.world_size = world_size if isinstance(world_size, int) and world_size > 0 else None
+                facts = json.loads(info.read_text())
             except (OSError, ValueError):
-                pass
+                facts = None
+            if isinstance(facts, dict):
+                world_size = facts.get("world_size")
+                tracer.world_size = world_size if isinstance(world_size, int) and world_size > 0 else None
+                tracer.run_id = str(facts["run_id"]) if facts.get("run_id") else None
         runs.append(tracer)
     runs.extend(flat[name] for name in sorted(flat))
     return runs

@@ -2,9 +2,13 @@
 from __future__ import annotations
 
 import gc
+import glob
 import logging
 import os
+import re
 import resource
+import shutil
+import signal
 import stat
 import sys
 import time
@@ -15,9 +19,12 @@ from typing import Any, Callable
 
 from .convert import write_et, write_merged_json
 from .discover import Run
-from .link import COMM_TYPE_NAMES, NODE_TYPE_NAMES, link_host_and_device, remove_recording_overhead
+from .identity import device_header_identity, one_run_problems, rank_identity
+from .link import (COMM_TYPE_NAMES, NODE_TYPE_NAMES, STEP_PREFIX, link_host_and_device,
+                   remove_recording_overhead)
+from .load import PROCESS_GROUP_INIT, TraceError, is_structural, load_device_trace, load_host_trace, read_trace_bytes
+from .repair import NO_OPERATORS_PROBLEM
 from .step_timing import STEP_SPREAD_BOUND, read_step_times
-from .load import TraceError, load_device_trace, load_host_trace
 from .validate import collectives_agree, validate_et
 
 logger = logging.getLogger(__name__)
@@ -33,7 +40,7 @@ class RankResult:
 
     run: str
     rank: int
-    status: str = "failed"  # "ok" or "failed"
+    status: str = "failed"  # "ok", "failed", "refused" (the set is not one run) or "interrupted"
     error: str = ""
     et_path: str = ""
     merged_path: str = ""
@@ -63,6 +70,12 @@ class RankResult:
     timings: dict[str, float] = field(default_factory=dict)
     peak_rss_mb: float = 0.0
     warnings: list[str] = field(default_factory=list)
+    # name, size and mtime of the host and device trace the .et was made from, and of the .et itself
+    inputs: dict[str, dict] = field(default_factory=dict)
+    # what the traces say about the run they come from (trace_tools.identity.rank_identity)
+    identity: dict[str, Any] = field(default_factory=dict)
+    # what fix_host_traces.py did to the host trace ("" when it was not repaired)
+    host_repair: str = ""
 
     @property
     def ok(self) -> bool:
@@ -73,11 +86,59 @@ class RankResult:
         return self.host_ops_matched / self.host_ops if self.host_ops else 0.0
 
 
-def load_host_checked(path: str | Path):
-    """load_host_trace(), with trace_tools.repair's diagnosis as the message when the file is broken."""
+class OutputError(TraceError):
+    """An output could not be written (disk full, read-only): the message names the output, not the input."""
+
+
+UTF8_BOM = b"\xef\xbb\xbf"
+# NaN and Infinity where a JSON value goes: Python's json.dump writes them, no JSON parser has to accept them.
+# (PyTorch itself writes non-finite values as the strings "nan" and "inf".)
+_NON_FINITE = re.compile(rb"([:\[,]\s*)(-?Infinity|NaN)(?=\s*[,\]}])")
+# fix_host_traces.py appends a top-level "repair" member saying what it changed.
+_REPAIR_MARK = re.compile(rb'"repair"\s*:\s*')
+REPAIR_MARK_TAIL = 1 << 14
+
+
+def read_trace_checked(path: str | Path, warnings: list[str]) -> bytes:
+    """The trace's bytes, with what a JSON parser refuses but loses nothing taken out (a byte-order mark, NaN and
+    Infinity, read as null), each said in `warnings`."""
+    data = read_trace_bytes(path)
+    if data.startswith(UTF8_BOM):
+        data = data[len(UTF8_BOM):]
+        warnings.append(f"{path}: starts with a UTF-8 byte-order mark (an editor or a Windows tool saved it; PyTorch "
+                        "writes none): read without it")
+    return data
+
+
+def _without_non_finite(path: str | Path, data: bytes, warnings: list[str]) -> bytes | None:
+    """data with bare NaN/Infinity values as null (None when there are none)."""
+    count = 0
+
+    def to_null(match: re.Match) -> bytes:
+        nonlocal count
+        count += 1
+        return match.group(1) + b"null"
+
+    fixed = _NON_FINITE.sub(to_null, data)
+    if not count:
+        return None
+    warnings.append(f"{path}: {count} NaN/Infinity value(s), which are not JSON (PyTorch writes \"nan\"/\"inf\" "
+                    "strings; another tool rewrote this file): read as null")
+    return fixed
+
+
+def load_host_checked(path: str | Path, warnings: list[str] | None = None, data: bytes | None = None):
+    """load_host_trace(), with trace_tools.repair's diagnosis as the message when the file is broken, and a
+    one-line error for a trace that holds no operator."""
+    warnings = [] if warnings is None else warnings
+    if data is None:
+        data = read_trace_checked(path, warnings)
     try:
-        return load_host_trace(path)
+        host = load_host_trace(path, data=data)
     except TraceError as error:
+        fixed = _without_non_finite(path, data, warnings)
+        if fixed is not None:
+            return load_host_checked(path, warnings, fixed)
         try:
             from .repair import diagnose_host_trace
             diagnosis = diagnose_host_trace(path)
@@ -87,6 +148,63 @@ def load_host_checked(path: str | Path):
             raise
         hint = "; run fix_host_traces.py" if diagnosis.repairable else ""
         raise TraceError(path, f"{diagnosis.problem}{hint}") from None
+    operators = sum(1 for name in host.names if not is_structural(name) and name != PROCESS_GROUP_INIT)
+    if not operators:
+        raise TraceError(path, NO_OPERATORS_PROBLEM.format(nodes=len(host)))
+    return host
+
+
+def load_device_checked(path: str | Path, warnings: list[str], data: bytes):
+    try:
+        return load_device_trace(path, data=data)
+    except TraceError:
+        fixed = _without_non_finite(path, data, warnings)
+        if fixed is None:
+            raise
+        return load_device_trace(path, data=fixed)
+
+
+def host_repair_note(data: bytes) -> str:
+    """What fix_host_traces.py changed in this host trace, from its "repair" member ("" when never repaired)."""
+    import orjson
+
+    tail_start = max(0, len(data) - REPAIR_MARK_TAIL)
+    match = None
+    for match in _REPAIR_MARK.finditer(data, tail_start):
+        pass
+    if match is None:
+        return ""
+    end = data.find(b"}", match.end())
+    try:
+        marker = orjson.loads(data[match.end():end + 1])
+    except orjson.JSONDecodeError:
+        return "repaired by fix_host_traces.py"
+    if not isinstance(marker, dict):
+        return "repaired by fix_host_traces.py"
+    if marker.get("action"):
+        return f"repaired by fix_host_traces.py: {marker['action']}"
+    if marker.get("truncated"):
+        dropped = f", {marker['dropped_bytes']} bytes dropped" if marker.get("dropped_bytes") else ""
+        return f"repaired by fix_host_traces.py: truncated, {marker.get('kept_nodes', '?')} nodes kept{dropped}"
+    return "repaired by fix_host_traces.py"
+
+
+def file_fingerprint(path: str | Path) -> dict[str, Any]:
+    """Name, size and modification time: what says a trace is still the one a result was made from."""
+    st = os.stat(path)
+    return {"name": Path(path).name, "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
+def et_fingerprint(path: str | Path, name: str | None = None) -> dict[str, Any]:
+    """Name, size and SHA-256 of a written .et: it is still the file a summary describes (whatever its mtime)."""
+    import hashlib
+
+    data = Path(path).read_bytes()
+    return {"name": name or Path(path).name, "size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def _step_names(names) -> list[str]:
+    return sorted({n for n in names if n.startswith(STEP_PREFIX)}, key=lambda n: (len(n), n))
 
 
 def convert_rank(host_path: str | Path, device_path: str | Path, out_path: str | Path, rank: int = 0,
@@ -109,27 +227,50 @@ def convert_rank(host_path: str | Path, device_path: str | Path, out_path: str |
 
 def _convert_rank(host_path, device_path, out_path, rank, merged_path, validate, run_name) -> RankResult:
     result = RankResult(run=run_name, rank=rank)
+    result.inputs = {"host": file_fingerprint(host_path), "device": file_fingerprint(device_path)}
     timings = result.timings
     started = time.perf_counter()
-    device = load_device_trace(device_path)
+    device_data = read_trace_checked(device_path, result.warnings)
+    device = load_device_checked(device_path, result.warnings, device_data)
+    header = device_header_identity(device_data)
+    del device_data
     timings["load_device_s"] = time.perf_counter() - started
     mark = time.perf_counter()
-    host = load_host_checked(host_path)
+    warned = len(result.warnings)
+    host_data = read_trace_checked(host_path, result.warnings)
+    result.host_repair = host_repair_note(host_data)
+    host = load_host_checked(host_path, result.warnings, host_data)
+    del host_data
+    if merged_path is not None and len(result.warnings) > warned:
+        # The merged JSON is copied from the host trace file, which is not strict JSON (read here with a warning).
+        result.warnings.append(f"no merged JSON for this rank: it is copied from {host_path}, which is not strict JSON "
+                               "(see above); the .et is complete")
+        merged_path = None
     timings["load_host_s"] = time.perf_counter() - mark
+    _check_steps(host, device, result)
     mark = time.perf_counter()
     linked = link_host_and_device(host, device, rank)
     _correct_for_profiler(linked, result, Path(host_path).parent, rank)
     timings["link_s"] = time.perf_counter() - mark
+    result.identity = rank_identity(host, device, header, linked.step_start, linked.step_dur)
+    if result.host_repair:
+        linked.stats["host_repair"] = result.host_repair  # the .et metadata says so (convert.global_metadata)
     mark = time.perf_counter()
     out_path = Path(out_path)
     # Written under a hidden name and renamed only once validated: a failed rank never leaves a .et behind.
     staging = out_path.with_name("." + out_path.name + ".unvalidated")
     try:
-        write_et(linked, staging)
+        try:
+            write_et(linked, staging)
+        except OSError as e:
+            raise OutputError(out_path, f"cannot write the .et: {_os_problem(e, out_path.parent)}") from None
         timings["write_s"] = time.perf_counter() - mark
         if merged_path is not None:
             mark = time.perf_counter()
-            write_merged_json(linked, merged_path)
+            try:
+                write_merged_json(linked, merged_path)
+            except OSError as e:
+                raise OutputError(merged_path, f"cannot write: {_os_problem(e, Path(merged_path).parent)}") from None
             timings["merged_s"] = time.perf_counter() - mark
             result.merged_path = str(merged_path)
         stats = linked.stats
@@ -147,12 +288,18 @@ def _convert_rank(host_path, device_path, out_path, rank, merged_path, validate,
         del linked, host, device
         if validate:
             _validate_into(result, staging, timings)
-        os.replace(staging, out_path)
+        result.inputs["et"] = et_fingerprint(staging, out_path.name)
+        try:
+            os.replace(staging, out_path)
+        except OSError as e:
+            raise OutputError(out_path, f"cannot write the .et: {_os_problem(e, out_path.parent)}") from None
     finally:
         staging.unlink(missing_ok=True)
     if result.match_rate < 0.95:
         result.warnings.append(f"only {result.host_ops_matched} of {result.host_ops} host operators have a Kineto "
                                f"event ({result.match_rate:.1%}); the others are left out of the .et")
+    if result.host_repair:
+        result.warnings.append(f"{host_path}: {result.host_repair}; what it dropped is not in the .et")
     result.status = "ok"
     result.conversion_s = time.perf_counter() - started
     result.peak_rss_mb = peak_rss_mb()
@@ -175,6 +322,38 @@ def _correct_for_profiler(linked, result: RankResult, run_dir: Path, rank: int) 
     result.overhead_per_op_us = cost
     result.recording_overhead_us = linked.stats.get("recording_overhead_us", 0.0)
     linked.untraced_step_us = times.untraced_median_us
+
+
+def _check_steps(host, device, result: RankResult) -> None:
+    """Warn when the host trace holds steps the device trace has not (their operators have no timing)."""
+    host_steps = _step_names(host.names)
+    device_steps = set(_step_names(device.cpu_names))
+    extra = [name for name in host_steps if name not in device_steps]
+    if device_steps and extra:
+        result.warnings.append(
+            f"{host.path} holds {len(host_steps)} steps ({', '.join(host_steps)}) but {device.path} only "
+            f"{len(device_steps)} ({', '.join(sorted(device_steps, key=lambda n: (len(n), n)))}): the operators of "
+            f"{', '.join(extra)} have no Kineto event and are left out of the .et (the profiler window and the "
+            "observer did not cover the same steps)")
+
+
+def _os_problem(error: OSError, folder: Path) -> str:
+    """An OSError of a write, in words, with the free space when the disk may be full."""
+    import errno
+
+    text = error.strerror or str(error)
+    if error.errno in (errno.ENOSPC, errno.EDQUOT):
+        try:
+            free = shutil.disk_usage(folder).free
+            text += f" ({free / 2 ** 20:,.0f} MiB free in {folder})"
+        except OSError:
+            pass
+        text += "; free some space (or --output-dir elsewhere), then convert_remaining.py"
+    elif error.errno == errno.EFBIG:
+        text += " (a limit on file sizes, `ulimit -f`, stops it); raise the limit, then convert_remaining.py"
+    elif error.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+        text += f" ({folder} is not writable; use --output-dir)"
+    return text
 
 
 def describe_match(info: dict) -> str:
@@ -225,7 +404,7 @@ def peak_rss_mb() -> float:
 
 
 def _convert_rank_task(args: tuple) -> dict:
-    """Process-pool entry: never raises, returns the RankResult as a dict."""
+    """Process-pool entry: never raises (but for Ctrl-C), returns the RankResult as a dict."""
     run_name, rank, host, device, out_path, merged_path = args
     started = time.perf_counter()
     try:
@@ -238,7 +417,15 @@ def _convert_rank_task(args: tuple) -> dict:
         logger.exception("rank %d of %s", rank, run_name)
         result = RankResult(run=run_name, rank=rank, error=f"{host}: internal error: {type(e).__name__}: {e}")
     result.conversion_s = result.conversion_s or time.perf_counter() - started
+    if not result.inputs:
+        result.inputs = {kind: file_fingerprint(path) for kind, path in (("host", host), ("device", device))
+                         if os.path.isfile(path)}
     return asdict(result)
+
+
+def _worker_setup() -> None:
+    """Ranks converted in worker processes leave Ctrl-C to the parent, which stops them and cleans up."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 @dataclass
@@ -250,6 +437,7 @@ class RunResult:
     ranks: list[RankResult]
     agreement_problems: list[str] = field(default_factory=list)
     note: str = ""
+    interrupted: bool = False
 
     @property
     def ok(self) -> bool:
@@ -265,6 +453,22 @@ def _writable(folder: Path) -> bool:
     return os.access(folder, os.W_OK) and bool(mode & (stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH))
 
 
+def output_dir_problem(folder: str | Path) -> str | None:
+    """Why .et files cannot be written into folder (created when missing), or None."""
+    folder = Path(folder)
+    if folder.exists() and not folder.is_dir():
+        return "is a file, not a folder"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        return "a part of the path is a file, not a folder"
+    except OSError as e:
+        return f"cannot be created: {e.strerror or e}"
+    if not _writable(folder):
+        return "is not writable (read-only folder or file system)"
+    return None
+
+
 def output_dir_for(run: Run, output_dir: str | Path | None, several_runs: bool) -> tuple[Path, str]:
     """Where a run's .et files go, and a note when it is not the run's own folder."""
     if output_dir is not None:
@@ -276,58 +480,138 @@ def output_dir_for(run: Run, output_dir: str | Path | None, several_runs: bool) 
     return fallback, f"{run.folder} is not writable: writing to {fallback}"
 
 
+def _remove_outputs(out_dir: Path, name: str, rank: int, partial_only: bool = False) -> None:
+    """A rank's .et and merged JSON (unless partial_only) and the hidden partial files a killed conversion left."""
+    et_name, merged_name = (glob.escape(pattern.format(name=name, rank=rank)) for pattern in (ET_NAME, MERGED_NAME))
+    patterns = [f".{et_name}.unvalidated*", f"..{et_name}.unvalidated.*.tmp", f".{et_name}.*.tmp",
+                f".{merged_name}.*.tmp"]
+    if not partial_only:
+        patterns += [et_name, merged_name]
+    for pattern in patterns:
+        for path in out_dir.glob(pattern):
+            try:
+                path.unlink()
+            except OSError:
+                pass
+
+
 def convert_runs(runs: list[Run], output_dir: str | Path | None = None, jobs: int | None = None,
                  emit_merged: bool = False, progress: bool = True,
                  only: Callable[[Run, int], bool] | None = None,
                  previous: dict[str, dict[int, RankResult]] | None = None) -> list[RunResult]:
     """Convert every rank of every run (ranks in parallel processes); `only` picks the ranks to redo, the others
-    keep their `previous` results. Writes CONVERSION_SUMMARY.md into each run's output folder."""
-    from .summary import write_run_summary
+    keep their `previous` results. Writes CONVERSION_SUMMARY.md into each run's output folder after every rank
+    (an interrupted conversion keeps what was done), then checks that each run's ranks are one run and agree on
+    their collectives: a run that fails the check keeps no .et.
 
+    Raises KeyboardInterrupt after saving the summaries of what was done, and OutputError when a summary cannot be
+    written."""
     several = len(runs) > 1
     tasks = []
-    placed: list[tuple[Run, Path, str]] = []
-    results: dict[tuple[str, int], RankResult] = {}
+    by_dir: dict[str, RunResult] = {}
     for run in runs:
         out_dir, note = output_dir_for(run, output_dir, several)
-        placed.append((run, out_dir, note))
+        ranks: list[RankResult] = []
         for rank in run.ranks:
-            key = (str(out_dir), rank)
             if only is not None and not only(run, rank):
                 kept = (previous or {}).get(str(out_dir), {}).get(rank)
                 if kept is not None:
-                    results[key] = kept
+                    ranks.append(kept)
                     continue
             missing = run.missing(rank)
             if missing:
-                results[key] = RankResult(run=run.name, rank=rank, error=missing)
+                ranks.append(RankResult(run=run.name, rank=rank, error=missing))
+                _remove_outputs(out_dir, run.name, rank)
                 continue
+            _remove_outputs(out_dir, run.name, rank, partial_only=True)
+            ranks.append(RankResult(run=run.name, rank=rank, status="interrupted", error="not converted yet"))
             et_path = out_dir / ET_NAME.format(name=run.name, rank=rank)
             merged = out_dir / MERGED_NAME.format(name=run.name, rank=rank) if emit_merged else None
             tasks.append((str(out_dir), (run.name, rank, str(run.hosts[rank]), str(run.devices[rank]),
                                          str(et_path), str(merged) if merged else None)))
+        by_dir[str(out_dir)] = RunResult(run=run, output_dir=out_dir, ranks=ranks, note=note)
+
+    def done(key_dir: str, result: RankResult) -> None:
+        run_result = by_dir[key_dir]
+        run_result.ranks = [result if r.rank == result.rank else r for r in run_result.ranks]
+        if not result.ok:  # no earlier .et beside a FAILED line
+            _remove_outputs(run_result.output_dir, run_result.run.name, result.rank)
+        _save_summary(run_result)
+
     jobs = max(1, min(jobs or os.cpu_count() or 1, len(tasks) or 1))
     bar = _progress(len(tasks), progress)
-    if jobs == 1 or len(tasks) <= 1:
-        for key_dir, args in tasks:
-            results[(key_dir, args[1])] = RankResult(**_convert_rank_task(args))
-            bar.update(1)
-    else:
-        with ProcessPoolExecutor(max_workers=jobs) as pool:
-            futures = {pool.submit(_convert_rank_task, args): (key_dir, args[1]) for key_dir, args in tasks}
-            for future in as_completed(futures):
-                results[futures[future]] = RankResult(**future.result())
+    try:
+        if jobs == 1 or len(tasks) <= 1:
+            for key_dir, args in tasks:
+                done(key_dir, RankResult(**_convert_rank_task(args)))
                 bar.update(1)
+        else:
+            _convert_in_pool(tasks, jobs, done, bar)
+    except KeyboardInterrupt:
+        bar.close()
+        for run_result in by_dir.values():
+            run_result.interrupted = True
+            for r in run_result.ranks:
+                if r.status == "interrupted":
+                    r.error = "interrupted before this rank was converted"
+                    _remove_outputs(run_result.output_dir, run_result.run.name, r.rank)
+            _save_summary(run_result)
+        raise
     bar.close()
-    run_results = []
-    for run, out_dir, note in placed:
-        ranks = [results[(str(out_dir), rank)] for rank in run.ranks if (str(out_dir), rank) in results]
-        ok_ranks = {r.rank: [tuple(c) for c in r.collectives] for r in ranks if r.ok}
-        problems = collectives_agree(ok_ranks) if len(ok_ranks) == len(ranks) else []
-        run_result = RunResult(run=run, output_dir=out_dir, ranks=ranks, agreement_problems=problems, note=note)
+    for run_result in by_dir.values():
+        _check_one_run(run_result)
+        _save_summary(run_result)
+    return list(by_dir.values())
+
+
+def _convert_in_pool(tasks: list, jobs: int, done: Callable[[str, RankResult], None], bar) -> None:
+    pool = ProcessPoolExecutor(max_workers=jobs, initializer=_worker_setup)
+    try:
+        futures = {pool.submit(_convert_rank_task, args): key_dir for key_dir, args in tasks}
+        for future in as_completed(futures):
+            done(futures[future], RankResult(**future.result()))
+            bar.update(1)
+    except BaseException:
+        # Ctrl-C (or a summary that cannot be written): stop the workers now; a rank half converted is redone by
+        # convert_remaining.py, and the caller removes what the workers leave.
+        processes = list((getattr(pool, "_processes", None) or {}).values())
+        pool.shutdown(wait=False, cancel_futures=True)
+        for process in processes:
+            process.terminate()
+        for process in processes:
+            process.join(timeout=10)
+        raise
+    pool.shutdown(wait=True)
+
+
+def _save_summary(run_result: RunResult) -> None:
+    from .summary import write_run_summary
+
+    try:
         write_run_summary(run_result)
-        run_results.append(run_result)
-    return run_results
+    except OSError as e:
+        path = run_result.output_dir / "CONVERSION_SUMMARY.md"
+        raise OutputError(path, f"cannot write the summary: {_os_problem(e, run_result.output_dir)}") from None
+
+
+def _check_one_run(run_result: RunResult) -> None:
+    """Refuse a set whose ranks are not one run or whose collectives disagree: no .et of it is kept."""
+    ranks = run_result.ranks
+    ok = [r for r in ranks if r.ok]
+    if not ok:
+        return
+    problems = one_run_problems({r.rank: r.identity for r in ok if r.identity}, run_result.run.run_id)
+    if not problems and len(ok) == len(ranks) and len(ok) > 1:
+        members = {name: group[1] for r in ok for name, group in (r.identity.get("process_groups") or {}).items()
+                   if group[1]}
+        problems = collectives_agree({r.rank: [tuple(c) for c in r.collectives] for r in ok}, members)
+    if not problems:
+        return
+    run_result.agreement_problems = problems
+    for r in ok:
+        _remove_outputs(run_result.output_dir, run_result.run.name, r.rank)
+        r.status = "refused"
+        r.error = "not one run with the other ranks (see the checks); its .et was removed"
 
 
 def convert_run(run: Run, output_dir: str | Path | None = None, jobs: int | None = None,

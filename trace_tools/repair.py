@@ -42,6 +42,22 @@ DEVICE_TRACE = "device_trace"
 NOT_HOST_TRACE = "not_host_trace"
 UNKNOWN_SCHEMA = "unknown_schema"
 UNREADABLE = "unreadable"
+BOM = "byte_order_mark"
+NO_OPERATORS = "no_operators"
+
+UTF8_BOM = b"\xef\xbb\xbf"
+BOM_PROBLEM = "starts with a UTF-8 byte-order mark (an editor or a Windows tool saved it; PyTorch writes none)"
+# Where buffered writers flush: two processes writing one path each from offset 0 leave each other's text in blocks
+# that start at multiples of this.
+WRITE_BLOCK = 4096
+# The observer's own structure and the process-group record: a trace of only these holds no operator.
+STRUCTURAL_PREFIXES = ("[pytorch|profiler|execution_trace|", "[pytorch|profiler|execution_graph|")
+PROCESS_GROUP_NODE = "## process_group:init ##"
+NO_OPERATORS_PROBLEM = ("holds {nodes} node(s) and no operator: the ExecutionTraceObserver was re-registered during "
+                        "the run and truncated its own file; the data was lost at capture: trace again, registering "
+                        "the observer once per process")
+# NaN and Infinity where a JSON value goes (Python's json.dump writes them; PyTorch writes "nan"/"inf" strings).
+_NON_FINITE_RE = re.compile(r"[:\[,]\s*(?:-?Infinity|NaN)(?=\s*[,\]}])")
 
 _WS_RE = re.compile(r"[ \t\n\r]*")
 _HEADER_RE = re.compile(r'\{\s*"schema"\s*:')
@@ -89,6 +105,7 @@ class Diagnosis:
     nodes: int = 0  # nodes in the trace as it is (valid) or as it will be after the repair
     action: Optional[str] = None  # what the repair does, when repairable
     document: Optional[dict] = field(default=None, repr=False)  # the parsed trace, when asked for and valid
+    note: str = ""  # what a reader should know about a valid trace (NaN values)
 
     @property
     def ok(self) -> bool:
@@ -432,13 +449,16 @@ def _analyse(path: Path, *, min_nodes: int, keep_document: bool = False, need_pl
         return _Analysis(Diagnosis(path, exc.kind, exc.problem))
     except OSError as exc:
         return _Analysis(Diagnosis(path, UNREADABLE, f"cannot read: {exc.strerror or exc}"))
+    bom = raw.data.startswith(UTF8_BOM)
+    if bom:
+        raw.data = raw.data[len(UTF8_BOM):]
     if not raw.data.strip(b" \t\r\n"):
         what = "empty file" if not raw.gzipped else "empty file (the gzip stream holds no data)"
         if raw.data:
             what += " (only whitespace)"
         return _Analysis(Diagnosis(path, EMPTY, what))
     # A document that does not end in '}' cannot be valid: skip the full parse of a truncated file.
-    if not raw.gzip_truncated and raw.data.rstrip(b" \t\r\n")[-1:] == b"}":
+    if not bom and not raw.gzip_truncated and raw.data.rstrip(b" \t\r\n")[-1:] == b"}":
         try:
             obj = parse_json_fast(raw.data)
         except orjson.JSONDecodeError:
@@ -455,11 +475,33 @@ def _analyse(path: Path, *, min_nodes: int, keep_document: bool = False, need_pl
     analysis = _analyse_scan(path, scan, raw, min_nodes)
     analysis.raw = raw
     analysis.text = text
-    if analysis.diagnosis.ok and keep_document:
-        # Valid JSON that orjson refuses (NaN, Infinity): the standard parser reads it.
-        with gc_paused():
-            analysis.diagnosis.document = json.loads(text)
+    if bom:
+        _with_bom(analysis, scan)
+    if analysis.diagnosis.ok:
+        non_finite = len(_NON_FINITE_RE.findall(text))
+        if non_finite:
+            analysis.diagnosis.note = (f"; {_plural(non_finite, 'NaN/Infinity value')}, which are not JSON (the "
+                                       "converter reads them as null)")
+        if keep_document:
+            # Valid JSON that orjson refuses (NaN, Infinity): the standard parser reads it.
+            with gc_paused():
+                analysis.diagnosis.document = json.loads(text)
     return analysis
+
+
+def _with_bom(analysis: _Analysis, scan: _Scan) -> None:
+    """A trace behind a byte-order mark: repairable by dropping it, on top of whatever else the rest needs."""
+    diagnosis = analysis.diagnosis
+    if diagnosis.ok:
+        complete = [doc for doc in scan.docs if doc.complete]
+        analysis.diagnosis = Diagnosis(diagnosis.path, BOM, BOM_PROBLEM, repairable=True, schema=diagnosis.schema,
+                                       nodes=diagnosis.nodes, action="removed the byte-order mark")
+        analysis.plan = _Plan(complete[0], frozenset())
+    elif diagnosis.repairable:
+        diagnosis.problem = f"{BOM_PROBLEM}; {diagnosis.problem}"
+        diagnosis.action = f"removed the byte-order mark; {diagnosis.action}"
+    else:
+        diagnosis.problem = f"{BOM_PROBLEM}; and {diagnosis.problem}"
 
 
 def _analyse_parsed(path: Path, obj: object, keep_document: bool) -> _Analysis:
@@ -478,7 +520,15 @@ def _analyse_parsed(path: Path, obj: object, keep_document: bool) -> _Analysis:
     if dups:
         return _Analysis(Diagnosis(path, DUPLICATE_IDS, _dup_problem(ids, dups), repairable=True, schema=obj["schema"],
                                    nodes=len(ids) - len(dups), action="kept the first node of each id"))
+    if not any(_is_operator(node) for node in nodes):
+        return _Analysis(Diagnosis(path, NO_OPERATORS, NO_OPERATORS_PROBLEM.format(nodes=len(nodes)),
+                                   schema=obj["schema"], nodes=len(nodes)))
     return _Analysis(Diagnosis(path, VALID, schema=obj["schema"], nodes=len(nodes), document=obj if keep_document else None))
+
+
+def _is_operator(node: object) -> bool:
+    name = node.get("name") if isinstance(node, dict) else None
+    return isinstance(name, str) and not name.startswith(STRUCTURAL_PREFIXES) and name != PROCESS_GROUP_NODE
 
 
 def _schema_of(fields: dict) -> Optional[str]:
@@ -535,6 +585,13 @@ def _analyse_scan(path: Path, scan: _Scan, raw: _Raw, min_nodes: int) -> _Analys
             if headers == 0 and "traceEvents" in text[:4096]:
                 return refuse(DEVICE_TRACE, "this is a device (Kineto) trace, not a host trace, and it is not valid "
                                             f"JSON ({msg} at {_line_col(text, where)})")
+            boundary = where - where % WRITE_BLOCK
+            if boundary and where - boundary < 512:
+                return refuse(TWO_WRITERS, f"invalid JSON at byte {where}, {where - boundary} bytes after byte "
+                                           f"{boundary} (a multiple of {WRITE_BLOCK}, where buffered writes start): two "
+                                           "processes wrote this file at the same time, each over the other's text "
+                                           "(every rank needs its own path, host.<rank>.json); not repairable: trace "
+                                           "again")
             return refuse(INVALID_JSON, f"invalid JSON at {_line_col(text, where)} (byte {where}): {msg}")
         if headers == 0 and scan.bad_char_pos is not None and text[_skip_ws(text, 0)] not in "{[":
             return refuse(NOT_JSON, f"not JSON (starts with {raw.data.lstrip()[:16]!r})")
@@ -725,7 +782,11 @@ def _render(text: str, plan: _Plan) -> str:
             start_ts = doc.fields.get("start_ts", 0)
             parts.append(',\n  "finish_ts": ' + json.dumps(start_ts if isinstance(start_ts, int) else 0))
         parts.append(',\n  "repair": ' + json.dumps(plan.marker) + "\n}")
-    return "".join(parts) + "\n"
+        return "".join(parts) + "\n"
+    out = "".join(parts)
+    if plan.marker:  # nodes dropped from a complete document: the trace says so (and so does the .et made of it)
+        out = out[:-1].rstrip() + ',\n  "repair": ' + json.dumps(plan.marker) + "\n}"
+    return out + "\n"
 
 
 def _check_rendered(out: str, plan: _Plan) -> Optional[str]:
@@ -811,7 +872,8 @@ def repair_host_trace(path, *, keep_original: bool = True, check_only: bool = Fa
     analysis = _analyse(path, min_nodes=min_nodes, need_plan=not check_only)
     diagnosis = analysis.diagnosis
     if diagnosis.ok:
-        return RepairResult(path, "unchanged", diagnosis, f"already valid, nothing to do ({diagnosis.nodes} nodes)",
+        return RepairResult(path, "unchanged", diagnosis,
+                            f"already valid, nothing to do ({diagnosis.nodes} nodes){diagnosis.note}",
                             nodes_kept=diagnosis.nodes)
     if not diagnosis.repairable:
         return RepairResult(path, "failed", diagnosis, diagnosis.problem)
@@ -822,6 +884,9 @@ def repair_host_trace(path, *, keep_original: bool = True, check_only: bool = Fa
         return RepairResult(path, "failed", diagnosis, f"{diagnosis.problem}; cannot repair: {read_only} "
                                                        "(copy the run to a writable folder, or chmod u+w)")
     plan = analysis.plan
+    if plan.marker is not None or plan.drop:  # a repair that loses data marks the trace (the .et says so too)
+        plan.marker = dict(plan.marker or {"tool": "fix_host_traces.py", "dropped_nodes": len(plan.drop)},
+                           problem=diagnosis.problem, action=diagnosis.action)
     out = _render(analysis.text, plan)
     bad = _BAD_CHARS_RE.search(out)
     if bad:

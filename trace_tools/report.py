@@ -513,6 +513,7 @@ def rank_summary(trace: RankTrace) -> dict[str, Any]:
         "step_start_us": trace.step_start,
         "step_us": trace.step_dur,
         "step_from_metadata": trace.step_from_metadata,
+        "host_trace_repaired": str(trace.meta.get("host_trace_repaired", "")),
         "nodes": len(trace.nodes),
         "gpu_nodes": sum(1 for n in trace.nodes if n.on_gpu),
         "lanes": sorted({"/".join(str(x) for x in n.lane) for n in trace.nodes}),
@@ -919,6 +920,10 @@ def render_markdown(report: dict, figures: dict[str, Any]) -> str:
     if report["missing_ranks"]:
         lines += ["", f"**Missing ranks:** no `.et` for rank(s) {', '.join(map(str, report['missing_ranks']))} "
                       f"(see CONVERSION_SUMMARY.md for why they failed)."]
+    repaired = {r: s["host_trace_repaired"] for r, s in sorted(ranks.items()) if s.get("host_trace_repaired")}
+    if repaired:
+        lines += ["", "**Repaired host traces:** what fix_host_traces.py dropped is not in the `.et`, so these ranks "
+                      "hold less than was traced:"] + [f"- rank {r}: {text}" for r, text in repaired.items()]
     if any(not s["step_from_metadata"] for s in ranks.values()):
         lines += ["", "Some `.et` files carry no traced step in their metadata: the span of their nodes stands for "
                       "the step there."]

@@ -65,14 +65,30 @@ def durations_text(rank: RankResult) -> str:
     return text
 
 
+STATUS_MARKS = {"ok": "✅ ok", "failed": "❌ failed", "refused": "⛔ refused", "interrupted": "⏸ interrupted"}
+
+
+def status_text(rank: RankResult, table: bool = False) -> str:
+    """The status cell: ok / FAILED / REFUSED / INTERRUPTED in the printed table, with a mark in the summary;
+    a rank made from a repaired host trace says so."""
+    if table:
+        text = "ok" if rank.ok else rank.status.upper()
+    else:
+        text = STATUS_MARKS.get(rank.status, rank.status)
+    if rank.ok and rank.host_repair:
+        text += " (repaired host trace)" if table else ", host trace repaired"
+    return text
+
+
 def render_run_summary(result: RunResult) -> str:
     run = result.run
     ok = sum(1 for r in result.ranks if r.ok)
+    state = " (interrupted: run convert_remaining.py to convert the rest)" if result.interrupted else ""
     lines = [
         f"# Conversion summary: {run.name}",
         "",
         f"Converted {datetime.datetime.now().strftime('%Y-%m-%d %H:%M:%S')} by trace_tools from `{run.folder}`: "
-        f"{ok} of {len(result.ranks)} ranks converted.",
+        f"{ok} of {len(result.ranks)} ranks converted{state}.",
         "",
         f"ASTRA-sim: `--workload-configuration={result.output_dir / run.name}` (reads `{run.name}.<rank>.et`).",
         "",
@@ -82,10 +98,11 @@ def render_run_summary(result: RunResult) -> str:
     for r in result.ranks:
         if r.ok:
             matched = f"{r.host_ops_matched}/{r.host_ops} ({r.match_rate:.1%}, {r.match_mode})"
-            lines.append(f"| {r.rank} | ✅ ok | {node_counts(r)} | {comm_text(r)} | {_us(r.traced_step_us)} | "
-                         f"{_us(r.critical_path_us)} | {ratio_text(r)} | {matched} | {r.conversion_s:.2f} |")
+            lines.append(f"| {r.rank} | {status_text(r)} | {node_counts(r)} | {comm_text(r)} | "
+                         f"{_us(r.traced_step_us)} | {_us(r.critical_path_us)} | {ratio_text(r)} | {matched} | "
+                         f"{r.conversion_s:.2f} |")
         else:
-            lines.append(f"| {r.rank} | ❌ failed | - | - | - | - | - | - | {r.conversion_s:.2f} |")
+            lines.append(f"| {r.rank} | {status_text(r)} | - | - | - | - | - | - | {r.conversion_s:.2f} |")
     done = [r for r in result.ranks if r.ok and r.match_detail]
     if done:
         lines += ["", "## Details", ""]
@@ -97,20 +114,22 @@ def render_run_summary(result: RunResult) -> str:
                          f"taken out of op durations (it is on the path through what they waited for); "
                          f"durations: {durations_text(r)}; "
                          f"seconds: {timings}; peak memory {r.peak_rss_mb:.0f} MiB")
-    failures = [r for r in result.ranks if not r.ok]
+    failures = [r for r in result.ranks if r.status in ("failed", "interrupted")]
     if failures:
         lines += ["", "## Failures", ""]
         lines += [f"- rank {r.rank}: {r.error}" for r in failures]
     lines += ["", "## Checks", ""]
     if result.agreement_problems:
-        lines.append("- ❌ the ranks' collectives disagree (a simulator would deadlock):")
+        lines.append("- ❌ the ranks are not one run, or their collectives disagree (a simulator would deadlock or "
+                     "simulate a job that never ran); no .et of this run is kept:")
         lines += [f"  - {p}" for p in result.agreement_problems]
     elif failures:
-        lines.append("- collectives across ranks: not compared (some ranks failed)")
+        lines.append("- collectives across ranks: not compared (some ranks are not converted)")
     elif len(result.ranks) > 1:
         count = result.ranks[0].comm_ops
-        lines.append(f"- ✅ collectives agree across the {len(result.ranks)} ranks ({count} per rank, same types "
-                     "and sizes in the same order per process group)")
+        lines.append(f"- ✅ the ranks come from one run (run id, world size, process groups, start times) and their "
+                     f"collectives agree across the {len(result.ranks)} ranks ({count} per rank, same types and sizes "
+                     "in the same order per process group)")
     lines.append("- every .et was decoded after writing: all dependencies resolve, no cycle, every node is issued by "
                  "a dependency-respecting walk, only node types ASTRA-sim accepts")
     lines.append("- ratio = critical path (collectives at their traced durations) / the step the .et stands for: "
@@ -130,10 +149,14 @@ def write_run_summary(result: RunResult) -> Path:
     path = result.output_dir / SUMMARY_NAME
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix="." + SUMMARY_NAME, dir=path.parent)
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        f.write(render_run_summary(result))
-    os.chmod(tmp, new_file_mode())
-    os.replace(tmp, path)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(render_run_summary(result))
+        os.chmod(tmp, new_file_mode())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
     return path
 
 
@@ -154,15 +177,20 @@ def read_previous_results(output_dir: Path) -> dict[int, RankResult] | None:
 
 
 def render_table(results: list[RunResult]) -> str:
-    """The table printed after converting: one line per rank."""
+    """The table printed after converting: one line per rank, then every error and warning in one line each."""
     rows = [("run", "rank", "status", "nodes", "communication", "step µs", "crit. path µs", "ratio", "matched", "s")]
     for result in results:
         for r in result.ranks:
             if r.ok:
                 rows.append((result.run.name, str(r.rank), "ok", str(r.nodes), comm_text(r), _us(reference_step_us(r)),
                              _us(r.critical_path_us), ratio_text(r), f"{r.match_rate:.1%}", f"{r.conversion_s:.2f}"))
+
+
+                rows.append((result.run.name, str(r.rank), status_text(r, table=True), str(r.nodes), comm_text(r),
+                             _us(r.traced_step_us), _us(r.critical_path_us), ratio_text(r), f"{r.match_rate:.1%}",
+                             f"{r.conversion_s:.2f}"))
             else:
-                rows.append((result.run.name, str(r.rank), "FAILED", "-", "-", "-", "-", "-", "-",
+                rows.append((result.run.name, str(r.rank), status_text(r, table=True), "-", "-", "-", "-", "-", "-",
                              f"{r.conversion_s:.2f}"))
     widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]
     out = ["  ".join(cell.ljust(widths[c]) for c, cell in enumerate(row)).rstrip() for row in rows]
@@ -175,8 +203,11 @@ def render_table(results: list[RunResult]) -> str:
                 out.append(f"warning: {result.run.name} rank {r.rank}: {warning}")
     for result in results:
         for r in result.ranks:
-            if not r.ok:
+            if r.status == "failed":
                 out.append(f"error: {r.error}")
         for problem in result.agreement_problems:
-            out.append(f"error: {result.run.name}: {problem}")
+            out.append(f"error: {result.run.folder}: {problem}; no .et kept")
+        for r in result.ranks:
+            for warning in r.warnings:
+                out.append(f"warning: {result.run.name} rank {r.rank}: {warning}")
     return "\n".join(out)

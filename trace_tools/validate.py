@@ -202,26 +202,32 @@ def _check_node(node: Node, report: EtReport, collectives: list) -> None:
         report.p2p += 1
 
 
-def collectives_agree(collectives_by_rank: dict[int, list[tuple[str, str, int]]]) -> list[str]:
+def collectives_agree(collectives_by_rank: dict[int, list[tuple[str, str, int]]],
+                      members: dict[str, list[int]] | None = None) -> list[str]:
     """Problems that would deadlock a simulator: ranks whose collectives differ in count, order, type or size
-    within a process group (all-to-all sizes may differ per rank, with uneven splits)."""
+    within a process group (all-to-all sizes may differ per rank, with uneven splits). Every rank takes part in
+    every group it could be in, a rank with no collective at all included; `members` (group name -> its ranks,
+    when known) leaves out the ranks a group does not hold."""
     problems: list[str] = []
     if len(collectives_by_rank) < 2:
         return problems
-    per_group: dict[str, dict[int, list[tuple[str, int]]]] = defaultdict(dict)
+    grouped: dict[int, dict[str, list[tuple[str, int]]]] = {}
     for rank, collectives in collectives_by_rank.items():
         groups: dict[str, list[tuple[str, int]]] = defaultdict(list)
         for pg, comm_type, size in collectives:
             groups[pg].append((comm_type, size))
-        for pg in set(groups) | set(per_group):
-            per_group[pg][rank] = groups.get(pg, [])
-    for pg, by_rank in sorted(per_group.items()):
+        grouped[rank] = groups
+    names = set().union(*(set(groups) for groups in grouped.values()))
+    for pg in sorted(names):
         label = f"process group {pg!r}" if pg else "the default process group"
-        ranks = sorted(by_rank)
+        held = (members or {}).get(pg)
+        ranks = sorted(r for r in grouped if not held or r in held)
+        if len(ranks) < 2:
+            continue
         reference_rank = ranks[0]
-        reference = by_rank[reference_rank]
+        reference = grouped[reference_rank].get(pg, [])
         for rank in ranks[1:]:
-            sequence = by_rank[rank]
+            sequence = grouped[rank].get(pg, [])
             if len(sequence) != len(reference):
                 problems.append(f"{label}: rank {rank} has {len(sequence)} collectives, rank {reference_rank} "
                                 f"has {len(reference)}")

@@ -11,6 +11,7 @@ import shutil
 import socket
 import sys
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,13 @@ RUN_INFO = "run.json"
 PARTIAL_SUFFIX = ".partial"
 INVALID_SUFFIX = ".invalid"
 STEP_ANNOTATION = "ProfilerStep#{step}"
+# Every device trace carries the run's identity in its metadata under this key: {"id", "rank", "world_size"}; the
+# converter refuses a set of ranks from different runs (trace_tools/identity.py reads it).
+RUN_METADATA_KEY = "mosim_run"
+# The files of the run a new one replaces go here, once the new window is written: <trace-output-dir>/.previous/<name>/
+PREVIOUS_RUN_DIR = ".previous"
+# What a conversion or a report made of a run's traces (rank 0 moves them aside with the traces they came from).
+DERIVED_FILES = ("run.json", "CONVERSION_SUMMARY.md", "report.md", "report.json", "SIMULATION.md")
 # ExecutionTraceObserver.start() records the process-group config under this name when torch.distributed is up.
 PG_INIT_NODE = "## process_group:init ##"
 
@@ -179,6 +187,7 @@ class ChakraTracer:
     def __enter__(self) -> ChakraTracer:
         self.trace_dir.mkdir(parents=True, exist_ok=True)
         self._remove_stale_files()
+        self.run_id = self._agree_run_id()
         self._observer = ExecutionTraceObserver()
         self._observer.register_callback(str(self._partial(self.host_path)))
         if not self._observer.is_registered:
@@ -195,6 +204,7 @@ class ChakraTracer:
                 execution_trace_observer=self._observer,
                 **cuda_sync_events_config(self.use_cuda),
             )
+            self._mark_run_identity()
             self._profiler.__enter__()
         except BaseException:
             self._observer.unregister_callback()
@@ -284,7 +294,9 @@ class ChakraTracer:
 
     # ---- files -----------------------------------------------------------------------------------------------
     def _publish_traces(self) -> list[str]:
-        """Validate this rank's files and rename them into place; return error lines (empty when all is well)."""
+        """Move the previous run's files of this rank aside, then validate this rank's new files and rename them
+        into place; return error lines (empty when all is well)."""
+        self._move_previous_run_aside()
         errors = []
         if not self._device_trace_written:
             errors.append(f"{self.device_path}: the profiler never exported a device trace")
@@ -320,22 +332,80 @@ class ChakraTracer:
             self._partial(path).unlink(missing_ok=True)
 
     def _remove_stale_files(self) -> None:
-        """Remove this rank's files of an earlier run under the same name (rank 0 also the ranks beyond this world
-        size and run.json), so the folder never mixes two runs."""
-        names = [HOST_TRACE, DEVICE_TRACE, STACKS_TABLE]
-        for name in names:
-            for suffix in ("", PARTIAL_SUFFIX, INVALID_SUFFIX):
-                (self.trace_dir / (name.format(rank=self.rank) + suffix)).unlink(missing_ok=True)
-        for host in (self.host_path, self._partial(self.host_path)):
-            shutil.rmtree(self._resources_dir(host), ignore_errors=True)
+        """Remove what killed runs left half-written (hidden .partial files of this rank; rank 0 also those of ranks
+        beyond this world size), and the generation of runs before the one in place (local rank 0). The previous
+        run's own files stay where they are until this run's window is written (_move_previous_run_aside)."""
+        for name in (HOST_TRACE, DEVICE_TRACE, STACKS_TABLE):
+            self._partial(self.trace_dir / name.format(rank=self.rank)).unlink(missing_ok=True)
+        shutil.rmtree(self._resources_dir(self._partial(self.host_path)), ignore_errors=True)
+        if self.local_rank == 0:
+            shutil.rmtree(self._previous_dir(), ignore_errors=True)
         if self.rank != 0:
             return
-        (self.trace_dir / RUN_INFO).unlink(missing_ok=True)
         for path in self.trace_dir.iterdir():
-            parts = path.name.lstrip(".").split(".")
-            if len(parts) >= 3 and parts[0] in ("host", "device", "stacks") and parts[1].isdigit() \
-                    and int(parts[1]) >= self.world_size:
+            rank = self._rank_of(path.name)
+            if path.name.startswith(".") and path.name.endswith(PARTIAL_SUFFIX) and rank is not None \
+                    and rank >= self.world_size:
                 path.unlink(missing_ok=True)
+
+    def _previous_dir(self) -> Path:
+        return self.trace_dir.parent / PREVIOUS_RUN_DIR / self.trace_name
+
+    @staticmethod
+    def _rank_of(name: str) -> int | None:
+        """The rank a file of a run belongs to: host.<r>.json[.gz|.invalid], device.<r>..., stacks.<r>.txt,
+        host.<r>_resources, <name>.<r>.et, <name>.<r>.merged.json, report_timeline_rank<r>.png; else None."""
+        parts = name.lstrip(".").split(".")
+        if len(parts) >= 2 and parts[0] in ("host", "device", "stacks"):
+            digits = parts[1].split("_")[0]
+            return int(digits) if digits.isdigit() else None
+        if name.endswith(".et") and len(parts) >= 3 and parts[-2].isdigit():
+            return int(parts[-2])
+        if name.endswith(".merged.json") and len(parts) >= 4 and parts[-3].isdigit():
+            return int(parts[-3])
+        if name.startswith("report_timeline_rank") and name.endswith(".png"):
+            digits = name[len("report_timeline_rank"):-len(".png")]
+            return int(digits) if digits.isdigit() else None
+        return None
+
+    def _move_previous_run_aside(self) -> None:
+        """Once this run's window is written: move the files of the run it replaces (this rank's traces, .et and
+        merged JSON; on rank 0 also run.json, the summary, the report and ranks beyond this world size) into
+        <trace-output-dir>/.previous/<name>/, so the folder never mixes two runs and the old one is not lost."""
+        moved = []
+        for path in sorted(self.trace_dir.iterdir()):
+            if path.name.startswith("."):
+                continue
+            rank = self._rank_of(path.name)
+            mine = rank == self.rank or (self.rank == 0 and rank is not None and rank >= self.world_size)
+            derived = self.rank == 0 and rank is None and (
+                path.name in DERIVED_FILES or (path.name.startswith("report_") and path.name.endswith(".png")))
+            if not (mine or derived):
+                continue
+            target = self._previous_dir() / path.name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            if target.is_dir() and not target.is_symlink():
+                shutil.rmtree(target)
+            path.replace(target)
+            moved.append(path.name)
+        if moved:
+            logger.info("rank %d: the previous run's %s moved to %s", self.rank, ", ".join(moved),
+                        self._previous_dir())
+
+    def _agree_run_id(self) -> str:
+        """One id for the whole run: rank 0's, given to every rank (it marks each device trace and run.json)."""
+        run_id = f"{datetime.datetime.now(datetime.timezone.utc):%Y%m%dT%H%M%SZ}-{uuid.uuid4().hex[:12]}"
+        if self.world_size > 1 and dist.is_available() and dist.is_initialized():
+            box = [run_id]
+            dist.broadcast_object_list(box, src=0, device=self.device if self.use_cuda else None)
+            run_id = box[0]
+        return run_id
+
+    def _mark_run_identity(self) -> None:
+        """Write the run id, rank and world size into the device trace's metadata when it is exported."""
+        mark = getattr(self._profiler, "preset_metadata_json", None)
+        if mark is not None:  # torch >= 2.2
+            mark(RUN_METADATA_KEY, json.dumps({"id": self.run_id, "rank": self.rank, "world_size": self.world_size}))
 
     def _remove_empty_resources_dir(self) -> None:
         # torch 2.4's unregister_callback always creates "<trace>_resources" beside the trace for inductor kernels.
@@ -383,6 +453,7 @@ class ChakraTracer:
         times = [r["step_wall_time_s"] for r in ranks]
         info = {
             "trace_name": self.trace_name,
+            "run_id": self.run_id,
             **self.run_info,
             "world_size": self.world_size,
             "backend": dist.get_backend() if dist.is_available() and dist.is_initialized() else None,

@@ -1,0 +1,373 @@
+"""Faults on the conversion side: ranks of different runs, stale .et files, the tracer's replaced runs, outputs
+that cannot be written, Ctrl-C, and traces broken in ways that used to give a traceback or the wrong message.
+
+Each case of tests/faults/conversion_corpus.py is one test here; the tests below it check what a corpus case
+cannot see from the outside (the summary written rank by rank, the run id of the tracer, the flags of a repair).
+"""
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conversion_helpers import CPU_FIXTURES, read_json
+from faults import conversion_corpus as corpus
+from trace_tools import cli, pipeline
+from trace_tools.identity import one_run_problems
+from trace_tools.repair import diagnose_host_trace, repair_host_trace
+from trace_tools.summary import read_previous_results
+from trace_tools.validate import collectives_agree, read_et
+
+REPO = Path(__file__).resolve().parent.parent
+BERT = CPU_FIXTURES / "bert_tiny_2r"
+GPT2 = CPU_FIXTURES / "gpt2_tiny_1r"
+GPT2_2R = CPU_FIXTURES / "gpt2_tiny_2r"
+
+
+def convert(folder: Path, capsys, *extra: str, remaining: bool = False) -> tuple[int, str]:
+    code = cli.main([str(folder), "--no-progress", *extra], remaining=remaining)
+    captured = capsys.readouterr()
+    return code, captured.out + captured.err
+
+
+def errors(output: str) -> list[str]:
+    return [line for line in output.splitlines() if line.startswith("error: ")]
+
+
+def metadata(path: Path) -> dict:
+    meta, _ = read_et(path)
+    return {a.name: getattr(a, a.WhichOneof("value")) for a in meta.attr if a.WhichOneof("value")}
+
+
+# ---- the corpus: every case ends in a clear message or a correct result -----------------------------------------
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(corpus.CASES))
+def test_fault_case_gets_a_clear_message_or_a_correct_result(case):
+    [result] = corpus.run_cases([case])
+    assert result["outcome"] == "clear", result["message"]
+
+
+# ---- ranks of different runs ------------------------------------------------------------------------------------
+def test_a_rank_without_collectives_is_compared_with_the_others():
+    one = [("0", "ALL_REDUCE", 1024)]
+    assert collectives_agree({0: [], 1: one}) == ["process group '0': rank 1 has 1 collectives, rank 0 has 0"]
+    assert collectives_agree({0: one, 1: []}) == ["process group '0': rank 1 has 0 collectives, rank 0 has 1"]
+
+
+def test_a_group_is_compared_only_between_its_members():
+    tp = [("1", "ALL_REDUCE", 64)]
+    assert collectives_agree({0: tp, 1: tp, 2: [], 3: []}, members={"1": [0, 1]}) == []
+    assert collectives_agree({0: tp, 1: [], 2: [], 3: []}, members={"1": [0, 1]}) != []
+
+
+def test_one_rank_run_beside_a_two_rank_run_is_refused_and_keeps_no_et(tmp_path, capsys):
+    folder = tmp_path / "mix"
+    corpus.place_rank(GPT2, 0, folder, 0)
+    corpus.place_rank(GPT2_2R, 1, folder, 1)
+    code, output = convert(folder, capsys)
+    assert code == 1
+    assert f"error: {folder}: rank 1 was traced in a world of 2 ranks but rank 0 in a world of 1: the files come " \
+           "from different runs; no .et kept" in errors(output)
+    assert not list(folder.glob("*.et")) and not list(folder.glob(".*"))
+    summary = (folder / "CONVERSION_SUMMARY.md").read_text()
+    assert summary.count("⛔ refused") == 2 and "no .et of this run is kept" in summary
+
+
+def test_second_capture_of_the_same_config_names_the_rank_and_the_gap(tmp_path, capsys):
+    folder = corpus.copy_run(BERT, tmp_path / "bert")
+    corpus.shift_capture(folder, 1, hours=3, pid_offset=1000)
+    code, output = convert(folder, capsys)
+    assert code == 1
+    assert "rank 1's traced step ran 3 h 0 min after rank 0's: two captures" in errors(output)[0]
+
+
+def test_start_times_of_ranks_of_one_run_pass():
+    base = {"run_id": None, "host_name": "n1", "host_time": None, "dist_rank": None, "world_size": 2,
+            "process_groups": {}, "step_us": 250_000.0}
+    ranks = {0: dict(base, host_pid=1, dist_rank=0, step_start_unix_us=1e15),
+             1: dict(base, host_pid=2, dist_rank=1, step_start_unix_us=1e15 + 400_000)}
+    assert one_run_problems(ranks) == []
+    ranks[1]["step_start_unix_us"] += 10e6
+    assert one_run_problems(ranks) == ["rank 1's traced step ran 10.4 s after rank 0's: two captures, the files "
+                                       "come from different runs"]
+
+
+def test_run_ids_of_the_tracer_name_the_odd_rank():
+    ranks = {r: {"run_id": "a", "world_size": 3, "dist_rank": r} for r in range(3)}
+    ranks[2]["run_id"] = "b"
+    assert one_run_problems(ranks) == ["rank 2 comes from traced run b but ranks 0, 1 from a: the files come from "
+                                       "different runs"]
+    ranks[2]["run_id"] = None
+    assert one_run_problems(ranks)[0].startswith("rank 2 carries no run id while ranks 0, 1 come from traced run a")
+
+
+# ---- stale .et files --------------------------------------------------------------------------------------------
+def test_summary_records_the_files_each_et_was_made_from(tmp_path, capsys):
+    folder = corpus.copy_run(BERT, tmp_path / "bert")
+    assert convert(folder, capsys)[0] == 0
+    previous = read_previous_results(folder)
+    stat = (folder / "host.1.json").stat()
+    assert previous[1].inputs["host"] == {"name": "host.1.json", "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+    assert previous[1].inputs["et"]["size"] == (folder / "bert.1.et").stat().st_size
+    os.utime(folder / "bert.1.et", (1_000_000_000, 1_000_000_000))  # a copy that did not keep the time
+    assert "nothing to do" in convert(folder, capsys, remaining=True)[1]
+
+
+def test_interrupted_conversion_keeps_the_ranks_it_finished(tmp_path, capsys, monkeypatch):
+    folder = corpus.copy_run(BERT, tmp_path / "bert")
+    real = pipeline.convert_rank
+
+    def ctrl_c_on_rank_1(host, device, out, rank=0, *args, **kwargs):
+        if rank == 1:
+            raise KeyboardInterrupt
+        return real(host, device, out, rank, *args, **kwargs)
+
+    monkeypatch.setattr(pipeline, "convert_rank", ctrl_c_on_rank_1)
+    code, output = convert(folder, capsys, "--jobs", "1")
+    assert code == 130 and "Traceback" not in output
+    assert output.strip().splitlines()[-1].startswith("interrupted: convert_to_et.py stopped by Ctrl-C")
+    summary = (folder / "CONVERSION_SUMMARY.md").read_text()
+    assert "| 0 | ✅ ok |" in summary and "| 1 | ⏸ interrupted |" in summary
+    assert sorted(p.name for p in folder.iterdir() if p.name.endswith("et") or p.name.startswith(".")) == ["bert.0.et"]
+    monkeypatch.setattr(pipeline, "convert_rank", real)
+    rank0 = (folder / "bert.0.et").stat().st_mtime_ns
+    code, output = convert(folder, capsys, remaining=True)
+    assert code == 0 and "converting 1 remaining rank(s)" in output
+    assert (folder / "bert.0.et").stat().st_mtime_ns == rank0
+
+
+def test_convert_remaining_redoes_an_et_that_no_longer_validates(tmp_path, capsys):
+    folder = corpus.copy_run(BERT, tmp_path / "bert")
+    assert convert(folder, capsys)[0] == 0
+    et = folder / "bert.1.et"
+    et.write_bytes(et.read_bytes()[:1000])
+    code, output = convert(folder, capsys, remaining=True)
+    assert code == 0 and "converting 1 remaining rank(s) (1 .et changed)" in output
+    assert et.stat().st_size > 1000
+
+
+def test_convert_remaining_redoes_ranks_traced_again_since(tmp_path, capsys):
+    folder = corpus.copy_run(BERT, tmp_path / "bert")
+    assert convert(folder, capsys)[0] == 0
+    corpus.copy_run(GPT2_2R, folder)
+    code, output = convert(folder, capsys, remaining=True)
+    assert code == 0 and "converting 2 remaining rank(s) (2 traces changed)" in output
+    assert metadata(folder / "bert.0.et")["pid"] == read_json(GPT2_2R / "host.0.json.gz")["pid"]
+
+
+def test_a_rank_that_fails_keeps_no_earlier_et(tmp_path, capsys):
+    folder = corpus.copy_run(BERT, tmp_path / "bert")
+    assert convert(folder, capsys)[0] == 0
+    (folder / "device.1.json").write_text("[")
+    code, output = convert(folder, capsys)
+    assert code == 1 and "| 1 | ❌ failed |" in (folder / "CONVERSION_SUMMARY.md").read_text()
+    assert et_names(folder) == ["bert.0.et"]
+
+
+def et_names(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.glob("*.et"))
+
+
+# ---- the tracer: a new run replaces the old one only once its window is written --------------------------------
+def train_mlp(tracer, steps: int, fail_at: int | None = None) -> None:
+    torch = pytest.importorskip("torch")
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    with tracer:
+        for step in range(steps):
+            if step == fail_at:
+                raise RuntimeError("killed")
+            model(torch.randn(4, 8)).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            tracer.step()
+
+
+def test_run_stopped_before_its_window_leaves_the_previous_run_in_place(tmp_path):
+    from utils.chakra_tracer import ChakraTracer
+
+    train_mlp(ChakraTracer(tmp_path, "mlp", run_info={"model": "mlp"}), steps=3)
+    before = {p.name: p.read_bytes() for p in (tmp_path / "mlp").iterdir()}
+    with pytest.raises(RuntimeError, match="killed"):
+        train_mlp(ChakraTracer(tmp_path, "mlp", run_info={"model": "mlp"}), steps=3, fail_at=1)
+    assert {p.name: p.read_bytes() for p in (tmp_path / "mlp").iterdir()} == before
+
+
+def test_new_window_moves_the_previous_traces_et_summary_and_report_aside(tmp_path):
+    from utils.chakra_tracer import ChakraTracer
+
+    train_mlp(ChakraTracer(tmp_path, "mlp", run_info={"model": "mlp"}), steps=3)
+    run = tmp_path / "mlp"
+    old_host = (run / "host.0.json").read_bytes()
+    derived = ["mlp.0.et", "CONVERSION_SUMMARY.md", "report.md", "report.json", "report_breakdown.png",
+               "report_timeline_rank0.png", "host.0.json.orig"]
+    for name in derived:
+        (run / name).write_text("old")
+    (run / "notes.txt").write_text("mine")
+    train_mlp(ChakraTracer(tmp_path, "mlp", run_info={"model": "mlp"}), steps=3)
+    assert sorted(p.name for p in run.iterdir()) == ["device.0.json", "host.0.json", "notes.txt", "run.json",
+                                                     "stacks.0.txt"]
+    previous = tmp_path / ".previous" / "mlp"
+    assert (previous / "host.0.json").read_bytes() == old_host
+    assert all((previous / name).read_text() == "old" for name in derived)
+    assert json.loads((previous / "run.json").read_text())["run_id"] != json.loads((run / "run.json").read_text())["run_id"]
+
+
+def test_every_device_trace_and_run_json_carry_one_run_id(tmp_path):
+    from utils.chakra_tracer import ChakraTracer
+
+    train_mlp(ChakraTracer(tmp_path, "mlp", run_info={"model": "mlp"}), steps=3)
+    run_id = json.loads((tmp_path / "mlp" / "run.json").read_text())["run_id"]
+    device = json.loads((tmp_path / "mlp" / "device.0.json").read_text())
+    assert device["mosim_run"] == {"id": run_id, "rank": 0, "world_size": 1}
+
+
+def test_two_ranks_agree_on_the_run_id(tmp_path):
+    torch = pytest.importorskip("torch")
+    port = _free_port()
+    torch.multiprocessing.spawn(_two_rank_worker, args=(2, port, str(tmp_path)), nprocs=2, join=True)
+    run = tmp_path / "mlp"
+    ids = {json.loads((run / f"device.{r}.json").read_text())["mosim_run"]["id"] for r in (0, 1)}
+    assert ids == {json.loads((run / "run.json").read_text())["run_id"]}
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _two_rank_worker(rank: int, world_size: int, port: int, out: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from utils.chakra_tracer import ChakraTracer
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        train_mlp(ChakraTracer(out, "mlp", rank=rank, world_size=world_size, local_rank=rank,
+                               run_info={"model": "mlp"}), steps=3)
+    finally:
+        dist.destroy_process_group()
+
+
+# ---- broken traces: the message says what happened --------------------------------------------------------------
+def test_repaired_host_trace_is_flagged_in_the_et_the_table_the_summary_and_the_report(tmp_path, capsys):
+    from trace_tools.report import write_report
+
+    folder = corpus.copy_run(GPT2, tmp_path / "gpt2")
+    text = (folder / "host.0.json").read_bytes()
+    (folder / "host.0.json").write_bytes(text[:len(text) // 2])
+    assert repair_host_trace(folder / "host.0.json").status == "repaired"
+    code, output = convert(folder, capsys)
+    assert code == 0
+    assert "ok (repaired host trace)" in output.splitlines()[2]
+    assert any(line.startswith("warning: gpt2 rank 0: ") and "repaired by fix_host_traces.py: closed the node list"
+               in line for line in output.splitlines())
+    assert "✅ ok, host trace repaired" in (folder / "CONVERSION_SUMMARY.md").read_text()
+    assert metadata(folder / "gpt2.0.et")["host_trace_repaired"].startswith("repaired by fix_host_traces.py: closed")
+    report = write_report(folder, use_hta=False).read_text()
+    assert "**Repaired host traces:**" in report and "- rank 0: repaired by fix_host_traces.py" in report
+
+
+def test_duplicate_ids_dropped_by_a_repair_are_recorded_in_the_trace(tmp_path):
+    host = read_json(GPT2 / "host.0.json.gz")
+    host["nodes"] += host["nodes"][10:12]
+    path = tmp_path / "host.0.json"
+    path.write_text(json.dumps(host))
+    assert repair_host_trace(path).status == "repaired"
+    marker = json.loads(path.read_text())["repair"]
+    assert marker["dropped_nodes"] == 2 and marker["action"] == "kept the first node of each id"
+
+
+def test_nan_is_read_as_null_and_both_tools_say_so(tmp_path, capsys):
+    folder = corpus.copy_run(GPT2, tmp_path / "gpt2")
+    host = folder / "host.0.json"
+    host.write_bytes(host.read_bytes().replace(b'"value": ""}', b'"value": NaN}', 2))
+    assert diagnose_host_trace(host).ok
+    assert repair_host_trace(host, check_only=True).line().endswith(
+        "; 2 NaN/Infinity values, which are not JSON (the converter reads them as null)")
+    code, output = convert(folder, capsys)
+    assert code == 0
+    assert f"warning: gpt2 rank 0: {host}: 2 NaN/Infinity value(s), which are not JSON" in output
+
+
+def test_byte_order_mark_is_named_and_removed(tmp_path, capsys):
+    folder = corpus.copy_run(GPT2, tmp_path / "gpt2")
+    host = folder / "host.0.json"
+    original = host.read_bytes()
+    host.write_bytes(b"\xef\xbb\xbf" + original)
+    code, output = convert(folder, capsys)
+    assert code == 0 and "starts with a UTF-8 byte-order mark" in output
+    result = repair_host_trace(host)
+    assert result.line() == (f"repaired: {host}: starts with a UTF-8 byte-order mark (an editor or a Windows tool "
+                             "saved it; PyTorch writes none); removed the byte-order mark; original kept as "
+                             "host.0.json.orig")
+    assert host.read_bytes() == original.rstrip() + b"\n"
+
+
+def test_single_node_host_trace_says_the_observer_truncated_its_own_file(tmp_path, capsys):
+    folder = corpus.copy_run(GPT2, tmp_path / "gpt2")
+    host = json.loads((folder / "host.0.json").read_text())
+    host["nodes"] = host["nodes"][:1]
+    (folder / "host.0.json").write_text(json.dumps(host))
+    message = ("holds 1 node(s) and no operator: the ExecutionTraceObserver was re-registered during the run and "
+               "truncated its own file; the data was lost at capture")
+    code, output = convert(folder, capsys)
+    assert code == 1 and message in errors(output)[0]
+    assert message in diagnose_host_trace(folder / "host.0.json").problem
+
+
+def test_a_write_that_fails_names_the_et_not_the_trace(tmp_path):
+    folder = corpus.copy_run(GPT2, tmp_path / "gpt2")
+    proc = subprocess.run([sys.executable, str(REPO / "convert_to_et.py"), str(folder), "--no-progress"],
+                          capture_output=True, text=True, cwd=REPO, preexec_fn=corpus.limit_file_size(64 << 10))
+    assert proc.returncode == 1
+    [line] = [line for line in proc.stdout.splitlines() if line.startswith("error: ")]
+    assert line == (f"error: {folder / 'gpt2.0.et'}: cannot write the .et: File too large (a limit on file sizes, "
+                    "`ulimit -f`, stops it); raise the limit, then convert_remaining.py")
+    assert not list(folder.glob("*.et")) and not list(folder.glob(".*"))
+
+
+def test_disk_full_says_how_much_space_is_left(tmp_path):
+    import errno
+
+    text = pipeline._os_problem(OSError(errno.ENOSPC, "No space left on device"), tmp_path)
+    assert text.startswith(f"No space left on device (") and f"MiB free in {tmp_path}); free some space" in text
+
+
+@pytest.mark.parametrize("make, problem", [
+    (lambda p: p.write_text("a file"), "is a file, not a folder"),
+    (lambda p: (p.mkdir(), p.chmod(0o555)), "is not writable (read-only folder or file system)"),
+])
+def test_output_dir_that_cannot_take_the_et_is_one_line(tmp_path, capsys, make, problem):
+    folder = corpus.copy_run(GPT2, tmp_path / "gpt2")
+    target = tmp_path / "out"
+    make(target)
+    try:
+        code, output = convert(folder, capsys, "--output-dir", str(target))
+    finally:
+        if target.is_dir():
+            target.chmod(0o755)
+    assert code == 2 and output.strip() == f"error: --output-dir {target}: {problem}"
+
+
+def test_ctrl_c_stops_parallel_workers_with_one_line_and_no_partial_file(tmp_path):
+    folder = corpus.copy_run(BERT, tmp_path / "bert")
+    proc = corpus.interrupt_when("convert_to_et.py", [folder, "--no-progress", "--jobs", "2"],
+                                 lambda: any(folder.glob(".*unvalidated*")))
+    assert proc.rc == 130, proc.text
+    assert proc.err.strip().startswith("interrupted: convert_to_et.py stopped by Ctrl-C") and "Traceback" not in proc.text
+    assert not list(folder.glob(".*")), "no partial file of a stopped worker"
+    done = {rank for rank, result in (read_previous_results(folder) or {}).items() if result.ok}
+    assert et_names(folder) == [f"bert.{rank}.et" for rank in sorted(done)]
