@@ -99,6 +99,10 @@ def free_port():
         return sock.getsockname()[1]
 
 
+# The window these tests reason about: one step skipped, one warm-up, one recorded (the default records three).
+ONE_STEP_WINDOW = ("--trace-wait-steps", "1", "--trace-warmup-steps", "1", "--trace-active-steps", "1")
+
+
 def ddp_worker(rank, world_size, port, out_dir, steps):
     """One gloo rank training a tiny GPT-2 under DDP with tracing on."""
     torch.set_num_threads(1)
@@ -106,7 +110,7 @@ def ddp_worker(rank, world_size, port, out_dir, steps):
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
         model = torch.nn.parallel.DistributedDataParallel(tiny_gpt2())
-        args = parse_tracing_args("--enable-tracing", "--trace-output-dir", out_dir)
+        args = parse_tracing_args("--enable-tracing", "--trace-output-dir", out_dir, *ONE_STEP_WINDOW)
         tracer = build_tracer(args, rank=rank, world_size=world_size, local_rank=rank, device=torch.device("cpu"),
                               run_info={"model": "gpt2-tiny", "batch_size_per_rank": 2, "sequence_length": 16})
         generator = torch.Generator().manual_seed(rank)
@@ -123,9 +127,9 @@ def ddp_worker(rank, world_size, port, out_dir, steps):
 # ---- one rank ------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def one_rank_gpt2(tmp_path_factory):
-    """A tiny GPT-2 trained 5 steps with the default window (wait 1, warmup 1, active 1)."""
+    """A tiny GPT-2 trained 5 steps with a window of wait 1, warmup 1, active 1."""
     out = tmp_path_factory.mktemp("one_rank")
-    args = parse_tracing_args("--enable-tracing", "--trace-output-dir", str(out))
+    args = parse_tracing_args("--enable-tracing", "--trace-output-dir", str(out), *ONE_STEP_WINDOW)
     tracer = build_tracer(args, rank=0, world_size=1, local_rank=0, device="cpu",
                           run_info={"model": "gpt2", "model_config": {"n_layer": 2}, "batch_size_per_rank": 2,
                                     "sequence_length": 16, "precision": "fp32", "compile": False,
@@ -250,11 +254,11 @@ def test_tracing_off_creates_no_profiler_no_observer_and_no_files(tmp_path, monk
 
 
 # ---- arguments and naming ------------------------------------------------------------------------------------
-def test_tracing_flags_default_to_a_one_step_window():
+def test_tracing_flags_default_to_timed_untraced_steps_and_three_recorded_ones():
     args = parse_tracing_args()
     assert not args.enable_tracing and args.trace_output_dir == "./outputs" and args.trace_name is None
     assert (args.trace_wait_steps, args.trace_warmup_steps, args.trace_active_steps) == (3, 1, 3)
-    assert tracing_window_steps(args) == 3
+    assert tracing_window_steps(args) == 7
     assert tracing_window_steps(parse_tracing_args("--trace-wait-steps", "5", "--trace-active-steps", "10")) == 16
 
 
@@ -271,7 +275,7 @@ def test_default_trace_name_counts_ranks_and_device_kind(tmp_path):
 
 def test_max_steps_shorter_than_the_window_is_refused():
     args = parse_tracing_args("--enable-tracing", "--max-steps", "2")
-    with pytest.raises(ValueError, match="--max-steps 2 is shorter than the trace window of 3 steps"):
+    with pytest.raises(ValueError, match="--max-steps 2 is shorter than the trace window of 7 steps"):
         build_tracer(args, rank=0, world_size=1, local_rank=0, device="cpu", run_info={"model": "gpt2"})
 
 
