@@ -7,7 +7,6 @@ import logging
 import os
 import shutil
 import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -245,6 +244,22 @@ def test_lock_of_a_dead_run_is_taken_over_with_a_warning(tmp_path, capsys):
     assert status == 0
     assert f"took over the lock of pid {pid}" in capsys.readouterr().err
     assert not (save_dir / LOCK_FILE).exists()  # released at the end
+
+
+def test_without_flock_the_lock_holders_pid_decides(tmp_path, monkeypatch):
+    import utils.checkpointing
+    from utils.checkpointing import SaveDirLock
+    from utils.errors import UsageError
+    monkeypatch.setattr(utils.checkpointing, "fcntl", None)  # a file system or platform without flock
+    write_lock_file(tmp_path, os.getpid())
+    with pytest.raises(UsageError, match=f"pid {os.getpid()} on .* if that run is gone, delete the lock file"):
+        SaveDirLock(tmp_path).acquire()
+    pid = dead_pid()
+    write_lock_file(tmp_path, pid)
+    with SaveDirLock(tmp_path) as lock:
+        assert lock.acquire()["pid"] == pid
+        assert json.loads((tmp_path / LOCK_FILE).read_text())["pid"] == os.getpid()
+    assert not (tmp_path / LOCK_FILE).exists()
 
 
 def test_partial_folders_of_a_killed_save_are_cleaned_up_and_a_moved_aside_best_model_restored(finished_gpt2,

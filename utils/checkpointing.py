@@ -1,5 +1,4 @@
-"""Checkpoints: `save_pretrained` weights and tokenizer, training_info.json and resume state, each written atomically;
-the --save-dir lock; and the checks that turn a damaged or foreign checkpoint into one clear error."""
+"""Checkpoints: written atomically, one run per --save-dir (a lock), and checked before --resume-from trusts one."""
 import datetime
 import errno
 import hashlib
@@ -24,7 +23,7 @@ from utils.errors import CheckpointError, UsageError
 
 try:
     import fcntl
-except ImportError:  # not on Windows: the lock then relies on the pid check alone
+except ImportError:  # Windows: the lock then relies on the pid check alone
     fcntl = None
 
 logger = logging.getLogger(__name__)
@@ -47,7 +46,7 @@ NEARLY_FULL_BYTES = 64 * 2**20
 # rng_state.pt of earlier versions held NumPy's random state as an array. These globals only rebuild an array;
 # torch documents allowing them for weights_only loading. Anything else in a .pt file is refused.
 _NUMPY_ARRAY_GLOBALS = {"numpy.core.multiarray._reconstruct", "numpy._core.multiarray._reconstruct",
-                        "numpy.ndarray", "numpy.dtype"}
+                        "numpy.ndarray", "numpy.dtype", "numpy.dtypes.UInt32DType"}
 
 
 def checkpoint_name(step: int) -> str:
@@ -250,7 +249,7 @@ class SaveDirLock:
                 locked = self._flock(fd)
                 previous = self._read(fd)
                 if locked is False or (locked is None and previous and self._holder_alive(previous)):
-                    raise UsageError(self._refusal(previous))
+                    raise UsageError(self._refusal(previous, held_for_sure=locked is False))
                 same_file = os.fstat(fd).st_ino == os.stat(self.path).st_ino
             except FileNotFoundError:
                 same_file = False
@@ -313,12 +312,14 @@ class SaveDirLock:
             return True  # cannot tell from here
         return isinstance(record.get("pid"), int) and process_is_alive(record["pid"])
 
-    def _refusal(self, holder: Optional[dict]) -> str:
+    def _refusal(self, holder: Optional[dict], held_for_sure: bool) -> str:
         who = "another run"
         if holder:
             who = f"another run (pid {holder.get('pid')} on {holder.get('host')}, started {holder.get('started')})"
+        # Without flock a holder on another machine cannot be checked: it may be long gone.
+        gone = "" if held_for_sure else "; if that run is gone, delete the lock file"
         return (f"--save-dir {self.save_dir}: {who} is writing checkpoints there; wait for it to finish or choose "
-                f"another --save-dir (lock file {self.path})")
+                f"another --save-dir (lock file {self.path}{gone})")
 
 
 # ---- reading ------------------------------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ real mounts in a private mount namespace (`unshare -m`, as root), or chmod for t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -603,7 +604,7 @@ def run_cases(names: Optional[list] = None, work_dir: Optional[Path] = None, pro
     unknown = sorted(set(names or []) - set(CASES))
     if unknown:
         raise ValueError(f"unknown case(s): {', '.join(unknown)}; known: {', '.join(CASES)}")
-    with contextlib_dir(work_dir) as root:
+    with work_folder(work_dir) as root:
         ws = Workspace(root)
         ws.build()
         results = []
@@ -622,23 +623,15 @@ def run_cases(names: Optional[list] = None, work_dir: Optional[Path] = None, pro
         return results
 
 
-class contextlib_dir:
+@contextlib.contextmanager
+def work_folder(folder: Optional[Path]):
     """The given folder (kept), or a temporary one (removed afterwards)."""
-
-    def __init__(self, folder: Optional[Path]):
-        self.folder, self._tmp = folder, None
-
-    def __enter__(self) -> Path:
-        if self.folder:
-            Path(self.folder).mkdir(parents=True, exist_ok=True)
-            return Path(self.folder).resolve()
-        self._tmp = tempfile.TemporaryDirectory(prefix="training_faults-")
-        return Path(self._tmp.name)
-
-    def __exit__(self, *exc) -> bool:
-        if self._tmp:
-            self._tmp.cleanup()
-        return False
+    if folder:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        yield Path(folder).resolve()
+        return
+    with tempfile.TemporaryDirectory(prefix="training_faults-") as tmp:
+        yield Path(tmp)
 
 
 def count_outcomes(results: list) -> Counter:
