@@ -9,6 +9,10 @@ if __package__ in (None, ""):
     sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _ROOT / "bert"]
     sys.path.insert(0, str(_ROOT))
 
+if __name__ == "__main__":
+    from utils.errors import stop_quietly_while_starting_up
+    stop_quietly_while_starting_up()  # Ctrl-C during the slow imports below: one line, not a traceback
+
 import torch
 from transformers import DataCollatorForLanguageModeling
 

@@ -3,6 +3,8 @@ import contextlib
 import datetime
 import logging
 import os
+import signal
+import sys
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
@@ -134,3 +136,32 @@ def distributed_context(num_gpus: Optional[int] = None) -> Iterator[DistributedC
             if succeeded:
                 ctx.barrier()
             dist.destroy_process_group()
+
+
+def run_torchrun(argv: list) -> int:
+    """torchrun (same arguments) that ends in one line instead of its launcher's tracebacks.
+
+    On SIGTERM or Ctrl-C torchrun passes the signal to every rank (each saves a checkpoint and says where) and then
+    raises SignalException; when a rank fails it raises ChildFailedError with a page-long report. Both become one
+    `error:` line and the exit status a plain run would have.
+    """
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import main as torchrun_main
+    try:
+        torchrun_main(argv)
+    except SignalException as exc:
+        name = signal.Signals(exc.sigval).name
+        print(f"error: torchrun stopped by {name}: every rank was asked to save a checkpoint and stop "
+              "(their lines above say where)", file=sys.stderr)
+        return 128 + int(exc.sigval)
+    except ChildFailedError as exc:
+        rank, failure = exc.get_first_failure()
+        if failure.exitcode < 0:
+            problem = f"was killed by {failure.signal_name()}"
+        else:
+            problem = f"stopped with exit status {failure.exitcode}"
+        print(f"error: torchrun: rank {rank} (pid {failure.pid}) {problem}; its messages are above and in its "
+              f"training_rank_{rank}.log in --log-dir", file=sys.stderr)
+        return 1 if failure.exitcode >= 0 else 128 - failure.exitcode
+    return 0

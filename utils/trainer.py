@@ -23,14 +23,15 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from tqdm.auto import tqdm
 
-from utils.chakra_tracer import add_tracing_arguments, build_tracer, tracing_window_steps
-from utils.checkpointing import (BEST_MODEL, FINAL_MODEL, INITIAL_MODEL, capture_rng_state, check_resumable,
-                                 checkpoint_name, load_resume_state, read_training_info, restore_rng_state,
+from utils.chakra_tracer import TraceError, add_tracing_arguments, build_tracer, tracing_window_steps
+from utils.checkpointing import (BEST_MODEL, FINAL_MODEL, INITIAL_MODEL, SaveDirLock, capture_rng_state,
+                                 check_resumable, check_writable_folder, checkpoint_name, clean_partial_checkpoints,
+                                 earlier_checkpoints, load_resume_state, read_training_info, restore_rng_state,
                                  weights_fingerprint, write_checkpoint)
 from utils.data_utils import (BatchStream, RepeatedBatch, TextExample, TextSplits, build_dataloader,
                               check_data_flags, load_text_splits, tokenize_examples)
 from utils.distributed import DistributedContext, distributed_context
-from utils.errors import NonFiniteLossError, UsageError
+from utils.errors import CheckpointError, NonFiniteLossError, StopRequested, UsageError
 from utils.metrics import MetricSinks, count_parameters, flops_per_token, peak_flops_per_gpu
 from utils.tokenization import TokenizerRequest, load_tokenizer
 
@@ -39,6 +40,9 @@ logger = logging.getLogger(__name__)
 TEST_MODE_STEPS = 10
 EVAL_SEED_OFFSET = 1_000_003  # eval masks/dropout come from their own seed: same masks at every evaluation
 LOG_FILE = "training_rank_{rank}.log"
+# torchrun passes the user's Ctrl-C on to every rank, which the terminal already sent it: a second SIGINT this soon
+# after the first, under torchrun, is that copy, not the user pressing Ctrl-C again.
+TORCHRUN_SIGNAL_COPY_WINDOW_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -128,6 +132,9 @@ def build_arg_parser(family: ModelFamily) -> argparse.ArgumentParser:
     out.add_argument("--no-save-initial", action="store_true", help="do not save initial_model/ before the first step")
     out.add_argument("--resume-from", default=None, metavar="DIR",
                      help="continue from a checkpoint directory: weights, optimizer, scheduler, RNG and data position")
+    out.add_argument("--overwrite-output-dir", action="store_true",
+                     help="train into a --save-dir that holds an earlier run's checkpoints (they are written over); "
+                          "without it such a --save-dir is refused, unless --resume-from is one of its checkpoints")
     out.add_argument("--logging-steps", type=int, default=10, help="log line every N steps (default: %(default)s)")
     out.add_argument("--eval-steps", type=int, default=500,
                      help="validate every N steps (and at the end), 0 for only at the end (default: %(default)s)")
@@ -171,7 +178,8 @@ def validate_args(args: argparse.Namespace, family: ModelFamily) -> None:
         raise UsageError(f"--max-steps {args.max_steps} is shorter than the trace window of "
                          f"{tracing_window_steps(args)} steps; raise --max-steps or lower the --trace-*-steps")
     if args.resume_from:
-        check_resumable(Path(args.resume_from))
+        check_resumable(Path(args.resume_from), model_type=family.model_class.config_class.model_type,
+                        script=f"{family.name}/train.py", needs_tokenizer=not args.tokenizer_path)
     else:
         family.resolve_config(args.model_name)
     check_data_flags(args.squad_file, args.dataset_path)
@@ -225,7 +233,7 @@ def setup_logging(log_dir: Path, rank: int, world_size: int) -> list:
     root = logging.getLogger()
     root.setLevel(logging.INFO)
     handlers = []
-    log_file = logging.FileHandler(log_dir / LOG_FILE.format(rank=rank), mode="a", encoding="utf-8")
+    log_file = _LogFileHandler(log_dir / LOG_FILE.format(rank=rank), mode="a", encoding="utf-8")
     log_file.setFormatter(logging.Formatter(f"%(asctime)s rank {rank}/{world_size} %(levelname)s %(name)s: %(message)s"))
     handlers.append(log_file)
     if rank == 0:
@@ -239,6 +247,31 @@ def setup_logging(log_dir: Path, rank: int, world_size: int) -> list:
     for handler in handlers:
         root.addHandler(handler)
     return handlers
+
+
+class _LogFileHandler(logging.FileHandler):
+    """A rank's log file. When it cannot be written (a full disk), the console says so once and carries on alone,
+    instead of logging's '--- Logging error ---' traceback for every line."""
+
+    failed = False
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not self.failed:
+            super().emit(record)
+
+    def handleError(self, record: Optional[logging.LogRecord]) -> None:
+        if self.failed:
+            return
+        self.failed = True
+        exc = sys.exc_info()[1]
+        reason = getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
+        logger.warning("%s: cannot write the log file (%s); logging to the console only", self.baseFilename, reason)
+
+    def close(self) -> None:
+        try:
+            super().close()
+        except OSError:  # the last lines could not be flushed
+            self.handleError(None)
 
 
 class _AroundProgressBar:
@@ -286,6 +319,72 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)  # seeds every CUDA device too
 
 
+# ------------------------------------------------------------------------------------------- output folders
+def check_output_folders(args: argparse.Namespace, ctx: DistributedContext) -> None:
+    """Every folder this rank writes (rank 0's --save-dir, each rank's --log-dir and --trace-output-dir) exists and
+    takes a file, checked before the first step; a problem on any rank stops all of them with one line."""
+    folders = [("--log-dir", args.log_dir)]
+    if ctx.is_main_process:
+        folders.insert(0, ("--save-dir", args.save_dir))
+    if args.enable_tracing:
+        folders.append(("--trace-output-dir", args.trace_output_dir))
+    problem = None
+    for flag, folder in folders:
+        try:
+            check_writable_folder(Path(folder), flag)
+        except UsageError as exc:
+            problem = str(exc)
+            break
+    problems = ctx.all_gather_object(problem)
+    for rank, problem in enumerate(problems):
+        if problem:
+            raise UsageError(problem if rank == 0 else f"{problem} (on rank {rank})")
+
+
+def refuse_earlier_checkpoints(args: argparse.Namespace) -> None:
+    """A --save-dir that holds another run's checkpoints is refused (they would be silently replaced), unless
+    --overwrite-output-dir says so or the run resumes from one of them."""
+    save_dir = Path(args.save_dir)
+    earlier = earlier_checkpoints(save_dir)
+    if not earlier or args.overwrite_output_dir:
+        return
+    if args.resume_from and Path(args.resume_from).resolve().parent == save_dir.resolve():
+        return
+    steps = [name for name in earlier if name.startswith("checkpoint-")]
+    resume = f"resume with --resume-from {save_dir / steps[-1]}, " if steps else ""
+    raise UsageError(f"--save-dir {save_dir}: holds the checkpoints of an earlier run ({', '.join(earlier)}); "
+                     f"{resume}choose another --save-dir, or pass --overwrite-output-dir to write over them")
+
+
+@contextlib.contextmanager
+def claim_save_dir(args: argparse.Namespace, ctx: DistributedContext):
+    """Rank 0 locks --save-dir for this run, refuses a folder another live run writes to or that holds an earlier
+    run's checkpoints, and removes the half-written folders of dead processes; every rank gets its verdict."""
+    lock, problem = None, None
+    if ctx.is_main_process:
+        save_dir = Path(args.save_dir)
+        lock = SaveDirLock(save_dir)
+        try:
+            dead = lock.acquire()
+            if dead:
+                logger.warning("%s: took over the lock of pid %s on %s (started %s), which is no longer running",
+                               lock.path, dead.get("pid"), dead.get("host"), dead.get("started"))
+            refuse_earlier_checkpoints(args)
+            for action in clean_partial_checkpoints(save_dir):
+                logger.info("%s: %s (left by a process that died while saving)", save_dir, action)
+        except UsageError as exc:
+            lock.release()
+            lock, problem = None, str(exc)
+    problem = ctx.broadcast_object(problem)
+    if problem:
+        raise UsageError(problem)
+    try:
+        yield
+    finally:
+        if lock is not None:
+            lock.release()
+
+
 # --------------------------------------------------------------------------------------------------- trainer
 class Trainer:
     """Owns one rank's model, data, optimizer and checkpoints for a run; `setup()` then `train()`."""
@@ -304,7 +403,10 @@ class Trainer:
         self.best_step: Optional[int] = None
         self.last_eval_step: Optional[int] = None
         self.last_checkpoint: Optional[Path] = None
+        self.last_checkpoint_step: Optional[int] = None
         self.stop_signal: Optional[int] = None
+        self._stop_requested_at = 0.0
+        self.training_started = False   # signals then stop gracefully (a checkpoint) instead of at once
         self.resumed = False
         self._start_time = time.perf_counter()
 
@@ -322,8 +424,7 @@ class Trainer:
         self.splits = self._load_text()
         self.tokenizer, self.tokenizer_source = self._load_tokenizer(resume_dir)
         if resume_dir:
-            self.model = self.family.model_class.from_pretrained(str(resume_dir),
-                                                                 attn_implementation=args.attn_implementation)
+            self.model = self._load_checkpoint_model(resume_dir)
         else:
             config = self.family.resolve_config(args.model_name)
             self.family.finalize_config(config, self.tokenizer)
@@ -396,11 +497,24 @@ class Trainer:
         from_hub = ctx.broadcast_object(splits.source.startswith("hub:") if splits else None)
         return splits if splits is not None else load_text_splits(**options, allow_hub=from_hub)
 
+    def _load_checkpoint_model(self, resume_dir: Path):
+        try:
+            return self.family.model_class.from_pretrained(str(resume_dir),
+                                                           attn_implementation=self.args.attn_implementation)
+        except Exception as exc:  # OSError, ValueError, safetensors' SafetensorError, shape mismatches
+            raise CheckpointError(f"{resume_dir}: cannot load the model ({type(exc).__name__}: "
+                                  f"{(str(exc).splitlines() or [''])[0][:300]})") from None
+
     def _load_tokenizer(self, resume_dir: Optional[Path]):
         a = self.args
         if resume_dir and not a.tokenizer_path:
             from transformers import AutoTokenizer
-            return self.family.prepare_tokenizer(AutoTokenizer.from_pretrained(str(resume_dir))), str(resume_dir)
+            try:
+                tokenizer = AutoTokenizer.from_pretrained(str(resume_dir))
+            except Exception as exc:  # OSError, ValueError, the tokenizers library's own Exception
+                raise CheckpointError(f"{resume_dir}: cannot load its tokenizer ({(str(exc).splitlines() or [''])[0]}); "
+                                      "pass --tokenizer-path with the tokenizer this model was trained with") from None
+            return self.family.prepare_tokenizer(tokenizer), str(resume_dir)
         request: TokenizerRequest = self.family.tokenizer_request(a.model_name, self.family.resolve_config(a.model_name))
         with self.ctx.main_process_first():  # rank 0 trains and caches a stand-in; the others load it
             tokenizer, source = load_tokenizer(request, tokenizer_path=a.tokenizer_path, cache_dir=a.cache_dir,
@@ -433,16 +547,20 @@ class Trainer:
         """Optimizer, scheduler, scaler, counters, data position and this rank's RNG streams."""
         args, ctx = self.args, self.ctx
         state, rng_states = load_resume_state(resume_dir)
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.scaler.load_state_dict(state["scaler"])
+        try:
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.scheduler.load_state_dict(state["scheduler"])
+            self.scaler.load_state_dict(state["scaler"])
+        except (ValueError, KeyError, TypeError, RuntimeError) as exc:
+            raise CheckpointError(f"{resume_dir}/trainer_state.pt: the optimizer state does not fit this model "
+                                  f"({(str(exc).splitlines() or [type(exc).__name__])[0]})") from None
         self.step = int(state["step"])
         self.tokens_seen = int(state["tokens_seen"])
         self.elapsed_before = float(state["elapsed_seconds"])
         self.last_loss, self.last_val_loss = state.get("last_loss"), state.get("last_val_loss")
         self.best_val_loss = state.get("best_val_loss", math.inf)
         self.best_step = state.get("best_step")
-        self.last_checkpoint = resume_dir
+        self.last_checkpoint, self.last_checkpoint_step = resume_dir, self.step
         self.resumed = True
         if not self.stream.load_state_dict(state["data"]):
             logger.warning("%s was saved with a different batch size or dataset: data order restarts at the "
@@ -566,10 +684,12 @@ class Trainer:
 
         def request_stop(signum, frame):
             if self.stop_signal is not None:
-                if signum == signal.SIGINT and self.stop_signal == signal.SIGINT:
+                copy_from_torchrun = ("TORCHELASTIC_RUN_ID" in os.environ and time.monotonic()
+                                      - self._stop_requested_at < TORCHRUN_SIGNAL_COPY_WINDOW_S)
+                if signum == signal.SIGINT and self.stop_signal == signal.SIGINT and not copy_from_torchrun:
                     raise KeyboardInterrupt
                 return  # e.g. torchrun's SIGTERM right after the user's Ctrl-C: keep stopping gracefully
-            self.stop_signal = signum
+            self.stop_signal, self._stop_requested_at = signum, time.monotonic()
             logger.warning("%s received: saving a checkpoint after this step, then stopping "
                            "(Ctrl-C again to stop without saving)", signal.Signals(signum).name)
 
@@ -590,7 +710,13 @@ class Trainer:
                 "tokenizer_source": self.tokenizer_source}
 
     def train(self) -> int:
-        """The loop; returns the process exit status (0, or 128 + signal number after a graceful stop)."""
+        """The loop; returns the process exit status (0, or 128 + signal number after a graceful stop). A signal
+        stops gracefully up to the last save, so even one during the final save ends with a whole checkpoint."""
+        self.training_started = True
+        with self._stop_on_signals():
+            return self._train_and_save()
+
+    def _train_and_save(self) -> int:
         args = self.args
         if not self.resumed and not args.no_save_initial:
             self.save(INITIAL_MODEL, kind="initial")
@@ -629,7 +755,7 @@ class Trainer:
         around_bar = contextlib.nullcontext() if progress.disable else console_logging_around_bar()
         with build_tracer(args, rank=ctx.rank, world_size=ctx.world_size, local_rank=ctx.local_rank,
                           device=self.device, run_info=self._run_info()) as tracer, \
-                around_bar, self._stop_on_signals():
+                around_bar:
             try:
                 while self.step < self.max_steps:
                     loss, grad_norm, stop = self._optimizer_step()
@@ -689,14 +815,28 @@ class Trainer:
         """Every rank calls this (its RNG state is gathered); rank 0 writes the folder atomically."""
         target = self.save_dir / name
         rng_states = self.ctx.all_gather_object(capture_rng_state(self.device))
+        failure = None
         if self.ctx.is_main_process:
             info = self._training_info(kind)
             info.update(extra or {})
-            write_checkpoint(target, model=self.model, tokenizer=self.tokenizer, info=info,
-                             trainer_state=self._trainer_state(), rng_states=rng_states)
-            logger.info("saved %s (step %d)", target, self.step)
-        self.last_checkpoint = target
+            try:
+                write_checkpoint(target, model=self.model, tokenizer=self.tokenizer, info=info,
+                                 trainer_state=self._trainer_state(), rng_states=rng_states)
+                logger.info("saved %s (step %d)", target, self.step)
+            except CheckpointError as exc:
+                failure = self._save_failure_message(str(exc))
+        failure = self.ctx.broadcast_object(failure)  # the other ranks stop with rank 0 instead of hanging
+        if failure:
+            raise CheckpointError(failure)
+        self.last_checkpoint, self.last_checkpoint_step = target, self.step
         return target
+
+    def _save_failure_message(self, problem: str) -> str:
+        last = self.last_checkpoint
+        if last is not None and Path(last).is_dir():
+            return (f"{problem}; the last good checkpoint is {last}: make room, then rerun the same command with "
+                    f"--resume-from {last}")
+        return f"{problem}; no checkpoint of this run was saved before it: make room and start again"
 
     def _trainer_state(self) -> dict:
         return {"step": self.step, "data": self.stream.state_dict(), "optimizer": self.optimizer.state_dict(),
@@ -747,31 +887,72 @@ def main(family: ModelFamily, argv: Optional[list] = None) -> int:
     args = build_arg_parser(family).parse_args(argv)
     handlers, root_level = [], logging.getLogger().level
     rank = int(os.environ.get("RANK", "0")) if os.environ.get("RANK", "0").isdigit() else 0
+    trainer = None
     try:
-        validate_args(args, family)
-        with distributed_context(args.num_gpus) as ctx:
-            rank = ctx.rank
-            handlers = setup_logging(Path(args.log_dir), ctx.rank, ctx.world_size)
-            _quiet_library_progress_bars()
-            trainer = Trainer(args, family, ctx)
-            try:
-                trainer.setup()
-                return trainer.train()
-            finally:
-                trainer.release()
+        with signals_stop_setup():
+            validate_args(args, family)
+            with distributed_context(args.num_gpus) as ctx:
+                rank = ctx.rank
+                check_output_folders(args, ctx)
+                handlers = setup_logging(Path(args.log_dir), ctx.rank, ctx.world_size)
+                _quiet_library_progress_bars()
+                with claim_save_dir(args, ctx):
+                    trainer = Trainer(args, family, ctx)
+                    try:
+                        trainer.setup()
+                        return trainer.train()
+                    finally:
+                        trainer.release()
     except UsageError as exc:
         _report_error(str(exc), handlers, rank, every_rank=False)  # all ranks hit the same error: say it once
+        return 1
+    except TraceError as exc:  # the tracer gathers every rank's problems, so each rank raises the same
+        _report_error(str(exc), handlers, rank, every_rank=False)
         return 1
     except torch.cuda.OutOfMemoryError:
         _report_error(out_of_memory_advice(args, rank), handlers, rank, every_rank=True)
         return 1
-    except KeyboardInterrupt:
-        _report_error("interrupted (Ctrl-C twice): stopped without saving a checkpoint", handlers, rank,
-                      every_rank=False)
-        return 130
+    except (KeyboardInterrupt, StopRequested) as exc:
+        signum = getattr(exc, "signum", signal.SIGINT)
+        _report_error(interruption_message(signum, trainer), handlers, rank, every_rank=False)
+        return 128 + signum
     finally:
         teardown_logging(handlers)
         logging.getLogger().setLevel(root_level)
+
+
+@contextlib.contextmanager
+def signals_stop_setup():
+    """Until the training loop (which saves a checkpoint first) there is nothing to save: Ctrl-C raises
+    KeyboardInterrupt and SIGTERM StopRequested, which main() reports in one line. Ignored signals stay ignored."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum, frame):
+        raise KeyboardInterrupt if signum == signal.SIGINT else StopRequested(signum)
+
+    previous = {}
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        if signal.getsignal(sig) is not signal.SIG_IGN:
+            previous[sig] = signal.signal(sig, stop)
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+
+
+def interruption_message(signum: int, trainer: Optional[Trainer]) -> str:
+    """What an interrupted run leaves: nothing before the loop, else the last checkpoint to resume from."""
+    name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+    if trainer is None or not trainer.training_started:
+        return f"interrupted by {name} before training started: nothing was saved"
+    last = trainer.last_checkpoint
+    where = (f"the last checkpoint is {last} (step {trainer.last_checkpoint_step}): resume with --resume-from {last}"
+             if last else "no checkpoint of this run was saved")
+    again = "a second Ctrl-C" if signum == signal.SIGINT and trainer.stop_signal == signal.SIGINT else name
+    return f"interrupted by {again} at step {trainer.step}: stopped at once; {where}"
 
 
 def _report_error(message: str, handlers: list, rank: int, every_rank: bool) -> None:

@@ -1,0 +1,432 @@
+"""Training faults: damaged, foreign or planted checkpoints, unwritable or shared output folders, a full disk and
+signals each end in one clear line, run no planted code and lose no run (issue 10; the corpus that counts them is
+tests/faults/training_corpus.py)."""
+import errno
+import json
+import logging
+import os
+import shutil
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from faults.training_corpus import (LOCK_FILE, can_mount, dead_pid, read_only_prefix, run, small_disk_prefix,  # noqa: E402
+                                    torchrun_command, train_command, truncate, write_code_running_pickle,
+                                    write_lock_file)
+from test_training import (ENTRY, QUICK, error_lines, info, offline, offline_single_thread,  # noqa: E402,F401
+                           train)  # offline: the autouse fixture of test_training.py, here too
+
+import utils.trainer  # noqa: E402
+from utils.trainer import Trainer  # noqa: E402
+
+TWO_STEPS = [*QUICK, "--max-steps", "2"]
+
+
+@pytest.fixture(scope="module")
+def finished_gpt2(tmp_path_factory):
+    """A finished 2-step tiny GPT-2 run: initial_model, checkpoint-1, checkpoint-2, best_model, final_model."""
+    tmp = tmp_path_factory.mktemp("finished_gpt2")
+    with offline_single_thread():
+        status, save_dir, _ = train("gpt2", tmp, *TWO_STEPS, "--save-steps", "1")
+    assert status == 0
+    return save_dir
+
+
+@pytest.fixture(scope="module")
+def finished_bert(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("finished_bert")
+    with offline_single_thread():
+        status, save_dir, _ = train("bert", tmp, *TWO_STEPS, "--save-steps", "1", "--no-save-initial")
+    assert status == 0
+    return save_dir
+
+
+def copy_checkpoint(source: Path, tmp_path: Path, name: str = "checkpoint-1") -> Path:
+    copy = tmp_path / "resume-from"
+    shutil.copytree(source / name, copy)
+    return copy
+
+
+def fails_with_one_line(status, capsys, *expected) -> str:
+    captured = capsys.readouterr()
+    errors = error_lines(captured.err)
+    assert status == 1 and len(errors) == 1, captured.err
+    assert "Traceback" not in captured.err + captured.out
+    for text in expected:
+        assert text in errors[0], errors[0]
+    return errors[0]
+
+
+# ---- planted code ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("state_file", ["trainer_state.pt", "rng_state.pt"])
+def test_code_planted_in_a_checkpoint_is_refused_and_never_runs(state_file, finished_gpt2, tmp_path, capsys):
+    checkpoint = copy_checkpoint(finished_gpt2, tmp_path)
+    marker = tmp_path / "planted-code-ran"
+    write_code_running_pickle(checkpoint / state_file, marker)
+    status, save_dir, _ = train("gpt2", tmp_path, *TWO_STEPS, "--resume-from", str(checkpoint))
+    error = fails_with_one_line(status, capsys, f"{checkpoint / state_file}: refused", "system")
+    assert not marker.exists(), error
+    assert not any(p.name.startswith("checkpoint-") for p in save_dir.iterdir())
+
+
+def test_resume_state_is_written_as_plain_data_that_loads_with_weights_only(finished_gpt2):
+    for name in ("trainer_state.pt", "rng_state.pt"):
+        state = torch.load(finished_gpt2 / "checkpoint-1" / name, weights_only=True)
+        assert state
+    [rank0] = torch.load(finished_gpt2 / "checkpoint-1" / "rng_state.pt", weights_only=True)
+    assert set(rank0) >= {"python", "numpy", "torch"}
+
+
+def test_checkpoint_of_an_earlier_version_resumes_to_the_same_weights(finished_gpt2, tmp_path):
+    """rng_state.pt written before this change held NumPy arrays: still loaded (as arrays only), same result."""
+    import numpy as np
+    current = copy_checkpoint(finished_gpt2, tmp_path / "current")
+    legacy = copy_checkpoint(finished_gpt2, tmp_path / "legacy")
+    states = torch.load(legacy / "rng_state.pt", weights_only=True)
+    for state in states:
+        kind, key, *rest = state["numpy"]
+        state["numpy"] = (kind, key.numpy().astype(np.uint32), *rest)
+    torch.save(states, legacy / "rng_state.pt")
+    flags = [*QUICK, "--max-steps", "3", "--no-save-initial"]
+    assert train("gpt2", tmp_path / "current", *flags, "--resume-from", str(current))[0] == 0
+    assert train("gpt2", tmp_path / "legacy", *flags, "--resume-from", str(legacy))[0] == 0
+    assert (info(tmp_path / "legacy" / "ckpt" / "final_model")["weights_sha256"]
+            == info(tmp_path / "current" / "ckpt" / "final_model")["weights_sha256"])
+
+
+# ---- damaged and foreign checkpoints ----------------------------------------------------------------------------
+def _drop_tokenizer(checkpoint: Path) -> None:
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt"):
+        (checkpoint / name).unlink(missing_ok=True)
+
+
+DAMAGE = {
+    "truncated model.safetensors": ("model.safetensors", truncate, "damaged or cut off"),
+    "empty model.safetensors": ("model.safetensors", lambda p: p.write_bytes(b""), "empty (0 bytes)"),
+    "missing model.safetensors": ("model.safetensors", Path.unlink, "missing"),
+    "truncated trainer_state.pt": ("trainer_state.pt", truncate, "damaged or cut off"),
+    "empty trainer_state.pt": ("trainer_state.pt", lambda p: p.write_bytes(b""), "empty (0 bytes)"),
+    "truncated rng_state.pt": ("rng_state.pt", truncate, "damaged or cut off"),
+    "invalid config.json": ("config.json", lambda p: p.write_text('{"model_type": "gpt2",'), "not valid JSON"),
+    "config.json not an object": ("config.json", lambda p: p.write_text("[]"), "not a JSON object"),
+}
+
+
+@pytest.mark.parametrize("damage", DAMAGE)
+def test_damaged_checkpoint_names_the_file_before_anything_trains(damage, finished_gpt2, tmp_path, capsys):
+    name, how, problem = DAMAGE[damage]
+    checkpoint = copy_checkpoint(finished_gpt2, tmp_path)
+    how(checkpoint / name)
+    status, save_dir, log_dir = train("gpt2", tmp_path, *TWO_STEPS, "--resume-from", str(checkpoint))
+    fails_with_one_line(status, capsys, f"error: {checkpoint / name}: {problem}")
+    assert not log_dir.exists()  # refused while checking the flags: no process group, no logs, no steps
+
+
+def test_cut_off_shard_of_sharded_weights_is_named(finished_gpt2, tmp_path):
+    from transformers import GPT2LMHeadModel
+    from utils.checkpointing import check_resumable
+    from utils.errors import CheckpointError
+    checkpoint = copy_checkpoint(finished_gpt2, tmp_path)
+    (checkpoint / "model.safetensors").unlink()
+    GPT2LMHeadModel.from_pretrained(finished_gpt2 / "checkpoint-1").save_pretrained(checkpoint, max_shard_size="300KB")
+    shards = sorted(checkpoint.glob("model-*.safetensors"))
+    assert len(shards) > 1 and (checkpoint / "model.safetensors.index.json").is_file()
+    check_resumable(checkpoint, model_type="gpt2")
+    truncate(shards[-1])
+    with pytest.raises(CheckpointError, match=f"^{shards[-1]}: damaged or cut off"):
+        check_resumable(checkpoint, model_type="gpt2")
+
+
+def test_checkpoint_without_tokenizer_files_asks_for_the_tokenizer(finished_gpt2, tmp_path, capsys):
+    checkpoint = copy_checkpoint(finished_gpt2, tmp_path)
+    _drop_tokenizer(checkpoint)
+    status, _, _ = train("gpt2", tmp_path, *TWO_STEPS, "--resume-from", str(checkpoint))
+    error = fails_with_one_line(status, capsys, f"{checkpoint}: no tokenizer files", "--tokenizer-path")
+    assert "validation split" not in error
+
+
+def test_checkpoint_without_tokenizer_files_resumes_with_tokenizer_path(finished_gpt2, tmp_path):
+    checkpoint = copy_checkpoint(finished_gpt2, tmp_path)
+    _drop_tokenizer(checkpoint)
+    status, save_dir, _ = train("gpt2", tmp_path, *QUICK, "--max-steps", "2", "--resume-from", str(checkpoint),
+                                "--tokenizer-path", str(finished_gpt2 / "final_model"))
+    assert status == 0 and info(save_dir / "final_model")["step"] == 2
+
+
+@pytest.mark.parametrize("saved, resumed_by", [("bert", "gpt2"), ("gpt2", "bert")])
+def test_checkpoint_of_the_other_model_family_is_refused(saved, resumed_by, finished_gpt2, finished_bert, tmp_path,
+                                                        capsys):
+    checkpoint = copy_checkpoint(finished_gpt2 if saved == "gpt2" else finished_bert, tmp_path)
+    status, _, _ = train(resumed_by, tmp_path, *TWO_STEPS, "--resume-from", str(checkpoint))
+    fails_with_one_line(status, capsys, f"a '{saved}' checkpoint, but {resumed_by}/train.py trains '{resumed_by}' models",
+                        f"resume it with {saved}/train.py")
+
+
+# ---- output folders ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("flag", ["--save-dir", "--log-dir", "--trace-output-dir"])
+def test_output_folder_that_is_a_file_fails_before_the_first_step(flag, tmp_path, capsys):
+    folders = {"--save-dir": tmp_path / "ckpt", "--log-dir": tmp_path / "logs", "--trace-output-dir": tmp_path / "out"}
+    folders[flag].write_text("a file\n")
+    status = ENTRY["gpt2"]([*QUICK, "--enable-tracing", "--max-steps", "3", "--save-steps", "1",
+                            *[x for f, path in folders.items() for x in (f, str(path))]])
+    fails_with_one_line(status, capsys, f"{flag} {folders[flag]}: is a file, not a folder")
+    assert not (tmp_path / "ckpt").is_dir() or not any((tmp_path / "ckpt").iterdir())
+
+
+needs_read_only = pytest.mark.skipif(os.geteuid() == 0 and not can_mount(),
+                                     reason="as root a read-only folder needs a private mount namespace (unshare)")
+
+
+@pytest.mark.slow
+@needs_read_only
+@pytest.mark.parametrize("flag", ["--save-dir", "--log-dir", "--trace-output-dir"])
+def test_read_only_output_folder_fails_before_the_first_step(flag, tmp_path):
+    folders = {"--save-dir": tmp_path / "ckpt", "--log-dir": tmp_path / "logs", "--trace-output-dir": tmp_path / "out"}
+    folders[flag].mkdir()
+    prefix = read_only_prefix(folders[flag]) if os.geteuid() == 0 else ()
+    if not prefix:
+        folders[flag].chmod(0o555)
+    try:
+        done = run(train_command("gpt2", folders["--save-dir"], folders["--log-dir"], "--max-steps", "3",
+                                 "--save-steps", "1", "--enable-tracing", "--trace-output-dir", folders["--trace-output-dir"]),
+                   prefix=prefix)
+    finally:
+        folders[flag].chmod(0o755)
+    assert done.status == 1 and not done.has_traceback, done.stderr
+    assert done.error_lines == [f"error: {flag} {folders[flag]}: cannot write there "
+                                f"({'Read-only file system' if prefix else 'Permission denied'})"]
+    assert done.trained_steps() == 0
+
+
+# ---- one run per save dir ---------------------------------------------------------------------------------------
+def test_save_dir_in_use_by_a_live_run_is_refused(tmp_path, capsys):
+    from utils.checkpointing import SaveDirLock
+    with SaveDirLock(tmp_path / "ckpt") as holder:  # this process stands in for the other run
+        holder.acquire()
+        status, save_dir, _ = train("gpt2", tmp_path, *TWO_STEPS)
+        fails_with_one_line(status, capsys, f"--save-dir {save_dir}: another run (pid {os.getpid()} on",
+                            "is writing checkpoints there", LOCK_FILE)
+        assert sorted(p.name for p in save_dir.iterdir()) == [LOCK_FILE]
+
+
+def test_save_dir_of_a_finished_run_is_refused_without_overwrite_output_dir(finished_gpt2, tmp_path, capsys):
+    save_dir = tmp_path / "ckpt"
+    shutil.copytree(finished_gpt2, save_dir)
+    before = info(save_dir / "final_model")
+    status, _, _ = train("gpt2", tmp_path, *QUICK, "--max-steps", "3", "--seed", "7")
+    fails_with_one_line(status, capsys, f"--save-dir {save_dir}: holds the checkpoints of an earlier run",
+                        f"resume with --resume-from {save_dir / 'checkpoint-2'}", "--overwrite-output-dir")
+    assert info(save_dir / "final_model") == before and not (save_dir / LOCK_FILE).exists()
+
+
+def test_overwrite_output_dir_reuses_a_save_dir_deliberately(finished_gpt2, tmp_path):
+    shutil.copytree(finished_gpt2, tmp_path / "ckpt")
+    status, save_dir, _ = train("gpt2", tmp_path, *QUICK, "--max-steps", "3", "--overwrite-output-dir")
+    assert status == 0 and info(save_dir / "final_model")["step"] == 3
+
+
+def test_resuming_from_a_checkpoint_of_the_save_dir_needs_no_flag(finished_gpt2, tmp_path):
+    shutil.copytree(finished_gpt2, tmp_path / "ckpt")
+    status, save_dir, _ = train("gpt2", tmp_path, *QUICK, "--max-steps", "3", "--resume-from",
+                                str(tmp_path / "ckpt" / "checkpoint-2"))
+    assert status == 0 and info(save_dir / "final_model")["step"] == 3
+
+
+def test_lock_of_a_dead_run_is_taken_over_with_a_warning(tmp_path, capsys):
+    pid = dead_pid()
+    write_lock_file(tmp_path / "ckpt", pid)
+    status, save_dir, _ = train("gpt2", tmp_path, *TWO_STEPS, "--no-save-initial")
+    assert status == 0
+    assert f"took over the lock of pid {pid}" in capsys.readouterr().err
+    assert not (save_dir / LOCK_FILE).exists()  # released at the end
+
+
+def test_without_flock_the_lock_holders_pid_decides(tmp_path, monkeypatch):
+    import utils.checkpointing
+    from utils.checkpointing import SaveDirLock
+    from utils.errors import UsageError
+    monkeypatch.setattr(utils.checkpointing, "fcntl", None)  # a file system or platform without flock
+    write_lock_file(tmp_path, os.getpid())
+    with pytest.raises(UsageError, match=f"pid {os.getpid()} on .* if that run is gone, delete the lock file"):
+        SaveDirLock(tmp_path).acquire()
+    pid = dead_pid()
+    write_lock_file(tmp_path, pid)
+    with SaveDirLock(tmp_path) as lock:
+        assert lock.acquire()["pid"] == pid
+        assert json.loads((tmp_path / LOCK_FILE).read_text())["pid"] == os.getpid()
+    assert not (tmp_path / LOCK_FILE).exists()
+
+
+def test_partial_folders_of_a_killed_save_are_cleaned_up_and_a_moved_aside_best_model_restored(finished_gpt2,
+                                                                                               tmp_path, capsys):
+    save_dir = tmp_path / "ckpt"
+    shutil.copytree(finished_gpt2, save_dir)
+    pid = dead_pid()
+    shutil.copytree(save_dir / "checkpoint-2", save_dir / f".checkpoint-3.tmp-{pid}")  # killed mid-write
+    truncate(save_dir / f".checkpoint-3.tmp-{pid}" / "model.safetensors")
+    (save_dir / "best_model").rename(save_dir / f".best_model.old-{pid}")  # killed between the two renames
+    status, _, _ = train("gpt2", tmp_path, *TWO_STEPS, "--resume-from", str(save_dir / "checkpoint-2"))
+    assert status == 0
+    assert not [p.name for p in save_dir.iterdir() if p.name.startswith(".")]
+    assert info(save_dir / "best_model")["kind"] == "best"
+    out = capsys.readouterr().out
+    assert f"removed .checkpoint-3.tmp-{pid}" in out and f"restored best_model/ from .best_model.old-{pid}/" in out
+
+
+# ---- a full disk ------------------------------------------------------------------------------------------------
+def test_full_disk_during_a_save_names_the_last_good_checkpoint_and_leaves_no_partial_folder(tmp_path, capsys,
+                                                                                              monkeypatch):
+    real_save = torch.save
+
+    def disk_fills_at_checkpoint_2(obj, f, *args, **kwargs):
+        if "checkpoint-2" in str(f):
+            Path(f).write_bytes(b"\0" * 1000)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", disk_fills_at_checkpoint_2)
+    status, save_dir, _ = train("gpt2", tmp_path, *QUICK, "--max-steps", "4", "--save-steps", "1", "--no-save-initial")
+    fails_with_one_line(status, capsys, f"{save_dir / 'checkpoint-2'}: could not write the checkpoint: the disk is full",
+                        f"the last good checkpoint is {save_dir / 'checkpoint-1'}",
+                        f"--resume-from {save_dir / 'checkpoint-1'}")
+    assert sorted(p.name for p in save_dir.iterdir()) == ["checkpoint-1"]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not can_mount(), reason="needs root and unshare for a small tmpfs")
+def test_full_disk_for_real_names_the_last_good_checkpoint(tmp_path):
+    save_dir = tmp_path / "ckpt"
+    save_dir.mkdir()
+    done = run(train_command("gpt2", save_dir, tmp_path / "logs", "--max-steps", "4", "--save-steps", "1",
+                             "--no-save-initial", "--eval-steps", "0"), prefix=small_disk_prefix(save_dir, "4500k"))
+    assert done.status == 1 and not done.has_traceback, done.stderr
+    [error] = done.error_lines
+    assert f"{save_dir / 'checkpoint-2'}: could not write the checkpoint: the disk is full" in error
+    assert f"--resume-from {save_dir / 'checkpoint-1'}" in error
+
+
+class FullDisk:
+    """A file object on a full disk: every write fails with ENOSPC."""
+
+    def write(self, text):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def flush(self):
+        pass
+
+    def close(self):
+        pass
+
+
+def test_log_file_that_cannot_be_written_warns_once_and_training_goes_on(tmp_path, capsys):
+    from utils.trainer import setup_logging, teardown_logging
+    handlers = setup_logging(tmp_path, rank=0, world_size=1)
+    handlers[0].stream.close()
+    handlers[0].stream = FullDisk()
+    log = logging.getLogger("test_full_log_dir")
+    try:
+        log.info("step 1/10")
+        log.info("step 2/10")
+    finally:
+        teardown_logging(handlers)
+    captured = capsys.readouterr()
+    assert "Logging error" not in captured.err and "Traceback" not in captured.err
+    assert captured.err.count(f"{tmp_path / 'training_rank_0.log'}: cannot write the log file "
+                              "(No space left on device); logging to the console only") == 1
+    assert "step 2/10" in captured.out
+
+
+# ---- signals ----------------------------------------------------------------------------------------------------
+def test_ctrl_c_during_setup_says_nothing_was_saved(tmp_path, capsys, monkeypatch):
+    def interrupted(self):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(Trainer, "setup", interrupted)
+    status, _, _ = train("gpt2", tmp_path, *TWO_STEPS)
+    captured = capsys.readouterr()
+    assert status == 130 and "Traceback" not in captured.err
+    assert error_lines(captured.err) == ["error: interrupted by Ctrl-C before training started: nothing was saved"]
+
+
+def test_second_ctrl_c_stops_at_once_and_names_the_last_checkpoint(tmp_path, capsys, monkeypatch):
+    step = Trainer._optimizer_step
+
+    def ctrl_c_twice_in_step_3(self):
+        result = step(self)
+        if self.step == 2:
+            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), signal.SIGINT)
+        return result
+
+    monkeypatch.setattr(Trainer, "_optimizer_step", ctrl_c_twice_in_step_3)
+    status, save_dir, _ = train("gpt2", tmp_path, *QUICK, "--max-steps", "10", "--save-steps", "2",
+                                "--no-save-initial")
+    captured = capsys.readouterr()
+    assert status == 130 and "Traceback" not in captured.err
+    assert error_lines(captured.err) == [
+        f"error: interrupted by a second Ctrl-C at step 2: stopped at once; the last checkpoint is "
+        f"{save_dir / 'checkpoint-2'} (step 2): resume with --resume-from {save_dir / 'checkpoint-2'}"]
+
+
+def test_ctrl_c_during_the_final_save_still_finishes_it(tmp_path, monkeypatch):
+    write = utils.trainer.write_checkpoint
+
+    def ctrl_c_then_write(target, **kwargs):
+        if Path(target).name == "final_model":
+            os.kill(os.getpid(), signal.SIGINT)
+        return write(target, **kwargs)
+
+    monkeypatch.setattr(utils.trainer, "write_checkpoint", ctrl_c_then_write)
+    status, save_dir, _ = train("gpt2", tmp_path, *TWO_STEPS, "--no-save-initial")
+    assert status == 0 and info(save_dir / "final_model")["step"] == 2
+
+
+def test_trace_error_is_one_line(tmp_path, capsys, monkeypatch):
+    from utils.chakra_tracer import NullTracer, TraceError
+
+    class FailingTracer(NullTracer):
+        def __exit__(self, *exc):
+            raise TraceError("outputs/x/host.0.json: 2 JSON objects concatenated")
+
+    monkeypatch.setattr(utils.trainer, "build_tracer", lambda *a, **k: FailingTracer())
+    status, _, _ = train("gpt2", tmp_path, *TWO_STEPS, "--no-save-initial")
+    fails_with_one_line(status, capsys, "error: outputs/x/host.0.json: 2 JSON objects concatenated")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum, when, expected", [
+    # one second in, torch and transformers are still importing
+    (signal.SIGINT, None, "error: interrupted by SIGINT while starting up; nothing was written"),
+    (signal.SIGTERM, "SQuAD from the Hugging Face hub is not available",
+     "error: interrupted by SIGTERM before training started: nothing was saved"),
+])
+def test_signal_before_training_gives_one_line(signum, when, expected, tmp_path):
+    done = run(train_command("gpt2", tmp_path / "ckpt", tmp_path / "logs", "--max-steps", "400"),
+               signals=(signum,), when=when, delay=1.0)
+    assert done.status == 128 + signum and not done.has_traceback, done.stderr
+    assert len(done.error_lines) == 1 and done.error_lines[0].startswith("error: interrupted by "), done.stderr
+    assert done.error_lines[0] == expected or when is None  # a very fast machine may be past its imports
+
+
+@pytest.mark.slow
+def test_sigterm_to_utils_torchrun_saves_on_every_rank_and_ends_in_one_line(tmp_path):
+    launcher = [sys.executable, "-m", "utils.torchrun"]
+    done = run(torchrun_command(launcher, "gpt2", tmp_path / "ckpt", tmp_path / "logs", "--max-steps", "400",
+                                "--save-steps", "0", "--no-save-initial"), signals=(signal.SIGTERM,), when=r"^step 2/")
+    assert done.status == 143 and not done.has_traceback, done.stderr[-3000:]
+    assert done.error_lines == ["error: torchrun stopped by SIGTERM: every rank was asked to save a checkpoint and "
+                                "stop (their lines above say where)"]
+    [saved] = (tmp_path / "ckpt").glob("checkpoint-*")
+    assert info(saved)["kind"] == "interrupted" and info(saved)["world_size"] == 2
+
+
+@pytest.mark.slow
+def test_failing_rank_under_utils_torchrun_ends_without_a_traceback(tmp_path):
+    done = run(torchrun_command([sys.executable, "-m", "utils.torchrun"], "gpt2", tmp_path / "ckpt",
+                                tmp_path / "logs", "--max-steps", "2", "--dataset-path", tmp_path / "missing.jsonl"))
+    assert done.status == 1 and not done.has_traceback, done.stderr[-3000:]
+    assert "missing.jsonl" in done.error_lines[0]
