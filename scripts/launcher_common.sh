@@ -540,14 +540,9 @@ lc_print_settings() {
 # ---------------------------------------------------------------------------------------------------------
 
 lc_torchrun() {
-    # The torchrun beside the chosen Python, so a .venv's torch runs the workers.
-    local dir
-    dir="$(dirname "$PYTHON")"
-    if [ -x "$dir/torchrun" ]; then
-        LC_CMD+=("$dir/torchrun")
-    else
-        LC_CMD+=("$PYTHON" -m torch.distributed.run)
-    fi
+    # torchrun through the chosen Python (a .venv's torch runs the workers), wrapped so that a stop or a failed
+    # rank ends in one line instead of torchrun's traceback.
+    LC_CMD+=("$PYTHON" -m utils.torchrun)
 }
 
 lc_build_command() {
@@ -579,7 +574,8 @@ lc_build_command() {
              --num-gpus "$world"
              --batch-size "$LC_BATCH_SIZE")
     if [ "$LC_MODE" = test ]; then
-        LC_CMD+=(--max-steps "${LC_MAX_STEPS:-$LC_TEST_STEPS}")
+        # A quick run is an experiment run again and again: it replaces its own earlier checkpoints.
+        LC_CMD+=(--max-steps "${LC_MAX_STEPS:-$LC_TEST_STEPS}" --overwrite-output-dir)
     else
         LC_CMD+=(--num-epochs "$LC_NUM_EPOCHS")
         if [ -n "$LC_MAX_STEPS" ]; then LC_CMD+=(--max-steps "$LC_MAX_STEPS"); fi
