@@ -174,3 +174,50 @@ def test_tracing_cost_fails_when_a_run_cannot_be_measured():
     assert result.returncode == 1
     assert "(tiny, tracing off) failed" in result.stderr and "--max-seq-length" in result.stderr
     assert "| tracing off" not in result.stdout
+
+
+# --------------------------------------------------------------------------------------------- whatif_bench
+def markdown_table_after(stdout: str, caption: str) -> dict:
+    """{first cell: cells} of the first Markdown table after the line starting with caption."""
+    lines = stdout.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(caption))
+    rows = {}
+    for line in lines[start + 1:]:
+        if rows and not line.startswith("|"):
+            break
+        if line.startswith("|") and not line.startswith("|-"):
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            rows[cells[0]] = cells
+    return rows
+
+
+@pytest.mark.slow
+def test_whatif_bench_measures_real_steps_at_every_rate_on_a_rate_limited_loopback():
+    from bench.netem import missing_requirement
+
+    problem = missing_requirement()
+    if problem:
+        pytest.skip(f"whatif_bench needs a rate-limited network namespace: {problem}")
+    result = run_bench("whatif_bench.py", "--quick", timeout=900)
+    assert result.returncode == 0, result.stderr
+    real = markdown_table_after(result.stdout, "Untraced real runs")
+    assert set(real) == {"network", "unthrottled", "100 Mbit/s"}
+    steps = {rate: float(real[rate][2].replace(",", "")) for rate in ("unthrottled", "100 Mbit/s")}
+    assert all(int(real[rate][1]) >= 1 and steps[rate] > 0 for rate in steps)
+    # 2 x 0.9 MB of gradients a step through 100 Mbit/s take 140 ms: the throttled step cannot hide them.
+    assert steps["100 Mbit/s"] > steps["unthrottled"] + 50
+    # tbf really limits lo: a 10 MB all-reduce takes at least the ring's 2S/R (a larger burst would beat it).
+    [micro] = [row for rate, row in markdown_table_after(result.stdout, "All-reduce micro-benchmark").items()
+               if rate == "100 Mbit/s"]
+    assert 0.95 < ratio_value(micro[5]) < 2.0
+    assert "traced step" in result.stdout and ("Predictions:" in result.stdout or "Predictions skipped" in result.stdout)
+
+
+def test_whatif_bench_says_what_is_missing_where_it_cannot_limit_the_network(tmp_path):
+    # No ip or tc on PATH (or no root): one line naming what is missing, before anything runs.
+    result = run_bench("whatif_bench.py", "--quick", env_extra={"PATH": str(tmp_path)}, timeout=60)
+    assert result.returncode == 1
+    [line] = result.stderr.strip().splitlines()
+    assert line.startswith("error: bench/whatif_bench.py: ")
+    assert "'ip' not found on PATH" in line or "needs root" in line
+    assert "|" not in result.stdout
