@@ -10,9 +10,9 @@ import re
 import shlex
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,7 +21,7 @@ if __package__ in (None, ""):
 
 from bench.common import (BUNDLED_SQUAD, OUR_LOG_FILE, REPO_ROOT, BenchError, child_env, exit_on_sigterm, fail,
                           format_table, machine_description, our_step_times, run_child, steps_between)
-from bench.netem import (BURST_SLACK_S, DEFAULT_MTU, QUEUE_LATENCY, Namespace, NetemUnavailable, Rate,
+from bench.netem import (DEFAULT_MTU, QUEUE_LATENCY, Namespace, NetemUnavailable, Rate,
                          expected_goodput_share, format_bits, measure_throughput, missing_requirement, parse_rate)
 
 RANKS = 2  # the loopback is one medium shared by both directions; the per-link equivalence below is for 2 ranks
@@ -46,18 +46,21 @@ class ModelSetup:
     steps: int          # optimizer steps of an untraced run
     skip: int           # first steps left out of its median (allocator, caches, gloo connections)
     rates: tuple        # default network rates, from compute- to communication-dominated
+    burst_slack_s: float  # tbf burst beyond one packet, as time at the rate (bench/netem.py says why)
     timeout_s: int
 
 
 MODELS = {
     # The CPU quick runs' configuration (scripts/launcher_common.sh: tiny, batch 4, 128 tokens, one thread a rank).
     "tiny": ModelSetup("tiny", "GPT-2 tiny", "tiny", 4, 128, steps=40, skip=10,
-                       rates=("unthrottled", "1gbit", "400mbit", "100mbit"), timeout_s=900),
+                       rates=("unthrottled", "1gbit", "400mbit", "100mbit"), burst_slack_s=250e-6, timeout_s=900),
     # GPT-2 124M's layers (12 x 768, 12 heads) with the trainer's offline stand-in tokenizer (no --tokenizer-path):
-    # about 87M parameters. Its 350 MB of gradients take 1.4 s a step at 2 Gbit/s on the shared loopback.
+    # 86.9M parameters. Its 348 MB of gradients take 2.8 s a step at 2 Gbit/s on the shared loopback (2 x 348 MB),
+    # 11 s at 500 Mbit/s, against 1.5-6 s of compute (quiet to busy machine). Its ~14 buckets a step leave few idle
+    # pauses, so a larger tbf burst costs little and keeps the busy rate at R.
     "gpt2-124m-shape": ModelSetup("gpt2-124m-shape", "GPT-2 124M shape (offline vocabulary)", "gpt2", 1, 128,
-                                  steps=10, skip=3, rates=("unthrottled", "4gbit", "2gbit", "1gbit"),
-                                  timeout_s=3600),
+                                  steps=10, skip=3, rates=("unthrottled", "2gbit", "1gbit", "500mbit"),
+                                  burst_slack_s=2e-3, timeout_s=3600),
 }
 QUICK_RATES = ("unthrottled", "100mbit")
 MICRO_SIZES = (10_000_000, 100_000_000)
@@ -208,7 +211,7 @@ def verify_rates(ns: Namespace, rates: list, seconds: float) -> tuple:
         bits = measure_throughput(ns, seconds)
         if rate.throttled:
             expected = rate.bits_per_s * expected_goodput_share(ns.mtu)
-            burst = rate.burst_bytes(ns.mtu)
+            burst = rate.burst_bytes(ns.mtu, ns.burst_slack_s)
             rows.append([rate.label, f"{burst:,}", f"{1000 * burst * 8 / rate.bits_per_s:.2f}",
                          f"{bits / 1e6:,.1f}", f"{bits / rate.bits_per_s:.3f}x", f"{bits / expected:.3f}x",
                          ns.drops()])
@@ -276,8 +279,8 @@ def traced_runs(ns: Namespace, setup: ModelSetup, rate: Rate, count: int, args, 
         before = [times[s] for s in range(skip + 1, args.trace_wait_steps + 1) if s in times]
         run.before_window_ms = 1000 * statistics.median(before) if before else None
         run.traced_ms, run.untraced_ms = read_run_json(folder)
-        convert = run_child([shutil.which("nice") or "nice", "-n", "10", sys.executable,
-                             REPO_ROOT / "convert_to_et.py", folder, "--no-progress"], env=env, timeout_s=3600)
+        convert = run_child([sys.executable, REPO_ROOT / "convert_to_et.py", folder, "--no-progress"], env=env,
+                            timeout_s=3600)
         if not convert.ok:
             raise BenchError(f"convert_to_et.py {folder} failed: {convert.reason()}")
         print(f"    trace {index + 1}: traced step {fmt_ms(run.traced_ms)} ms, steps before the window "
@@ -327,6 +330,13 @@ def predict(sim: Simulator, traces: list, rates: list, unthrottled_bits: float, 
 
 
 # -------------------------------------------------------------------------------------------------- report
+_STARTED = time.perf_counter()
+
+
+def phase(what: str) -> None:
+    print(f"... {what} (at {time.perf_counter() - _STARTED:.0f} s, load {load1():.1f})", flush=True)
+
+
 def fmt_ms(value: float | None) -> str:
     return f"{value:,.1f}" if value else "n/a"
 
@@ -346,16 +356,16 @@ def report(setup: ModelSetup, args, sim: Simulator, verification: list, micro: l
            unthrottled_bits: float, unthrottled_source: str, ns: Namespace, invocation: str) -> str:
     """The Markdown of one run of the benchmark: what ran, where, and the tables."""
     lines = [f"### {setup.label}", "",
-             f"Measured {datetime.datetime.now().astimezone().strftime('%Y-%m-%d %H:%M %Z')} with", "",
-             "```bash", invocation, "```", "",
+             f"Measured {datetime.datetime.now().astimezone().strftime('%Y-%m-%d %H:%M %Z')}, as root, with "
+             f"`{invocation}`.", "",
              f"- {machine_description(('torch', 'transformers', 'mlc-chakra'))}; Linux {platform.release()}",
              f"- model: `--model-name {setup.model_name}`"
              + (f", {traces[0].parameters:,} parameters" if traces and traces[0].parameters else "")
              + f", batch {setup.batch_size} x {setup.seq_length} tokens per rank, {RANKS} ranks (torchrun, gloo, CPU, "
                f"OMP_NUM_THREADS=1), fp32, `nice -n {NICE}`",
              f"- network: a private namespace's `lo`, MTU {ns.mtu}, {ns.offload_note}; rates as `tc qdisc replace dev lo "
-             f"root tbf rate R burst B latency {QUEUE_LATENCY}` with B = one packet + R x {BURST_SLACK_S * 1e6:g} us",
-             f"- ASTRA-sim: " + (f"`{sim.binary}` (analytical, congestion-unaware), 2-NPU Ring, ring all-reduce, "
+             f"root tbf rate R burst B latency {QUEUE_LATENCY}` with B = one packet + R x {ns.burst_slack_s * 1e6:g} us",
+             "- ASTRA-sim: " + (f"`{sim.binary}` (analytical, congestion-unaware), 2-NPU Ring, ring all-reduce, "
                                  f"latency {args.sim_latency_ns:g} ns, per-link bandwidth R/2"
                                  if sim.ok else f"predictions skipped: {sim.missing}"),
              f"- unthrottled R = {format_bits(unthrottled_bits)} ({unthrottled_source})", ""]
@@ -462,6 +472,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--check-seconds", type=float, default=1.0,
                         help="seconds of sending per rate in the tbf check (default: %(default)s)")
     parser.add_argument("--mtu", type=int, default=DEFAULT_MTU, help="lo's MTU in the namespace (default: %(default)s)")
+    parser.add_argument("--burst-slack-us", type=float, default=None,
+                        help="tbf burst beyond one packet, in microseconds at the rate (default per model: "
+                             + ", ".join(f"{k} {m.burst_slack_s * 1e6:g}" for k, m in MODELS.items()) + ")")
     parser.add_argument("--sim-latency-ns", type=float, default=500.0,
                         help="ASTRA-sim link latency (default: %(default)s)")
     parser.add_argument("--astra-sim", default=None, metavar="PATH",
@@ -524,23 +537,23 @@ def main(argv=None) -> int:
     root = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="whatif_bench-"))
     root.mkdir(parents=True, exist_ok=True)
     try:
-        with Namespace(args.mtu) as ns:
+        slack = args.burst_slack_us * 1e-6 if args.burst_slack_us is not None else setup.burst_slack_s
+        with Namespace(args.mtu, slack) as ns:
             print(f"namespace {ns.name}: lo MTU {ns.mtu}, {ns.offload_note}", flush=True)
-            print("... tbf check (payload rate of one TCP stream)", flush=True)
+            phase("tbf check (payload rate of one TCP stream)")
             checked = sorted({r.label: r for r in rates + [micro_rate]}.values(), key=lambda r: -(r.bits_per_s or 1e30))
             verification, socket_bits = verify_rates(ns, checked, args.check_seconds)
-            print(f"... all-reduce micro-benchmark at {micro_rate.label}" + ("" if args.quick else " and unthrottled"),
-                  flush=True)
+            phase(f"all-reduce micro-benchmark at {micro_rate.label}" + ("" if args.quick else " and unthrottled"))
             micro, allreduce_bits = micro_benchmark(ns, micro_rate, sizes, args.micro_repeats, env, sim,
                                                     root / "micro", args.sim_latency_ns, unthrottled=not args.quick)
             unthrottled_bits, source = ((allreduce_bits, "a gloo all-reduce's 2S/t, unthrottled") if allreduce_bits
                                         else (socket_bits, "one TCP stream's payload rate"))
-            print(f"... {args.traces} traced run(s) at {trace_rate.label}", flush=True)
+            phase(f"{args.traces} traced run(s) at {trace_rate.label}")
             traces = traced_runs(ns, setup, trace_rate, args.traces, args, env, root)
-            print("... untraced runs", flush=True)
+            phase("untraced runs")
             real = real_runs(ns, setup, rates, args, env, root)
             if sim.ok:
-                print("... ASTRA-sim", flush=True)
+                phase("ASTRA-sim")
                 predict(sim, traces, rates, unthrottled_bits, args.sim_latency_ns)
             text = report(setup, args, sim, verification, micro, traces, real, unthrottled_bits, source, ns,
                           invocation)
