@@ -47,20 +47,22 @@ class ModelSetup:
     skip: int           # first steps left out of its median (allocator, caches, gloo connections)
     rates: tuple        # default network rates, from compute- to communication-dominated
     burst_slack_s: float  # tbf burst beyond one packet, as time at the rate (bench/netem.py says why)
+    repeats: int        # untraced runs per rate, pooled
     timeout_s: int
 
 
 MODELS = {
     # The CPU quick runs' configuration (scripts/launcher_common.sh: tiny, batch 4, 128 tokens, one thread a rank).
     "tiny": ModelSetup("tiny", "GPT-2 tiny", "tiny", 4, 128, steps=40, skip=10,
-                       rates=("unthrottled", "1gbit", "400mbit", "100mbit"), burst_slack_s=250e-6, timeout_s=900),
+                       rates=("unthrottled", "1gbit", "400mbit", "100mbit"), burst_slack_s=250e-6, repeats=2,
+                       timeout_s=900),
     # GPT-2 124M's layers (12 x 768, 12 heads) with the trainer's offline stand-in tokenizer (no --tokenizer-path):
     # 86.9M parameters. Its 348 MB of gradients take 2.8 s a step at 2 Gbit/s on the shared loopback (2 x 348 MB),
     # 11 s at 500 Mbit/s, against 1.5-6 s of compute (quiet to busy machine). Its ~14 buckets a step leave few idle
     # pauses, so a larger tbf burst costs little and keeps the busy rate at R.
     "gpt2-124m-shape": ModelSetup("gpt2-124m-shape", "GPT-2 124M shape (offline vocabulary)", "gpt2", 1, 128,
                                   steps=10, skip=3, rates=("unthrottled", "2gbit", "1gbit", "500mbit"),
-                                  burst_slack_s=2e-3, timeout_s=3600),
+                                  burst_slack_s=2e-3, repeats=1, timeout_s=3600),
 }
 QUICK_RATES = ("unthrottled", "100mbit")
 MICRO_SIZES = (10_000_000, 100_000_000)
@@ -463,7 +465,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="traced steps (default: the trainer's own default)")
     parser.add_argument("--steps", type=int, default=None, help="steps of an untraced run (default per model)")
     parser.add_argument("--skip", type=int, default=None, help="first steps left out of the median (default per model)")
-    parser.add_argument("--repeats", type=int, default=1, help="untraced runs per rate, pooled (default: %(default)s)")
+    parser.add_argument("--repeats", type=int, default=None,
+                        help="untraced runs per rate, pooled, alternating the order of the rates (default per model: "
+                             + ", ".join(f"{k} {m.repeats}" for k, m in MODELS.items()) + ")")
     parser.add_argument("--micro-rate", default="1gbit",
                         help="rate of the all-reduce micro-benchmark (default: %(default)s)")
     parser.add_argument("--micro-sizes", default=",".join(str(s) for s in MICRO_SIZES),
@@ -481,7 +485,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="ASTRA-sim binary (default: $ASTRA_SIM, else " + str(ASTRA_SIM_PATH_FILE) + ")")
     parser.add_argument("--quick", action="store_true",
                         help="smoke test: tiny model, unthrottled and 100mbit, few steps, one 10 MB all-reduce")
-    parser.add_argument("--docs", default=str(DOCS), help="file whose whatif block gets the tables (default: %(default)s)")
+    parser.add_argument("--docs", default=None,
+                        help="file whose whatif block gets the tables (default: docs/BENCHMARKS.md)")
     parser.add_argument("--no-docs", action="store_true", help="print only (--quick never writes the docs)")
     parser.add_argument("--keep", metavar="DIR", default=None, help="keep the runs' logs, traces and .et files in DIR")
     return parser
@@ -497,6 +502,7 @@ def resolve(args) -> tuple:
     setup = MODELS[args.model]
     args.steps = args.steps if args.steps is not None else setup.steps
     args.skip = args.skip if args.skip is not None else setup.skip
+    args.repeats = args.repeats if args.repeats is not None else setup.repeats
     if args.trace_wait_steps is None:
         args.trace_wait_steps = 4 if args.quick else setup.skip + 2
     if not 0 <= args.skip < args.steps:
@@ -573,8 +579,8 @@ def main(argv=None) -> int:
     print()
     print(text)
     if not (args.quick or args.no_docs):
-        write_docs(Path(args.docs), setup.key, text)
-        print(f"\nwritten to {args.docs} (whatif block, {setup.key} part)")
+        write_docs(Path(args.docs) if args.docs else DOCS, setup.key, text)
+        print(f"\nwritten to {args.docs or DOCS} (whatif block, {setup.key} part)")
     return 0
 
 
