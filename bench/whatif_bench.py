@@ -30,7 +30,6 @@ TRACE_NAME = "whatif_{model}_{rate}_{index}"
 DOCS = REPO_ROOT / "docs" / "BENCHMARKS.md"
 DOCS_BEGIN, DOCS_END = "<!-- whatif:begin -->", "<!-- whatif:end -->"
 MODEL_BEGIN, MODEL_END = "<!-- whatif:{key}:begin -->", "<!-- whatif:{key}:end -->"
-ASTRA_SIM_PATH_FILE = Path("/work/coord/ASTRA_SIM_PATH")  # where the team's build records its binary
 GIB = 1 << 30  # ASTRA-sim analytical's GB
 
 
@@ -132,12 +131,11 @@ def ring_allreduce_s(size: int, bits_per_s: float) -> float:
 
 # -------------------------------------------------------------------------------------------- the simulator
 def find_simulator(path: str | None) -> Simulator:
+    """trace_tools.simulate and the ASTRA-sim binary (--astra-sim, else $ASTRA_SIM), or the reason there are none."""
     try:
         from trace_tools import simulate
     except ImportError as exc:
         return Simulator(missing=f"trace_tools.simulate is not in this checkout ({exc})")
-    if path is None and not os.environ.get("ASTRA_SIM") and ASTRA_SIM_PATH_FILE.is_file():
-        path = ASTRA_SIM_PATH_FILE.read_text(encoding="utf-8").strip() or None
     try:
         return Simulator(simulate, simulate.find_astra_sim(path))
     except Exception as exc:  # SimulationError: the one line says what to do
@@ -277,7 +275,7 @@ def traced_runs(ns: Namespace, setup: ModelSetup, rate: Rate, count: int, args, 
         times, load = run_training(ns, setup, work, env, extra, None, f"traced run {index + 1} at {rate.label}")
         folder = work / "traces" / name
         run = TracedRun(index, rate, folder, load=load, parameters=parameter_count(work / "logs"))
-        skip = min(setup.skip, args.trace_wait_steps - 1)
+        skip = min(args.skip, args.trace_wait_steps - 1)
         before = [times[s] for s in range(skip + 1, args.trace_wait_steps + 1) if s in times]
         run.before_window_ms = 1000 * statistics.median(before) if before else None
         run.traced_ms, run.untraced_ms = read_run_json(folder)
@@ -482,7 +480,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--sim-latency-ns", type=float, default=500.0,
                         help="ASTRA-sim link latency (default: %(default)s)")
     parser.add_argument("--astra-sim", default=None, metavar="PATH",
-                        help="ASTRA-sim binary (default: $ASTRA_SIM, else " + str(ASTRA_SIM_PATH_FILE) + ")")
+                        help="ASTRA-sim's analytical binary (default: $ASTRA_SIM); without it the predictions are "
+                             "skipped and said so")
     parser.add_argument("--quick", action="store_true",
                         help="smoke test: tiny model, unthrottled and 100mbit, few steps, one 10 MB all-reduce")
     parser.add_argument("--docs", default=None,

@@ -221,3 +221,32 @@ def test_whatif_bench_says_what_is_missing_where_it_cannot_limit_the_network(tmp
     assert line.startswith("error: bench/whatif_bench.py: ")
     assert "'ip' not found on PATH" in line or "needs root" in line
     assert "|" not in result.stdout
+
+
+def test_whatif_rates_read_as_tc_reads_them_and_map_to_half_a_ring_link():
+    from bench.netem import parse_rate
+    from bench.whatif_bench import GIB, link_gbs, ring_allreduce_s
+
+    assert parse_rate("100mbit").bits_per_s == 100_000_000 == parse_rate("100 Mbit/s").bits_per_s
+    assert parse_rate("2Gbit").label == "2 Gbit/s" and not parse_rate("unthrottled").throttled
+    with pytest.raises(ValueError, match="not a rate"):
+        parse_rate("100MB")
+    # lo's one qdisc carries both directions: a 2-rank ring all-reduce of S bytes takes 2S/R there, and S/B on a
+    # 2-NPU ring of per-link bandwidth B; so B = R/2 (in ASTRA-sim's GB/s of 2^30 bytes).
+    rate = 1e9
+    assert ring_allreduce_s(10_000_000, rate) == pytest.approx(10_000_000 / (link_gbs(rate) * GIB))
+
+
+def test_whatif_docs_block_rewrites_only_its_models_part(tmp_path):
+    from bench.whatif_bench import DOCS_BEGIN, DOCS_END, write_docs
+
+    docs = tmp_path / "BENCHMARKS.md"
+    docs.write_text("# Benchmarks\n\n## 1. Throughput\n\nkept as it is\n", encoding="utf-8")
+    write_docs(docs, "tiny", "### GPT-2 tiny\n\nfirst tiny table")
+    write_docs(docs, "gpt2-124m-shape", "### GPT-2 124M shape\n\n124M table")
+    write_docs(docs, "tiny", "### GPT-2 tiny\n\nsecond tiny table")
+    text = docs.read_text(encoding="utf-8")
+    assert text.startswith("# Benchmarks\n\n## 1. Throughput\n\nkept as it is\n")
+    assert text.count(DOCS_BEGIN) == text.count(DOCS_END) == 1
+    assert "second tiny table" in text and "first tiny table" not in text and "124M table" in text
+    assert text.index("second tiny table") < text.index("124M table") < text.index(DOCS_END)
