@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import platform
 import re
@@ -12,6 +13,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,8 +21,8 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import (BUNDLED_SQUAD, OUR_LOG_FILE, REPO_ROOT, BenchError, child_env, exit_on_sigterm, fail,
-                          format_table, machine_description, our_step_times, run_child, steps_between)
+from bench.common import (BUNDLED_SQUAD, OUR_LOG_FILE, REPO_ROOT, STEP_LINE, BenchError, child_env, exit_on_sigterm,
+                          fail, format_table, machine_description, our_step_times, run_child)
 from bench.netem import (DEFAULT_MTU, QUEUE_LATENCY, Namespace, NetemUnavailable, Rate,
                          expected_goodput_share, format_bits, measure_throughput, missing_requirement, parse_rate)
 
@@ -31,6 +33,7 @@ DOCS = REPO_ROOT / "docs" / "BENCHMARKS.md"
 DOCS_BEGIN, DOCS_END = "<!-- whatif:begin -->", "<!-- whatif:end -->"
 MODEL_BEGIN, MODEL_END = "<!-- whatif:{key}:begin -->", "<!-- whatif:{key}:end -->"
 GIB = 1 << 30  # ASTRA-sim analytical's GB
+LOG_TIME = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")  # utils/trainer.py's file log format
 
 
 @dataclass(frozen=True)
@@ -42,25 +45,28 @@ class ModelSetup:
     model_name: str
     batch_size: int
     seq_length: int
-    steps: int          # optimizer steps of an untraced run
-    skip: int           # first steps left out of its median (allocator, caches, gloo connections)
+    skip: int           # first steps of a run left out (allocator, caches, gloo connections)
+    block: int          # steps at one rate before the untraced run moves on to the next
+    settle: int         # steps left out after each change of rate (TCP windows, a full tbf bucket)
+    cycles: int         # passes over all rates in one untraced run, alternating their order
     rates: tuple        # default network rates, from compute- to communication-dominated
     burst_slack_s: float  # tbf burst beyond one packet, as time at the rate (bench/netem.py says why)
-    repeats: int        # untraced runs per rate, pooled
+    repeats: int        # untraced runs, pooled
     timeout_s: int
 
 
 MODELS = {
     # The CPU quick runs' configuration (scripts/launcher_common.sh: tiny, batch 4, 128 tokens, one thread a rank).
-    "tiny": ModelSetup("tiny", "GPT-2 tiny", "tiny", 4, 128, steps=40, skip=10,
-                       rates=("unthrottled", "1gbit", "400mbit", "100mbit"), burst_slack_s=250e-6, repeats=2,
+    "tiny": ModelSetup("tiny", "GPT-2 tiny", "tiny", 4, 128, skip=10, block=10, settle=2, cycles=4,
+                       rates=("unthrottled", "1gbit", "400mbit", "100mbit"), burst_slack_s=250e-6, repeats=1,
                        timeout_s=900),
     # GPT-2 124M's layers (12 x 768, 12 heads) with the trainer's offline stand-in tokenizer (no --tokenizer-path):
     # 86.9M parameters. Its 348 MB of gradients take 2.8 s a step at 2 Gbit/s on the shared loopback (2 x 348 MB),
     # 11 s at 500 Mbit/s, against 1.5-6 s of compute (quiet to busy machine). Its ~14 buckets a step leave few idle
     # pauses, so a larger tbf burst costs little and keeps the busy rate at R.
     "gpt2-124m-shape": ModelSetup("gpt2-124m-shape", "GPT-2 124M shape (offline vocabulary)", "gpt2", 1, 128,
-                                  steps=10, skip=3, rates=("unthrottled", "2gbit", "1gbit", "500mbit"),
+                                  skip=3, block=4, settle=1, cycles=2,
+                                  rates=("unthrottled", "2gbit", "1gbit", "500mbit"),
                                   burst_slack_s=2e-3, repeats=1, timeout_s=3600),
 }
 QUICK_RATES = ("unthrottled", "100mbit")
@@ -70,11 +76,12 @@ MICRO_SIZES = (10_000_000, 100_000_000)
 # ------------------------------------------------------------------------------------------------ results
 @dataclass
 class RealRuns:
-    """Step times of the untraced runs at one rate, pooled over repeats."""
+    """Step times at one rate, pooled over the segments of the interleaved untraced runs."""
 
     rate: Rate
     steps: list = field(default_factory=list)
-    loads: list = field(default_factory=list)   # (1-minute load average before, after) per run
+    segment_ms: list = field(default_factory=list)  # median of each segment at this rate, in run order
+    loads: list = field(default_factory=list)       # 1-minute load average when each segment began
     drops: int = 0
 
     @property
@@ -182,10 +189,11 @@ def load1() -> float:
 
 
 def run_training(ns: Namespace, setup: ModelSetup, work: Path, env: dict, extra: list, steps: int | None,
-                 what: str) -> tuple:
+                 what: str, fresh: bool = True) -> tuple:
     """One 2-rank training run in the namespace; its step times (rank 0's log) and the load before/after."""
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir(parents=True)
+    if fresh:
+        shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True, exist_ok=True)
     before = load1()
     run = run_child(torchrun(ns, REPO_ROOT / "gpt2" / "train.py", train_args(setup, work, steps) + extra), env=env,
                     timeout_s=setup.timeout_s)
@@ -301,21 +309,100 @@ def read_run_json(folder: Path) -> tuple:
             1000 * statistics.median(untraced) if untraced else None)
 
 
+class RateCycler(threading.Thread):
+    """Moves lo to the next rate of `schedule` every `block` steps of a running trainer (rank 0's log), and
+    records when each rate took effect."""
+
+    def __init__(self, ns: Namespace, schedule: list, first_block: int, block: int, log_path: Path):
+        super().__init__(daemon=True)
+        self.ns, self.schedule, self.block, self.log_path = ns, schedule, block, log_path
+        self.boundary = first_block
+        self.switches = []  # (wall clock after tc returned, rate, load, drops of the previous rate)
+        self.finished = threading.Event()
+        self.error = None
+
+    def start_first(self) -> None:
+        self.ns.set_rate(self.schedule[0])
+        self.switches.append((time.time(), self.schedule[0], load1(), 0))
+        self.start()
+
+    def run(self) -> None:
+        try:
+            index, seen, offset, tail = 0, 0, 0, ""
+            while not self.finished.wait(0.02) and index + 1 < len(self.schedule):
+                if not self.log_path.is_file():
+                    continue
+                with open(self.log_path, encoding="utf-8", errors="replace") as log:
+                    log.seek(offset)
+                    tail += log.read()
+                    offset = log.tell()
+                lines, tail = tail.rsplit("\n", 1) if "\n" in tail else ("", tail)
+                seen += sum(1 for line in lines.splitlines() if STEP_LINE.search(line))
+                if seen >= self.boundary:
+                    drops = self.ns.drops()
+                    index += 1
+                    self.ns.set_rate(self.schedule[index])
+                    self.switches.append((time.time(), self.schedule[index], load1(), drops))
+                    self.boundary += self.block
+        except Exception as exc:  # reported by the caller after the run
+            self.error = exc
+
+
+def timed_steps(log_path: Path) -> list:
+    """(step, start, end) in wall-clock seconds from rank 0's log: each step line's time stamp is its end."""
+    steps = []
+    for line in log_path.read_text(encoding="utf-8", errors="replace").splitlines():
+        match = STEP_LINE.search(line)
+        stamp = LOG_TIME.match(line)
+        if match and stamp:
+            end = datetime.datetime.strptime(stamp.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+            seconds = float(match.group(3).replace(",", "")) / 1000
+            steps.append((int(match.group(1)), end - seconds, end))
+    return steps
+
+
 def real_runs(ns: Namespace, setup: ModelSetup, rates: list, args, env: dict, root: Path) -> dict:
-    """Untraced runs at every rate, `repeats` times, alternating the order of the rates between repeats."""
+    """Untraced runs that cycle through the rates in blocks of steps, alternating the order each cycle, so a
+    machine getting busier or quieter during the run weighs on every rate alike. A step counts for a rate when it
+    began after that rate took effect and ended before the next change; the first `settle` such steps of each
+    block are left out too."""
     results = {rate.label: RealRuns(rate) for rate in rates}
+    schedule = [rate for cycle in range(args.cycles) for rate in (rates if cycle % 2 == 0 else rates[::-1])]
+    total = args.skip + len(schedule) * args.block + 1  # one more step: the last block ends cleanly
     for repeat in range(args.repeats):
-        for rate in (rates if repeat % 2 == 0 else rates[::-1]):
-            ns.set_rate(rate)
-            what = f"untraced run at {rate.label}"
-            times, load = run_training(ns, setup, root / f"real-{repeat}", env, [], args.steps, what)
-            steps = steps_between(times, args.skip + 1, args.steps, what)
+        work = root / f"real-{repeat}"
+        shutil.rmtree(work, ignore_errors=True)
+        cycler = RateCycler(ns, schedule, args.skip + args.block, args.block, work / "logs" / OUR_LOG_FILE)
+        cycler.start_first()
+        try:
+            run_training(ns, setup, work, env, [], total, f"untraced run {repeat + 1} (rates changing every "
+                         f"{args.block} steps)", fresh=False)
+        finally:
+            cycler.finished.set()
+            cycler.join()
+        if cycler.error:
+            raise BenchError(f"changing the rate during the untraced run failed: {cycler.error}")
+        if len(cycler.switches) != len(schedule):
+            raise BenchError(f"untraced run {repeat + 1}: {len(cycler.switches)} of {len(schedule)} rate changes "
+                             "happened; the trainer's log was not followed")
+        steps = timed_steps(work / "logs" / OUR_LOG_FILE)
+        windows = cycler.switches + [(math.inf, None, None, ns.drops())]
+        for (began, rate, load, _), (ended, _, _, drops) in zip(windows, windows[1:]):
+            inside = [end - start for step, start, end in steps if step > args.skip and start >= began and end <= ended]
+            kept = inside[args.settle:]
             entry = results[rate.label]
-            entry.steps += steps
             entry.loads.append(load)
-            entry.drops += ns.drops()
-            print(f"    {rate.label}: median {1000 * statistics.median(steps):,.1f} ms/step over {len(steps)} steps "
-                  f"(load {load[0]:.1f} -> {load[1]:.1f})", flush=True)
+            entry.drops += drops
+            if kept:
+                entry.steps += kept
+                entry.segment_ms.append(1000 * statistics.median(kept))
+        for entry in results.values():
+            print(f"    {entry.rate.label}: median {fmt_ms(entry.median_ms if entry.steps else None)} ms/step over "
+                  f"{len(entry.steps)} steps; per block {', '.join(f'{ms:,.0f}' for ms in entry.segment_ms)}",
+                  flush=True)
+    missing = [label for label, entry in results.items() if not entry.steps]
+    if missing:
+        raise BenchError(f"no clean step at {', '.join(missing)}: every step straddled a rate change; raise --block")
     return results
 
 
@@ -377,12 +464,14 @@ def report(setup: ModelSetup, args, sim: Simulator, verification: list, micro: l
               "and ASTRA-sim on a 2-rank `.et` of one ALL_REDUCE at R/2 per link.", "",
               format_table(["rate", "MB", "repeats", "real ms", "ring 2S/R ms", "real / ring", "ASTRA-sim ms",
                             "ASTRA-sim / real"], micro), ""]
-    real_rows = [[label, len(r.steps), fmt_ms(r.median_ms), r.spread(), loads_text(r.loads), r.drops]
-                 for label, r in real.items()]
-    lines += [f"Untraced real runs: {args.steps} steps each, the first {args.skip} left out, {args.repeats} run(s) per "
-              "rate pooled; step = the trainer's `ms/step` log line (`--logging-steps 1`).", "",
-              format_table(["network", "steps", "median ms", "p10-p90 ms", "load 1-min before->after", "drops"],
-                           real_rows), ""]
+    real_rows = [[label, len(r.steps), fmt_ms(r.median_ms), r.spread(), ", ".join(f"{ms:,.0f}" for ms in r.segment_ms),
+                  ", ".join(f"{load:.1f}" for load in r.loads), r.drops] for label, r in real.items()]
+    lines += [f"Untraced real runs: {args.repeats} run(s) of {args.skip} + {args.cycles} x {len(real)} x {args.block} "
+              f"steps; the rate changes every {args.block} steps, in alternating order each cycle, so load drift "
+              f"weighs on every rate alike; the first {args.skip} steps, steps that straddle a change and the first "
+              f"{args.settle} after it are left out. Step = the trainer's `ms/step` log line (`--logging-steps 1`).",
+              "", format_table(["network", "steps", "median ms", "p10-p90 ms", "block medians ms",
+                                "load 1-min at each block", "drops"], real_rows), ""]
     trace_rows = [[t.index + 1, t.rate.label, fmt_ms(t.traced_ms), fmt_ms(t.untraced_ms), fmt_ms(t.before_window_ms),
                    loads_text([t.load])] for t in traces]
     lines += ["Traced runs (converted with `convert_to_et.py`):", "",
@@ -445,6 +534,10 @@ of its model (`--model`); the rest of this file is not touched.
 
 
 # ---------------------------------------------------------------------------------------------------- main
+def _per_model(name: str) -> str:
+    return "(default per model: " + ", ".join(f"{k} {getattr(m, name)}" for k, m in MODELS.items()) + ")"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="bench/whatif_bench.py", description=__doc__ + " Runs as root (ip netns, tc): checks tbf's rates, "
@@ -461,11 +554,14 @@ def build_parser() -> argparse.ArgumentParser:
                         help="untraced steps before the trace window (default: the model's skipped steps + 2)")
     parser.add_argument("--trace-active-steps", type=int, default=None,
                         help="traced steps (default: the trainer's own default)")
-    parser.add_argument("--steps", type=int, default=None, help="steps of an untraced run (default per model)")
-    parser.add_argument("--skip", type=int, default=None, help="first steps left out of the median (default per model)")
-    parser.add_argument("--repeats", type=int, default=None,
-                        help="untraced runs per rate, pooled, alternating the order of the rates (default per model: "
-                             + ", ".join(f"{k} {m.repeats}" for k, m in MODELS.items()) + ")")
+    parser.add_argument("--skip", type=int, default=None, help="first steps of a run left out " + _per_model("skip"))
+    parser.add_argument("--block", type=int, default=None,
+                        help="steps at one rate before the untraced run changes it " + _per_model("block"))
+    parser.add_argument("--settle", type=int, default=None,
+                        help="steps left out after each change of rate " + _per_model("settle"))
+    parser.add_argument("--cycles", type=int, default=None,
+                        help="passes over all rates in an untraced run " + _per_model("cycles"))
+    parser.add_argument("--repeats", type=int, default=None, help="untraced runs, pooled " + _per_model("repeats"))
     parser.add_argument("--micro-rate", default="1gbit",
                         help="rate of the all-reduce micro-benchmark (default: %(default)s)")
     parser.add_argument("--micro-sizes", default=",".join(str(s) for s in MICRO_SIZES),
@@ -494,20 +590,21 @@ def build_parser() -> argparse.ArgumentParser:
 def resolve(args) -> tuple:
     """The model setup and the parsed rates, after --quick and the per-model defaults."""
     if args.quick:
-        args.model, args.traces, args.repeats = "tiny", 1, 1
-        args.steps, args.skip, args.micro_repeats, args.check_seconds = 8, 3, 1, 0.3
+        args.model, args.traces, args.repeats, args.cycles, args.block, args.settle = "tiny", 1, 1, 1, 5, 1
+        args.skip, args.micro_repeats, args.check_seconds = 3, 1, 0.3
         args.micro_rate, args.micro_sizes = "100mbit", "10000000"
         args.rates = args.rates or ",".join(QUICK_RATES)
     setup = MODELS[args.model]
-    args.steps = args.steps if args.steps is not None else setup.steps
-    args.skip = args.skip if args.skip is not None else setup.skip
-    args.repeats = args.repeats if args.repeats is not None else setup.repeats
+    for name in ("skip", "block", "settle", "cycles", "repeats"):
+        if getattr(args, name) is None:
+            setattr(args, name, getattr(setup, name))
     if args.trace_wait_steps is None:
         args.trace_wait_steps = 4 if args.quick else setup.skip + 2
-    if not 0 <= args.skip < args.steps:
-        raise ValueError(f"--skip {args.skip} must be below --steps {args.steps}")
-    if min(args.traces, args.repeats, args.micro_repeats, args.trace_wait_steps) < 1:
-        raise ValueError("--traces, --repeats, --micro-repeats and --trace-wait-steps must be at least 1")
+    if min(args.skip, args.settle) < 0 or args.settle + 1 >= args.block:
+        raise ValueError(f"--settle {args.settle} must leave steps in a --block of {args.block} (a step straddling "
+                         "each change is left out too); --skip must be 0 or more")
+    if min(args.traces, args.repeats, args.cycles, args.micro_repeats, args.trace_wait_steps) < 1:
+        raise ValueError("--traces, --repeats, --cycles, --micro-repeats and --trace-wait-steps must be at least 1")
     rates = [parse_rate(text) for text in (args.rates or ",".join(setup.rates)).split(",") if text.strip()]
     trace_rate = parse_rate(args.trace_rate)
     if trace_rate.label not in [r.label for r in rates]:
@@ -537,7 +634,7 @@ def main(argv=None) -> int:
     env = child_env(threads=1)
     print(machine_description(("torch", "transformers", "mlc-chakra")))
     print(f"{setup.label}: rates {', '.join(r.label for r in rates)}; trace at {trace_rate.label} x {args.traces}; "
-          f"{args.steps} steps per untraced run (first {args.skip} left out) x {args.repeats}")
+          f"untraced: {args.repeats} run(s) changing the rate every {args.block} steps, {args.cycles} cycle(s)")
     print("ASTRA-sim: " + (str(sim.binary) if sim.ok else f"predictions skipped: {sim.missing}"), flush=True)
     root = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="whatif_bench-"))
     root.mkdir(parents=True, exist_ok=True)
