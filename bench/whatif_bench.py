@@ -32,6 +32,7 @@ TRACE_NAME = "whatif_{model}_{rate}_{index}"
 DOCS = REPO_ROOT / "docs" / "BENCHMARKS.md"
 DOCS_BEGIN, DOCS_END = "<!-- whatif:begin -->", "<!-- whatif:end -->"
 MODEL_BEGIN, MODEL_END = "<!-- whatif:{key}:begin -->", "<!-- whatif:{key}:end -->"
+MODEL_PART = re.compile(r"<!-- whatif:([\w.-]+):begin -->.*?<!-- whatif:\1:end -->", re.DOTALL)
 GIB = 1 << 30  # ASTRA-sim analytical's GB
 LOG_TIME = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")  # utils/trainer.py's file log format
 
@@ -480,6 +481,7 @@ def report(setup: ModelSetup, args, sim: Simulator, verification: list, micro: l
     if sim.ok:
         rows, replay, whatif = [], [], []
         for trace in traces:
+            own_real, own_predicted = real[trace.rate.label].median_ms, trace.predictions[trace.rate.label].step_ms
             for label, result in trace.predictions.items():
                 measured = real[label].median_ms
                 ratio = result.step_ms / measured
@@ -487,11 +489,14 @@ def report(setup: ModelSetup, args, sim: Simulator, verification: list, micro: l
                 note = "replay (trace simulated at its own rate)" if label == trace.rate.label else ""
                 per_rank = " / ".join(f"{ms:,.1f}" for ms in result.per_rank_ms)
                 rows.append([setup.label, f"{trace.index + 1} @ {trace.rate.label}", label, fmt_ms(measured),
-                             fmt_ms(result.step_ms), f"{ratio:.2f}x", per_rank, note])
+                             fmt_ms(result.step_ms), f"{ratio:.2f}x", f"{measured - own_real:+,.1f}",
+                             f"{result.step_ms - own_predicted:+,.1f}", per_rank, note])
         lines += ["Predictions: ASTRA-sim on each trace's `.et` at R/2 per link (the slower rank's finish) against "
-                  "the real untraced step at R.", "",
+                  "the real untraced step at R. The two change columns are the step's change from the trace's own "
+                  "rate, real and predicted: what the network alone adds, apart from how well the `.et` replays its "
+                  "own step.", "",
                   format_table(["model", "trace", "network rate", "real step ms", "predicted ms", "predicted / real",
-                                "per rank ms", "note"], rows), "",
+                                "real change ms", "predicted change ms", "per rank ms", "note"], rows), "",
                   f"Replay check (target within 5%): predicted / real {ratio_range(replay)}. What-if at the other rates "
                   f"(target within 10%): {ratio_range(whatif)}.", ""]
     else:
@@ -500,23 +505,22 @@ def report(setup: ModelSetup, args, sim: Simulator, verification: list, micro: l
 
 
 def write_docs(path: Path, key: str, section: str) -> None:
-    """Replace this model's part of the whatif block of docs/BENCHMARKS.md (the block is added when missing)."""
+    """Put this model's part into the whatif block of docs/BENCHMARKS.md: the block's introduction and this part
+    are rewritten, the other models' parts and everything outside the block are kept (the block is appended when
+    the file has none)."""
     text = path.read_text(encoding="utf-8") if path.is_file() else "# Benchmarks\n"
-    begin, end = MODEL_BEGIN.format(key=key), MODEL_END.format(key=key)
-    part = f"{begin}\n{section.rstrip()}\n{end}"
-    if DOCS_BEGIN not in text or DOCS_END not in text:
-        text = text.rstrip("\n") + "\n\n" + DOCS_BEGIN + "\n" + DOCS_INTRO + "\n" + DOCS_END + "\n"
-    head, rest = text.split(DOCS_BEGIN, 1)
-    block, tail = rest.split(DOCS_END, 1)
-    if begin in block and end in block:
-        before, after = block.split(begin, 1)
-        block = before + part + after.split(end, 1)[1]
+    if DOCS_BEGIN in text and DOCS_END in text:
+        head, rest = text.split(DOCS_BEGIN, 1)
+        block, tail = rest.split(DOCS_END, 1)
     else:
-        block = block.rstrip("\n") + "\n\n" + part + "\n"
-    text = head + DOCS_BEGIN + block + DOCS_END + tail
+        head, block, tail = text.rstrip("\n") + "\n\n", "", "\n"
+    parts = {match.group(1): match.group(0) for match in MODEL_PART.finditer(block)}
+    parts[key] = f"{MODEL_BEGIN.format(key=key)}\n{section.strip()}\n{MODEL_END.format(key=key)}"
+    ordered = [parts.pop(k) for k in MODELS if k in parts] + list(parts.values())
+    block = "\n" + DOCS_INTRO.strip() + "\n\n" + "\n\n".join(ordered) + "\n"
     fd, tmp = tempfile.mkstemp(prefix="." + path.name, dir=path.parent)
     with os.fdopen(fd, "w", encoding="utf-8") as f:
-        f.write(text)
+        f.write(head + DOCS_BEGIN + block + DOCS_END + tail)
     os.chmod(tmp, 0o644)
     os.replace(tmp, path)
 
@@ -525,11 +529,13 @@ DOCS_INTRO = """
 ## 4. What-if fidelity: ASTRA-sim on our `.et` against real runs on slower networks
 
 `bench/whatif_bench.py` (as root: it makes a network namespace and rate-limits its loopback with `tc tbf`) runs
-2-rank gloo training at several network rates, traces one run, converts it with `convert_to_et.py`, simulates the
-`.et` in ASTRA-sim at every rate and compares with the real untraced step. The loopback's qdisc is one medium for
-both directions: a 2-rank ring all-reduce of S bytes moves 2S through it, so rate R is simulated as a 2-NPU ring
-with R/2 per link; the all-reduce micro-benchmark checks that equivalence. Each part below is rewritten by the run
-of its model (`--model`); the rest of this file is not touched.
+2-rank gloo training at several network rates, traces a run, converts it with `convert_to_et.py`, simulates the `.et`
+in ASTRA-sim at every rate and compares with the real untraced step. The loopback's qdisc is one medium for both
+directions: a 2-rank ring all-reduce of S bytes moves 2S through it, so rate R is simulated as a 2-NPU ring with R/2
+per link; the all-reduce micro-benchmark checks that equivalence, and a TCP stream checks tbf's rate. The real steps
+come from one run that changes the rate every few steps in alternating order, so a shared machine's changing load
+weighs on every rate alike (one run per rate did not: the load fell from 12 to 6 between them and the unthrottled
+step came out slower than the 2 Gbit/s one). Each part below is rewritten by a run of its `--model`.
 """
 
 
