@@ -174,3 +174,79 @@ def test_tracing_cost_fails_when_a_run_cannot_be_measured():
     assert result.returncode == 1
     assert "(tiny, tracing off) failed" in result.stderr and "--max-seq-length" in result.stderr
     assert "| tracing off" not in result.stdout
+
+
+# --------------------------------------------------------------------------------------------- whatif_bench
+def markdown_table_after(stdout: str, caption: str) -> dict:
+    """{first cell: cells} of the first Markdown table after the line starting with caption."""
+    lines = stdout.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(caption))
+    rows = {}
+    for line in lines[start + 1:]:
+        if rows and not line.startswith("|"):
+            break
+        if line.startswith("|") and not line.startswith("|-"):
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            rows[cells[0]] = cells
+    return rows
+
+
+@pytest.mark.slow
+def test_whatif_bench_measures_real_steps_at_every_rate_on_a_rate_limited_loopback():
+    from bench.netem import missing_requirement
+
+    problem = missing_requirement()
+    if problem:
+        pytest.skip(f"whatif_bench needs a rate-limited network namespace: {problem}")
+    result = run_bench("whatif_bench.py", "--quick", timeout=900)
+    assert result.returncode == 0, result.stderr
+    real = markdown_table_after(result.stdout, "Untraced real runs")
+    assert set(real) == {"network", "unthrottled", "100 Mbit/s"}
+    steps = {rate: float(real[rate][2].replace(",", "")) for rate in ("unthrottled", "100 Mbit/s")}
+    assert all(int(real[rate][1]) >= 1 and steps[rate] > 0 for rate in steps)
+    # 2 x 0.9 MB of gradients a step through 100 Mbit/s take 140 ms: the throttled step cannot hide them.
+    assert steps["100 Mbit/s"] > steps["unthrottled"] + 50
+    # tbf really limits lo: a 10 MB all-reduce takes at least the ring's 2S/R (a larger burst would beat it).
+    [micro] = [row for rate, row in markdown_table_after(result.stdout, "All-reduce micro-benchmark").items()
+               if rate == "100 Mbit/s"]
+    assert 0.95 < ratio_value(micro[5]) < 2.0
+    assert "traced step" in result.stdout and ("Predictions:" in result.stdout or "Predictions skipped" in result.stdout)
+
+
+def test_whatif_bench_says_what_is_missing_where_it_cannot_limit_the_network(tmp_path):
+    # No ip or tc on PATH (or no root): one line naming what is missing, before anything runs.
+    result = run_bench("whatif_bench.py", "--quick", env_extra={"PATH": str(tmp_path)}, timeout=60)
+    assert result.returncode == 1
+    [line] = result.stderr.strip().splitlines()
+    assert line.startswith("error: bench/whatif_bench.py: ")
+    assert "'ip' not found on PATH" in line or "needs root" in line
+    assert "|" not in result.stdout
+
+
+def test_whatif_rates_read_as_tc_reads_them_and_map_to_half_a_ring_link():
+    from bench.netem import parse_rate
+    from bench.whatif_bench import GIB, link_gbs, ring_allreduce_s
+
+    assert parse_rate("100mbit").bits_per_s == 100_000_000 == parse_rate("100 Mbit/s").bits_per_s
+    assert parse_rate("2Gbit").label == "2 Gbit/s" and not parse_rate("unthrottled").throttled
+    with pytest.raises(ValueError, match="not a rate"):
+        parse_rate("100MB")
+    # lo's one qdisc carries both directions: a 2-rank ring all-reduce of S bytes takes 2S/R there, and S/B on a
+    # 2-NPU ring of per-link bandwidth B; so B = R/2 (in ASTRA-sim's GB/s of 2^30 bytes).
+    rate = 1e9
+    assert ring_allreduce_s(10_000_000, rate) == pytest.approx(10_000_000 / (link_gbs(rate) * GIB))
+
+
+def test_whatif_docs_block_rewrites_only_its_models_part(tmp_path):
+    from bench.whatif_bench import DOCS_BEGIN, DOCS_END, write_docs
+
+    docs = tmp_path / "BENCHMARKS.md"
+    docs.write_text("# Benchmarks\n\n## 1. Throughput\n\nkept as it is\n", encoding="utf-8")
+    write_docs(docs, "tiny", "### GPT-2 tiny\n\nfirst tiny table")
+    write_docs(docs, "gpt2-124m-shape", "### GPT-2 124M shape\n\n124M table")
+    write_docs(docs, "tiny", "### GPT-2 tiny\n\nsecond tiny table")
+    text = docs.read_text(encoding="utf-8")
+    assert text.startswith("# Benchmarks\n\n## 1. Throughput\n\nkept as it is\n")
+    assert text.count(DOCS_BEGIN) == text.count(DOCS_END) == 1
+    assert "second tiny table" in text and "first tiny table" not in text and "124M table" in text
+    assert text.index("second tiny table") < text.index("124M table") < text.index(DOCS_END)

@@ -1,0 +1,690 @@
+"""What-if fidelity: ASTRA-sim's step from a traced run's .et against real 2-rank runs on rate-limited networks."""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import re
+import shlex
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import (BUNDLED_SQUAD, OUR_LOG_FILE, REPO_ROOT, STEP_LINE, BenchError, child_env, exit_on_sigterm,
+                          fail, format_table, machine_description, our_step_times, run_child)
+from bench.netem import (DEFAULT_MTU, QUEUE_LATENCY, Namespace, NetemUnavailable, Rate,
+                         expected_goodput_share, format_bits, measure_throughput, missing_requirement, parse_rate)
+
+RANKS = 2  # the loopback is one medium shared by both directions; the per-link equivalence below is for 2 ranks
+NICE = -5  # the measured ranks ahead of the other (nice 0 and 10) jobs on a shared machine
+TRACE_NAME = "whatif_{model}_{rate}_{index}"
+DOCS = REPO_ROOT / "docs" / "BENCHMARKS.md"
+DOCS_BEGIN, DOCS_END = "<!-- whatif:begin -->", "<!-- whatif:end -->"
+MODEL_BEGIN, MODEL_END = "<!-- whatif:{key}:begin -->", "<!-- whatif:{key}:end -->"
+MODEL_PART = re.compile(r"<!-- whatif:([\w.-]+):begin -->.*?<!-- whatif:\1:end -->", re.DOTALL)
+GIB = 1 << 30  # ASTRA-sim analytical's GB
+LOG_TIME = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")  # utils/trainer.py's file log format
+
+
+@dataclass(frozen=True)
+class ModelSetup:
+    """One configuration the benchmark can run: trainer flags, step counts and the default rates."""
+
+    key: str
+    label: str
+    model_name: str
+    batch_size: int
+    seq_length: int
+    skip: int           # first steps of a run left out (allocator, caches, gloo connections)
+    block: int          # steps at one rate before the untraced run moves on to the next
+    settle: int         # steps left out after each change of rate (TCP windows, a full tbf bucket)
+    cycles: int         # passes over all rates in one untraced run, alternating their order
+    rates: tuple        # default network rates, from compute- to communication-dominated
+    burst_slack_s: float  # tbf burst beyond one packet, as time at the rate (bench/netem.py says why)
+    repeats: int        # untraced runs, pooled
+    timeout_s: int
+
+
+MODELS = {
+    # The CPU quick runs' configuration (scripts/launcher_common.sh: tiny, batch 4, 128 tokens, one thread a rank).
+    "tiny": ModelSetup("tiny", "GPT-2 tiny", "tiny", 4, 128, skip=10, block=10, settle=2, cycles=4,
+                       rates=("unthrottled", "1gbit", "400mbit", "100mbit"), burst_slack_s=250e-6, repeats=1,
+                       timeout_s=900),
+    # GPT-2 124M's layers (12 x 768, 12 heads) with the trainer's offline stand-in tokenizer (no --tokenizer-path):
+    # 86.9M parameters. Its 348 MB of gradients take 2.8 s a step at 2 Gbit/s on the shared loopback (2 x 348 MB),
+    # 11 s at 500 Mbit/s, against 1.5-6 s of compute (quiet to busy machine). Its ~14 buckets a step leave few idle
+    # pauses, so a larger tbf burst costs little and keeps the busy rate at R.
+    "gpt2-124m-shape": ModelSetup("gpt2-124m-shape", "GPT-2 124M shape (offline vocabulary)", "gpt2", 1, 128,
+                                  skip=3, block=4, settle=1, cycles=2,
+                                  rates=("unthrottled", "2gbit", "1gbit", "500mbit"),
+                                  burst_slack_s=2e-3, repeats=1, timeout_s=3600),
+}
+QUICK_RATES = ("unthrottled", "100mbit")
+MICRO_SIZES = (10_000_000, 100_000_000)
+
+
+# ------------------------------------------------------------------------------------------------ results
+@dataclass
+class RealRuns:
+    """Step times at one rate, pooled over the segments of the interleaved untraced runs."""
+
+    rate: Rate
+    steps: list = field(default_factory=list)
+    segment_ms: list = field(default_factory=list)  # median of each segment at this rate, in run order
+    loads: list = field(default_factory=list)       # 1-minute load average when each segment began
+    drops: int = 0
+
+    @property
+    def median_ms(self) -> float:
+        return 1000 * statistics.median(self.steps)
+
+    def spread(self) -> str:
+        ordered = sorted(self.steps)
+        low, high = ordered[int(0.1 * (len(ordered) - 1))], ordered[round(0.9 * (len(ordered) - 1))]
+        return f"{1000 * low:,.1f}-{1000 * high:,.1f}"
+
+
+@dataclass
+class TracedRun:
+    """One traced run at the trace rate and its conversion."""
+
+    index: int
+    rate: Rate
+    folder: Path
+    traced_ms: float | None = None            # the tracer's own time of the traced step(s) (run.json)
+    untraced_ms: float | None = None          # run.json untraced_step_wall_time_s, when the tracer records it
+    before_window_ms: float | None = None     # the trainer's log, steps before the window
+    load: tuple = ()
+    parameters: int | None = None
+    predictions: dict = field(default_factory=dict)   # rate label -> SimulationResult
+
+
+@dataclass
+class Simulator:
+    """ASTRA-sim through trace_tools.simulate, or why it cannot run."""
+
+    module: object = None
+    binary: Path | None = None
+    missing: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.module is not None and self.binary is not None
+
+
+# -------------------------------------------------------------------------------------------- bandwidths
+def link_gbs(bits_per_s: float) -> float:
+    """A rate through the shared loopback as the per-link bandwidth of a 2-NPU ring, in ASTRA-sim's GB/s.
+
+    A ring all-reduce of S bytes on 2 ranks sends S bytes each way, 2S through lo's one qdisc: time 2S/R. On a
+    2-NPU ring with per-link bandwidth B, each NPU sends 2(n-1)/n S = S bytes: time S/B. So B = R/2.
+    """
+    return bits_per_s / 2 / 8 / GIB
+
+
+def ring_allreduce_s(size: int, bits_per_s: float) -> float:
+    return 2 * size * 8 / bits_per_s
+
+
+# -------------------------------------------------------------------------------------------- the simulator
+def find_simulator(path: str | None) -> Simulator:
+    """trace_tools.simulate and the ASTRA-sim binary (--astra-sim, else $ASTRA_SIM), or the reason there are none."""
+    try:
+        from trace_tools import simulate
+    except ImportError as exc:
+        return Simulator(missing=f"trace_tools.simulate is not in this checkout ({exc})")
+    try:
+        return Simulator(simulate, simulate.find_astra_sim(path))
+    except Exception as exc:  # SimulationError: the one line says what to do
+        return Simulator(missing=str(exc))
+
+
+def write_allreduce_et(prefix: Path, size: int) -> Path:
+    """A 2-rank workload of one ALL_REDUCE of `size` bytes: <prefix>.<rank>.et, as trace_tools/convert.py writes."""
+    from chakra.schema.protobuf.et_def_pb2 import ALL_REDUCE, COMM_COLL_NODE, AttributeProto, GlobalMetadata, Node
+    from chakra.src.third_party.utils.protolib import encodeMessage
+
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    for rank in range(RANKS):
+        node = Node(id=1, name="all_reduce", type=COMM_COLL_NODE)
+        node.attr.extend([AttributeProto(name="is_cpu_op", bool_val=False),
+                          AttributeProto(name="comm_type", int64_val=ALL_REDUCE),
+                          AttributeProto(name="comm_size", int64_val=size)])
+        with open(f"{prefix}.{rank}.et", "wb") as f:
+            encodeMessage(f, GlobalMetadata(version="0.0.4"))
+            encodeMessage(f, node)
+    return prefix
+
+
+# ------------------------------------------------------------------------------------------- child commands
+def torchrun(ns: Namespace, script: Path, args: list) -> list:
+    """2 ranks of `script` under torchrun inside the namespace, niced ahead of the machine's other jobs."""
+    nice = shutil.which("nice")
+    return ns.command([nice, "-n", str(NICE), sys.executable, "-m", "torch.distributed.run", "--standalone",
+                       f"--nproc_per_node={RANKS}", script, *args])
+
+
+def train_args(setup: ModelSetup, work: Path, steps: int | None) -> list:
+    args = ["--model-name", setup.model_name, "--squad-file", BUNDLED_SQUAD, "--batch-size", setup.batch_size,
+            "--max-seq-length", setup.seq_length, "--num-gpus", RANKS, "--precision", "fp32", "--no-compile",
+            "--logging-steps", "1", "--eval-steps", "0", "--eval-batches", "1", "--save-steps", "0",
+            "--no-save-initial", "--save-dir", work / "checkpoints", "--log-dir", work / "logs", "--report-to", "none"]
+    if steps is not None:
+        args += ["--max-steps", steps]
+    return args
+
+
+def load1() -> float:
+    return os.getloadavg()[0]
+
+
+def run_training(ns: Namespace, setup: ModelSetup, work: Path, env: dict, extra: list, steps: int | None,
+                 what: str, fresh: bool = True) -> tuple:
+    """One 2-rank training run in the namespace; its step times (rank 0's log) and the load before/after."""
+    if fresh:
+        shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True, exist_ok=True)
+    before = load1()
+    run = run_child(torchrun(ns, REPO_ROOT / "gpt2" / "train.py", train_args(setup, work, steps) + extra), env=env,
+                    timeout_s=setup.timeout_s)
+    after = load1()
+    shutil.rmtree(work / "checkpoints", ignore_errors=True)  # the final model: 0.35 GB for the 124M shape
+    if not run.ok:
+        raise BenchError(f"{what} failed: {run.reason()}")
+    return our_step_times(work / "logs"), (before, after)
+
+
+def parameter_count(log_dir: Path) -> int | None:
+    text = (log_dir / OUR_LOG_FILE).read_text(encoding="utf-8", errors="replace")
+    match = re.search(r"([0-9][0-9,]*) parameters", text)
+    return int(match.group(1).replace(",", "")) if match else None
+
+
+# ------------------------------------------------------------------------------------------------- phases
+def verify_rates(ns: Namespace, rates: list, seconds: float) -> tuple:
+    """Payload throughput of one TCP stream at every rate (tbf's achieved rate); the unthrottled one in bits/s."""
+    rows, unthrottled = [], None
+    for rate in rates:
+        ns.set_rate(rate)
+        bits = measure_throughput(ns, seconds)
+        if rate.throttled:
+            expected = rate.bits_per_s * expected_goodput_share(ns.mtu)
+            burst = rate.burst_bytes(ns.mtu, ns.burst_slack_s)
+            rows.append([rate.label, f"{burst:,}", f"{1000 * burst * 8 / rate.bits_per_s:.2f}",
+                         f"{bits / 1e6:,.1f}", f"{bits / rate.bits_per_s:.3f}x", f"{bits / expected:.3f}x",
+                         ns.drops()])
+        else:
+            unthrottled = bits
+            rows.append([rate.label, "-", "-", f"{bits / 1e6:,.1f}", "-", "-", 0])
+        print(f"    {rate.label}: {format_bits(bits)} payload", flush=True)
+    return rows, unthrottled
+
+
+def micro_benchmark(ns: Namespace, rate: Rate, sizes: tuple, repeats: int, env: dict, sim: Simulator,
+                    scratch: Path, latency_ns: float, unthrottled: bool) -> tuple:
+    """gloo all-reduce times at `rate` (and unthrottled); table rows and the unthrottled effective rate (or None)."""
+    rows, effective = [], None
+    for current in (rate, Rate("unthrottled", None)) if unthrottled else (rate,):
+        ns.set_rate(current)
+        run = run_child(torchrun(ns, REPO_ROOT / "bench" / "allreduce_child.py",
+                                 ["--sizes", ",".join(map(str, sizes)), "--repeats", repeats]),
+                        env=env, timeout_s=1800)
+        if not run.ok:
+            raise BenchError(f"all-reduce micro-benchmark at {current.label} failed: {run.reason()}")
+        results = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+        for result in results:
+            size, real = result["bytes"], statistics.median(result["seconds"])
+            if current.throttled:
+                ring = ring_allreduce_s(size, current.bits_per_s)
+                simulated = simulate_allreduce(sim, size, current.bits_per_s, scratch, latency_ns)
+                rows.append([current.label, f"{size / 1e6:g}", len(result["seconds"]), f"{1000 * real:,.1f}",
+                             f"{1000 * ring:,.1f}", f"{real / ring:.3f}x",
+                             f"{1000 * simulated:,.1f}" if simulated else "n/a",
+                             f"{simulated / real:.3f}x" if simulated else "n/a"])
+            else:
+                effective = 2 * size * 8 / real  # the largest size is last: the least start-up in it
+                rows.append([current.label, f"{size / 1e6:g}", len(result["seconds"]), f"{1000 * real:,.1f}",
+                             f"(2S/t = {format_bits(effective)})", "-", "-", "-"])
+        print(f"    {current.label}: " + ", ".join(f"{r['bytes'] / 1e6:g} MB {1000 * statistics.median(r['seconds']):,.1f} ms"
+                                                  for r in results), flush=True)
+    return rows, effective
+
+
+def simulate_allreduce(sim: Simulator, size: int, bits_per_s: float, scratch: Path, latency_ns: float) -> float | None:
+    if not sim.ok:
+        return None
+    prefix = write_allreduce_et(scratch / f"allreduce_{size}" / "allreduce", size)
+    result = sim.module.simulate_workload(prefix, RANKS, bandwidth_gbs=link_gbs(bits_per_s), latency_ns=latency_ns,
+                                          binary=sim.binary, work_dir=prefix.parent / "astra-sim")
+    return result.step_ms / 1000
+
+
+def traced_runs(ns: Namespace, setup: ModelSetup, rate: Rate, count: int, args, env: dict, root: Path) -> list:
+    """`count` traced runs at `rate`, each converted to .et files."""
+    ns.set_rate(rate)
+    runs = []
+    for index in range(count):
+        name = TRACE_NAME.format(model=setup.key, rate=rate.label.replace(" ", "").replace("/", ""), index=index)
+        work = root / f"traced-{index}"
+        extra = ["--enable-tracing", "--trace-output-dir", work / "traces", "--trace-name", name,
+                 "--trace-wait-steps", args.trace_wait_steps]
+        if args.trace_active_steps:
+            extra += ["--trace-active-steps", args.trace_active_steps]
+        times, load = run_training(ns, setup, work, env, extra, None, f"traced run {index + 1} at {rate.label}")
+        folder = work / "traces" / name
+        run = TracedRun(index, rate, folder, load=load, parameters=parameter_count(work / "logs"))
+        skip = min(args.skip, args.trace_wait_steps - 1)
+        before = [times[s] for s in range(skip + 1, args.trace_wait_steps + 1) if s in times]
+        run.before_window_ms = 1000 * statistics.median(before) if before else None
+        run.traced_ms, run.untraced_ms = read_run_json(folder)
+        convert = run_child([sys.executable, REPO_ROOT / "convert_to_et.py", folder, "--no-progress"], env=env,
+                            timeout_s=3600)
+        if not convert.ok:
+            raise BenchError(f"convert_to_et.py {folder} failed: {convert.reason()}")
+        print(f"    trace {index + 1}: traced step {fmt_ms(run.traced_ms)} ms, steps before the window "
+              f"{fmt_ms(run.before_window_ms)} ms; converted", flush=True)
+        runs.append(run)
+    return runs
+
+
+def read_run_json(folder: Path) -> tuple:
+    """(traced step ms, untraced step ms or None) from the tracer's run.json: medians of the slowest rank."""
+    path = folder / "run.json"
+    if not path.is_file():
+        raise BenchError(f"{path}: the tracer wrote no run.json")
+    info = json.loads(path.read_text(encoding="utf-8"))
+    traced = info.get("step_wall_time_s_max") or []
+    untraced = [max(values) for values in zip(*[r.get("untraced_step_wall_time_s") or [] for r in info.get("ranks", [])])]
+    return (1000 * statistics.median(traced) if traced else None,
+            1000 * statistics.median(untraced) if untraced else None)
+
+
+class RateCycler(threading.Thread):
+    """Moves lo to the next rate of `schedule` every `block` steps of a running trainer (rank 0's log), and
+    records when each rate took effect."""
+
+    def __init__(self, ns: Namespace, schedule: list, first_block: int, block: int, log_path: Path):
+        super().__init__(daemon=True)
+        self.ns, self.schedule, self.block, self.log_path = ns, schedule, block, log_path
+        self.boundary = first_block
+        self.switches = []  # (wall clock after tc returned, rate, load, drops of the previous rate)
+        self.finished = threading.Event()
+        self.error = None
+
+    def start_first(self) -> None:
+        self.ns.set_rate(self.schedule[0])
+        self.switches.append((time.time(), self.schedule[0], load1(), 0))
+        self.start()
+
+    def run(self) -> None:
+        try:
+            index, seen, offset, tail = 0, 0, 0, ""
+            while not self.finished.wait(0.02) and index + 1 < len(self.schedule):
+                if not self.log_path.is_file():
+                    continue
+                with open(self.log_path, encoding="utf-8", errors="replace") as log:
+                    log.seek(offset)
+                    tail += log.read()
+                    offset = log.tell()
+                lines, tail = tail.rsplit("\n", 1) if "\n" in tail else ("", tail)
+                seen += sum(1 for line in lines.splitlines() if STEP_LINE.search(line))
+                if seen >= self.boundary:
+                    drops = self.ns.drops()
+                    index += 1
+                    self.ns.set_rate(self.schedule[index])
+                    self.switches.append((time.time(), self.schedule[index], load1(), drops))
+                    self.boundary += self.block
+        except Exception as exc:  # reported by the caller after the run
+            self.error = exc
+
+
+def timed_steps(log_path: Path) -> list:
+    """(step, start, end) in wall-clock seconds from rank 0's log: each step line's time stamp is its end."""
+    steps = []
+    for line in log_path.read_text(encoding="utf-8", errors="replace").splitlines():
+        match = STEP_LINE.search(line)
+        stamp = LOG_TIME.match(line)
+        if match and stamp:
+            end = datetime.datetime.strptime(stamp.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+            seconds = float(match.group(3).replace(",", "")) / 1000
+            steps.append((int(match.group(1)), end - seconds, end))
+    return steps
+
+
+def real_runs(ns: Namespace, setup: ModelSetup, rates: list, args, env: dict, root: Path) -> dict:
+    """Untraced runs that cycle through the rates in blocks of steps, alternating the order each cycle, so a
+    machine getting busier or quieter during the run weighs on every rate alike. A step counts for a rate when it
+    began after that rate took effect and ended before the next change; the first `settle` such steps of each
+    block are left out too."""
+    results = {rate.label: RealRuns(rate) for rate in rates}
+    schedule = [rate for cycle in range(args.cycles) for rate in (rates if cycle % 2 == 0 else rates[::-1])]
+    total = args.skip + len(schedule) * args.block + 1  # one more step: the last block ends cleanly
+    for repeat in range(args.repeats):
+        work = root / f"real-{repeat}"
+        shutil.rmtree(work, ignore_errors=True)
+        cycler = RateCycler(ns, schedule, args.skip + args.block, args.block, work / "logs" / OUR_LOG_FILE)
+        cycler.start_first()
+        try:
+            run_training(ns, setup, work, env, [], total, f"untraced run {repeat + 1} (rates changing every "
+                         f"{args.block} steps)", fresh=False)
+        finally:
+            cycler.finished.set()
+            cycler.join()
+        if cycler.error:
+            raise BenchError(f"changing the rate during the untraced run failed: {cycler.error}")
+        if len(cycler.switches) != len(schedule):
+            raise BenchError(f"untraced run {repeat + 1}: {len(cycler.switches)} of {len(schedule)} rate changes "
+                             "happened; the trainer's log was not followed")
+        steps = timed_steps(work / "logs" / OUR_LOG_FILE)
+        windows = cycler.switches + [(math.inf, None, None, ns.drops())]
+        for (began, rate, load, _), (ended, _, _, drops) in zip(windows, windows[1:]):
+            inside = [end - start for step, start, end in steps if step > args.skip and start >= began and end <= ended]
+            kept = inside[args.settle:]
+            entry = results[rate.label]
+            entry.loads.append(load)
+            entry.drops += drops
+            if kept:
+                entry.steps += kept
+                entry.segment_ms.append(1000 * statistics.median(kept))
+        for entry in results.values():
+            print(f"    {entry.rate.label}: median {fmt_ms(entry.median_ms if entry.steps else None)} ms/step over "
+                  f"{len(entry.steps)} steps; per block {', '.join(f'{ms:,.0f}' for ms in entry.segment_ms)}",
+                  flush=True)
+    missing = [label for label, entry in results.items() if not entry.steps]
+    if missing:
+        raise BenchError(f"no clean step at {', '.join(missing)}: every step straddled a rate change; raise --block")
+    return results
+
+
+def predict(sim: Simulator, traces: list, rates: list, unthrottled_bits: float, latency_ns: float) -> None:
+    for trace in traces:
+        for rate in rates:
+            bits = rate.bits_per_s or unthrottled_bits
+            work = trace.folder / f"astra-sim-{rate.label.replace(' ', '').replace('/', '')}"
+            trace.predictions[rate.label] = sim.module.simulate_run(trace.folder, bandwidth_gbs=link_gbs(bits),
+                                                                    latency_ns=latency_ns, binary=sim.binary,
+                                                                    work_dir=work)
+
+
+# -------------------------------------------------------------------------------------------------- report
+_STARTED = time.perf_counter()
+
+
+def phase(what: str) -> None:
+    print(f"... {what} (at {time.perf_counter() - _STARTED:.0f} s, load {load1():.1f})", flush=True)
+
+
+def fmt_ms(value: float | None) -> str:
+    return f"{value:,.1f}" if value else "n/a"
+
+
+def ratio_range(ratios: list) -> str:
+    if not ratios:
+        return "n/a"
+    low, high = min(ratios), max(ratios)
+    return f"{low:.2f}x" if low == high else f"{low:.2f}x to {high:.2f}x"
+
+
+def loads_text(loads: list) -> str:
+    return ", ".join(f"{a:.1f}->{b:.1f}" for a, b in loads)
+
+
+def report(setup: ModelSetup, args, sim: Simulator, verification: list, micro: list, traces: list, real: dict,
+           unthrottled_bits: float, unthrottled_source: str, ns: Namespace, invocation: str) -> str:
+    """The Markdown of one run of the benchmark: what ran, where, and the tables."""
+    lines = [f"### {setup.label}", "",
+             f"Measured {datetime.datetime.now().astimezone().strftime('%Y-%m-%d %H:%M %Z')}, as root, with "
+             f"`{invocation}`.", "",
+             f"- {machine_description(('torch', 'transformers', 'mlc-chakra'))}; Linux {platform.release()}",
+             f"- model: `--model-name {setup.model_name}`"
+             + (f", {traces[0].parameters:,} parameters" if traces and traces[0].parameters else "")
+             + f", batch {setup.batch_size} x {setup.seq_length} tokens per rank, {RANKS} ranks (torchrun, gloo, CPU, "
+               f"OMP_NUM_THREADS=1), fp32, `nice -n {NICE}`",
+             f"- network: a private namespace's `lo`, MTU {ns.mtu}, {ns.offload_note}; rates as `tc qdisc replace dev lo "
+             f"root tbf rate R burst B latency {QUEUE_LATENCY}` with B = one packet + R x {ns.burst_slack_s * 1e6:g} us",
+             "- ASTRA-sim: " + (f"`{sim.binary}` (analytical, congestion-unaware), 2-NPU Ring, ring all-reduce, "
+                                 f"latency {args.sim_latency_ns:g} ns, per-link bandwidth R/2"
+                                 if sim.ok else f"predictions skipped: {sim.missing}"),
+             f"- unthrottled R = {format_bits(unthrottled_bits)} ({unthrottled_source})", ""]
+    lines += ["tbf check: one TCP stream's payload rate through `lo` (expected share of R for full packets: "
+              f"{expected_goodput_share(ns.mtu):.3f}).", "",
+              format_table(["rate R", "burst B bytes", "B/R ms", "payload Mbit/s", "payload / R",
+                            "payload / expected", "drops"], verification), ""]
+    lines += ["All-reduce micro-benchmark: 2-rank gloo all-reduce (median of the repeats) against the ring's 2S/R "
+              "and ASTRA-sim on a 2-rank `.et` of one ALL_REDUCE at R/2 per link.", "",
+              format_table(["rate", "MB", "repeats", "real ms", "ring 2S/R ms", "real / ring", "ASTRA-sim ms",
+                            "ASTRA-sim / real"], micro), ""]
+    real_rows = [[label, len(r.steps), fmt_ms(r.median_ms), r.spread(), ", ".join(f"{ms:,.0f}" for ms in r.segment_ms),
+                  ", ".join(f"{load:.1f}" for load in r.loads), r.drops] for label, r in real.items()]
+    lines += [f"Untraced real runs: {args.repeats} run(s) of {args.skip} + {args.cycles} x {len(real)} x {args.block} "
+              f"steps; the rate changes every {args.block} steps, in alternating order each cycle, so load drift "
+              f"weighs on every rate alike; the first {args.skip} steps, steps that straddle a change and the first "
+              f"{args.settle} after it are left out. Step = the trainer's `ms/step` log line (`--logging-steps 1`).",
+              "", format_table(["network", "steps", "median ms", "p10-p90 ms", "block medians ms",
+                                "load 1-min at each block", "drops"], real_rows), ""]
+    trace_rows = [[t.index + 1, t.rate.label, fmt_ms(t.traced_ms), fmt_ms(t.untraced_ms), fmt_ms(t.before_window_ms),
+                   loads_text([t.load])] for t in traces]
+    lines += ["Traced runs (converted with `convert_to_et.py`):", "",
+              format_table(["trace", "trace rate", "traced step ms (run.json)", "untraced step ms (run.json)",
+                            "log: steps before the window ms", "load before->after"], trace_rows), ""]
+    if sim.ok:
+        rows, replay, whatif = [], [], []
+        for trace in traces:
+            own_real, own_predicted = real[trace.rate.label].median_ms, trace.predictions[trace.rate.label].step_ms
+            for label, result in trace.predictions.items():
+                measured = real[label].median_ms
+                ratio = result.step_ms / measured
+                (replay if label == trace.rate.label else whatif).append(ratio)
+                note = "replay (trace simulated at its own rate)" if label == trace.rate.label else ""
+                per_rank = " / ".join(f"{ms:,.1f}" for ms in result.per_rank_ms)
+                rows.append([setup.label, f"{trace.index + 1} @ {trace.rate.label}", label, fmt_ms(measured),
+                             fmt_ms(result.step_ms), f"{ratio:.2f}x", f"{measured - own_real:+,.1f}",
+                             f"{result.step_ms - own_predicted:+,.1f}", per_rank, note])
+        lines += ["Predictions: ASTRA-sim on each trace's `.et` at R/2 per link (the slower rank's finish) against "
+                  "the real untraced step at R. The two change columns are the step's change from the trace's own "
+                  "rate, real and predicted: what the network alone adds, apart from how well the `.et` replays its "
+                  "own step.", "",
+                  format_table(["model", "trace", "network rate", "real step ms", "predicted ms", "predicted / real",
+                                "real change ms", "predicted change ms", "per rank ms", "note"], rows), "",
+                  f"Replay check (target within 5%): predicted / real {ratio_range(replay)}. What-if at the other rates "
+                  f"(target within 10%): {ratio_range(whatif)}.", ""]
+    else:
+        lines += [f"Predictions skipped: {sim.missing}.", ""]
+    return "\n".join(lines)
+
+
+def write_docs(path: Path, key: str, section: str) -> None:
+    """Put this model's part into the whatif block of docs/BENCHMARKS.md: the block's introduction and this part
+    are rewritten, the other models' parts and everything outside the block are kept (the block is appended when
+    the file has none)."""
+    text = path.read_text(encoding="utf-8") if path.is_file() else "# Benchmarks\n"
+    if DOCS_BEGIN in text and DOCS_END in text:
+        head, rest = text.split(DOCS_BEGIN, 1)
+        block, tail = rest.split(DOCS_END, 1)
+    else:
+        head, block, tail = text.rstrip("\n") + "\n\n", "", "\n"
+    parts = {match.group(1): match.group(0) for match in MODEL_PART.finditer(block)}
+    parts[key] = f"{MODEL_BEGIN.format(key=key)}\n{section.strip()}\n{MODEL_END.format(key=key)}"
+    ordered = [parts.pop(k) for k in MODELS if k in parts] + list(parts.values())
+    block = "\n" + DOCS_INTRO.strip() + "\n\n" + "\n\n".join(ordered) + "\n"
+    fd, tmp = tempfile.mkstemp(prefix="." + path.name, dir=path.parent)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(head + DOCS_BEGIN + block + DOCS_END + tail)
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, path)
+
+
+DOCS_INTRO = """
+## 4. What-if fidelity: ASTRA-sim on our `.et` against real runs on slower networks
+
+`bench/whatif_bench.py` (as root: it makes a network namespace and rate-limits its loopback with `tc tbf`) runs
+2-rank gloo training at several network rates, traces a run, converts it with `convert_to_et.py`, simulates the `.et`
+in ASTRA-sim at every rate and compares with the real untraced step. The loopback's qdisc is one medium for both
+directions: a 2-rank ring all-reduce of S bytes moves 2S through it, so rate R is simulated as a 2-NPU ring with R/2
+per link; the all-reduce micro-benchmark checks that equivalence, and a TCP stream checks tbf's rate. The real steps
+come from one run that changes the rate every few steps in alternating order, so a shared machine's changing load
+weighs on every rate alike (one run per rate did not: the load fell from 12 to 6 between them and the unthrottled
+step came out slower than the 2 Gbit/s one). Each part below is rewritten by a run of its `--model`.
+"""
+
+
+# ---------------------------------------------------------------------------------------------------- main
+def _per_model(name: str) -> str:
+    return "(default per model: " + ", ".join(f"{k} {getattr(m, name)}" for k, m in MODELS.items()) + ")"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="bench/whatif_bench.py", description=__doc__ + " Runs as root (ip netns, tc): checks tbf's rates, "
+        "compares a gloo all-reduce with the ring's time and ASTRA-sim's, traces and converts a run at one rate, runs "
+        "untraced at every rate and prints predicted/real per rate. Exits 1 when something could not be measured.")
+    parser.add_argument("--model", choices=sorted(MODELS), default="tiny", help="configuration (default: %(default)s)")
+    parser.add_argument("--rates", default=None,
+                        help="comma-separated tc rates of the real runs, e.g. unthrottled,1gbit,100mbit "
+                             "(default per model: " + "; ".join(f"{k}: {','.join(m.rates)}" for k, m in MODELS.items())
+                             + ")")
+    parser.add_argument("--trace-rate", default="unthrottled", help="rate of the traced run(s) (default: %(default)s)")
+    parser.add_argument("--traces", type=int, default=1, help="separate traced runs (default: %(default)s)")
+    parser.add_argument("--trace-wait-steps", type=int, default=None,
+                        help="untraced steps before the trace window (default: the model's skipped steps + 2)")
+    parser.add_argument("--trace-active-steps", type=int, default=None,
+                        help="traced steps (default: the trainer's own default)")
+    parser.add_argument("--skip", type=int, default=None, help="first steps of a run left out " + _per_model("skip"))
+    parser.add_argument("--block", type=int, default=None,
+                        help="steps at one rate before the untraced run changes it " + _per_model("block"))
+    parser.add_argument("--settle", type=int, default=None,
+                        help="steps left out after each change of rate " + _per_model("settle"))
+    parser.add_argument("--cycles", type=int, default=None,
+                        help="passes over all rates in an untraced run " + _per_model("cycles"))
+    parser.add_argument("--repeats", type=int, default=None, help="untraced runs, pooled " + _per_model("repeats"))
+    parser.add_argument("--micro-rate", default="1gbit",
+                        help="rate of the all-reduce micro-benchmark (default: %(default)s)")
+    parser.add_argument("--micro-sizes", default=",".join(str(s) for s in MICRO_SIZES),
+                        help="all-reduce sizes in bytes (default: %(default)s)")
+    parser.add_argument("--micro-repeats", type=int, default=3, help="timed all-reduces per size (default: %(default)s)")
+    parser.add_argument("--check-seconds", type=float, default=1.0,
+                        help="seconds of sending per rate in the tbf check (default: %(default)s)")
+    parser.add_argument("--mtu", type=int, default=DEFAULT_MTU, help="lo's MTU in the namespace (default: %(default)s)")
+    parser.add_argument("--burst-slack-us", type=float, default=None,
+                        help="tbf burst beyond one packet, in microseconds at the rate (default per model: "
+                             + ", ".join(f"{k} {m.burst_slack_s * 1e6:g}" for k, m in MODELS.items()) + ")")
+    parser.add_argument("--sim-latency-ns", type=float, default=500.0,
+                        help="ASTRA-sim link latency (default: %(default)s)")
+    parser.add_argument("--astra-sim", default=None, metavar="PATH",
+                        help="ASTRA-sim's analytical binary (default: $ASTRA_SIM); without it the predictions are "
+                             "skipped and said so")
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke test: tiny model, unthrottled and 100mbit, few steps, one 10 MB all-reduce")
+    parser.add_argument("--docs", default=None,
+                        help="file whose whatif block gets the tables (default: docs/BENCHMARKS.md)")
+    parser.add_argument("--no-docs", action="store_true", help="print only (--quick never writes the docs)")
+    parser.add_argument("--keep", metavar="DIR", default=None, help="keep the runs' logs, traces and .et files in DIR")
+    return parser
+
+
+def resolve(args) -> tuple:
+    """The model setup and the parsed rates, after --quick and the per-model defaults."""
+    if args.quick:
+        args.model, args.traces, args.repeats, args.cycles, args.block, args.settle = "tiny", 1, 1, 1, 5, 1
+        args.skip, args.micro_repeats, args.check_seconds = 3, 1, 0.3
+        args.micro_rate, args.micro_sizes = "100mbit", "10000000"
+        args.rates = args.rates or ",".join(QUICK_RATES)
+    setup = MODELS[args.model]
+    for name in ("skip", "block", "settle", "cycles", "repeats"):
+        if getattr(args, name) is None:
+            setattr(args, name, getattr(setup, name))
+    if args.trace_wait_steps is None:
+        args.trace_wait_steps = 4 if args.quick else setup.skip + 2
+    if min(args.skip, args.settle) < 0 or args.settle + 1 >= args.block:
+        raise ValueError(f"--settle {args.settle} must leave steps in a --block of {args.block} (a step straddling "
+                         "each change is left out too); --skip must be 0 or more")
+    if min(args.traces, args.repeats, args.cycles, args.micro_repeats, args.trace_wait_steps) < 1:
+        raise ValueError("--traces, --repeats, --cycles, --micro-repeats and --trace-wait-steps must be at least 1")
+    rates = [parse_rate(text) for text in (args.rates or ",".join(setup.rates)).split(",") if text.strip()]
+    trace_rate = parse_rate(args.trace_rate)
+    if trace_rate.label not in [r.label for r in rates]:
+        rates.append(trace_rate)  # the replay check needs real runs at the trace's own rate
+    if len(rates) < 2:
+        raise ValueError("--rates needs at least two rates")
+    micro_rate = parse_rate(args.micro_rate)
+    if not micro_rate.throttled:
+        raise ValueError("--micro-rate must be a throttled rate (the unthrottled one is always measured)")
+    sizes = tuple(int(s) for s in args.micro_sizes.split(",") if s.strip())
+    return setup, rates, trace_rate, micro_rate, sizes
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser().parse_args(argv)
+    exit_on_sigterm()
+    try:
+        setup, rates, trace_rate, micro_rate, sizes = resolve(args)
+    except ValueError as exc:
+        return fail(f"bench/whatif_bench.py: {exc}")
+    problem = missing_requirement()
+    if problem:
+        return fail(f"bench/whatif_bench.py: {problem}")
+    invocation = "python bench/whatif_bench.py " + shlex.join(argv) if argv else "python bench/whatif_bench.py"
+    sim = find_simulator(args.astra_sim)
+    env = child_env(threads=1)
+    print(machine_description(("torch", "transformers", "mlc-chakra")))
+    print(f"{setup.label}: rates {', '.join(r.label for r in rates)}; trace at {trace_rate.label} x {args.traces}; "
+          f"untraced: {args.repeats} run(s) changing the rate every {args.block} steps, {args.cycles} cycle(s)")
+    print("ASTRA-sim: " + (str(sim.binary) if sim.ok else f"predictions skipped: {sim.missing}"), flush=True)
+    root = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="whatif_bench-"))
+    root.mkdir(parents=True, exist_ok=True)
+    try:
+        slack = args.burst_slack_us * 1e-6 if args.burst_slack_us is not None else setup.burst_slack_s
+        with Namespace(args.mtu, slack) as ns:
+            print(f"namespace {ns.name}: lo MTU {ns.mtu}, {ns.offload_note}", flush=True)
+            phase("tbf check (payload rate of one TCP stream)")
+            checked = sorted({r.label: r for r in rates + [micro_rate]}.values(), key=lambda r: -(r.bits_per_s or 1e30))
+            verification, socket_bits = verify_rates(ns, checked, args.check_seconds)
+            phase(f"all-reduce micro-benchmark at {micro_rate.label}" + ("" if args.quick else " and unthrottled"))
+            micro, allreduce_bits = micro_benchmark(ns, micro_rate, sizes, args.micro_repeats, env, sim,
+                                                    root / "micro", args.sim_latency_ns, unthrottled=not args.quick)
+            unthrottled_bits, source = ((allreduce_bits, "a gloo all-reduce's 2S/t, unthrottled") if allreduce_bits
+                                        else (socket_bits, "one TCP stream's payload rate"))
+            phase(f"{args.traces} traced run(s) at {trace_rate.label}")
+            traces = traced_runs(ns, setup, trace_rate, args.traces, args, env, root)
+            phase("untraced runs")
+            real = real_runs(ns, setup, rates, args, env, root)
+            if sim.ok:
+                phase("ASTRA-sim")
+                predict(sim, traces, rates, unthrottled_bits, args.sim_latency_ns)
+            text = report(setup, args, sim, verification, micro, traces, real, unthrottled_bits, source, ns,
+                          invocation)
+    except (BenchError, NetemUnavailable) as exc:
+        return fail(str(exc))
+    except KeyboardInterrupt:
+        print("error: bench/whatif_bench.py: interrupted; the runs were stopped and the namespace removed",
+              file=sys.stderr)
+        return 130
+    except Exception as exc:  # the simulator's errors (SimulationError) and a broken .et: one line, exit 1
+        if type(exc).__name__ != "SimulationError":
+            raise
+        return fail(str(exc))
+    finally:
+        if not args.keep:
+            shutil.rmtree(root, ignore_errors=True)
+    print()
+    print(text)
+    if not (args.quick or args.no_docs):
+        write_docs(Path(args.docs) if args.docs else DOCS, setup.key, text)
+        print(f"\nwritten to {args.docs or DOCS} (whatif block, {setup.key} part)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
