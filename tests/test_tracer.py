@@ -257,7 +257,7 @@ def test_tracing_off_creates_no_profiler_no_observer_and_no_files(tmp_path, monk
 def test_tracing_flags_default_to_timed_untraced_steps_and_three_recorded_ones():
     args = parse_tracing_args()
     assert not args.enable_tracing and args.trace_output_dir == "./outputs" and args.trace_name is None
-    assert (args.trace_wait_steps, args.trace_warmup_steps, args.trace_active_steps) == (3, 1, 3)
+    assert chakra_tracer.trace_window(args) == (3, 1, 3)
     assert tracing_window_steps(args) == 7
     assert tracing_window_steps(parse_tracing_args("--trace-wait-steps", "5", "--trace-active-steps", "10")) == 16
 
@@ -274,9 +274,15 @@ def test_default_trace_name_counts_ranks_and_device_kind(tmp_path):
 
 
 def test_max_steps_shorter_than_the_window_is_refused():
-    args = parse_tracing_args("--enable-tracing", "--max-steps", "2")
-    with pytest.raises(ValueError, match="--max-steps 2 is shorter than the trace window of 7 steps"):
+    args = parse_tracing_args("--enable-tracing", "--max-steps", "2", "--trace-wait-steps", "5")
+    with pytest.raises(ValueError, match="--max-steps 2 is shorter than the trace window of 6 steps"):
         build_tracer(args, rank=0, world_size=1, local_rank=0, device="cpu", run_info={"model": "gpt2"})
+
+
+def test_a_short_run_shrinks_the_default_window_to_fit():
+    assert chakra_tracer.trace_window(parse_tracing_args("--max-steps", "3")) == (1, 1, 1)
+    assert chakra_tracer.trace_window(parse_tracing_args("--max-steps", "5")) == (1, 1, 3)
+    assert chakra_tracer.trace_window(parse_tracing_args("--max-steps", "3", "--trace-active-steps", "2")) == (0, 1, 2)
 
 
 def test_zero_active_steps_is_refused():

@@ -48,6 +48,7 @@ class TraceError(RuntimeError):
 # Untraced steps before the window are timed (the first one, with its one-time start-up costs, is not used by the
 # conversion); several active steps give per-operator medians instead of one sample.
 DEFAULT_WAIT_STEPS = 3
+DEFAULT_WARMUP_STEPS = 1
 DEFAULT_ACTIVE_STEPS = 3
 
 
@@ -62,21 +63,39 @@ def add_tracing_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--trace-name", default=None,
                        help="folder name of this run's traces (default: <model>_<N>gpu, or <model>_<N>cpu "
                             "without CUDA)")
-    group.add_argument("--trace-wait-steps", type=int, default=DEFAULT_WAIT_STEPS,
+    group.add_argument("--trace-wait-steps", type=int, default=None,
                        help="optimizer steps run untraced before warm-up; all but the first are timed, so the "
                             "conversion can take the profiler's own cost out of the durations (default: "
                             f"{DEFAULT_WAIT_STEPS})")
-    group.add_argument("--trace-warmup-steps", type=int, default=1,
+    group.add_argument("--trace-warmup-steps", type=int, default=None,
                        help="optimizer steps profiled but discarded, so start-up costs stay out of the trace "
-                            "(default: 1)")
-    group.add_argument("--trace-active-steps", type=int, default=DEFAULT_ACTIVE_STEPS,
+                            f"(default: {DEFAULT_WARMUP_STEPS})")
+    group.add_argument("--trace-active-steps", type=int, default=None,
                        help="optimizer steps recorded; the .et holds the median step with per-operator medians "
                             f"over all of them (default: {DEFAULT_ACTIVE_STEPS})")
 
 
+def trace_window(args: argparse.Namespace) -> tuple[int, int, int]:
+    """(wait, warmup, active) steps: the flags given, the defaults for the others; a --max-steps shorter than the
+    default window shrinks the defaults to fit it (a short run still gets a trace, with fewer timed steps)."""
+    given = [getattr(args, f"trace_{flag}_steps", None) for flag in ("wait", "warmup", "active")]
+    wait, warmup, active = (value if value is not None else default for value, default in
+                            zip(given, (DEFAULT_WAIT_STEPS, DEFAULT_WARMUP_STEPS, DEFAULT_ACTIVE_STEPS)))
+    max_steps = getattr(args, "max_steps", None)
+    if max_steps is not None and 0 < max_steps < wait + warmup + active:
+        if given[2] is None:
+            active = max(1, min(active, max_steps - (given[0] if given[0] is not None else 1)
+                                - (given[1] if given[1] is not None else 1)))
+        if given[0] is None:
+            wait = max(0, min(wait, max_steps - active - (given[1] if given[1] is not None else 1)))
+        if given[1] is None:
+            warmup = max(0, min(warmup, max_steps - active - wait))
+    return wait, warmup, active
+
+
 def tracing_window_steps(args: argparse.Namespace) -> int:
     """Optimizer steps the trace window needs: wait + warmup + active."""
-    return args.trace_wait_steps + args.trace_warmup_steps + args.trace_active_steps
+    return sum(trace_window(args))
 
 
 def default_trace_name(model: str, world_size: int, device_type: str) -> str:
@@ -100,22 +119,22 @@ def build_tracer(args: argparse.Namespace, *, rank: int, world_size: int, local_
     if not getattr(args, "enable_tracing", False):
         return NullTracer()
     device = torch.device(device)
-    for flag in ("wait", "warmup", "active"):
-        value = getattr(args, f"trace_{flag}_steps")
+    wait, warmup, active = trace_window(args)
+    for flag, value in (("wait", wait), ("warmup", warmup), ("active", active)):
         minimum = 1 if flag == "active" else 0
         if value < minimum:
             raise ValueError(f"--trace-{flag}-steps must be at least {minimum}, got {value}")
-    window = tracing_window_steps(args)
+    window = wait + warmup + active
     max_steps = getattr(args, "max_steps", None)
     if max_steps is not None and 0 < max_steps < window:
         raise ValueError(f"--max-steps {max_steps} is shorter than the trace window of {window} steps "
-                         f"(wait {args.trace_wait_steps} + warmup {args.trace_warmup_steps} + "
-                         f"active {args.trace_active_steps}); raise --max-steps or lower the --trace-*-steps")
+                         f"(wait {wait} + warmup {warmup} + active {active}); raise --max-steps or lower the "
+                         "--trace-*-steps")
     model = run_info.get("model") or run_info.get("model_name") or getattr(args, "model", None) or "model"
     trace_name = args.trace_name or default_trace_name(str(model), world_size, device.type)
     return ChakraTracer(
-        output_dir=args.trace_output_dir, trace_name=trace_name, wait_steps=args.trace_wait_steps,
-        warmup_steps=args.trace_warmup_steps, active_steps=args.trace_active_steps, rank=rank,
+        output_dir=args.trace_output_dir, trace_name=trace_name, wait_steps=wait,
+        warmup_steps=warmup, active_steps=active, rank=rank,
         world_size=world_size, local_rank=local_rank, device=device, run_info=run_info)
 
 
