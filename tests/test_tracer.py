@@ -389,7 +389,8 @@ def trainer_flags(tmp_path, *extra):
 def gpt2_one_rank_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("gpt2_1r")
     run_trainer([sys.executable, "gpt2/train.py", *trainer_flags(tmp, "--enable-tracing", "--trace-output-dir",
-                                                               str(tmp / "outputs"), "--trace-name", "gpt2_1cpu")], tmp)
+                                                               str(tmp / "outputs"), "--trace-name", "gpt2_1cpu",
+                                                               *ONE_STEP_WINDOW)], tmp)
     return tmp / "outputs" / "gpt2_1cpu"
 
 
@@ -399,7 +400,7 @@ def bert_two_rank_run(tmp_path_factory):
     run_trainer([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--nnodes=1",
                  f"--master_port={free_port()}", "bert/train.py", "--num-gpus", "2",
                  *trainer_flags(tmp, "--enable-tracing", "--trace-output-dir", str(tmp / "outputs"),
-                                "--trace-active-steps", "2")], tmp)
+                                *ONE_STEP_WINDOW[:4], "--trace-active-steps", "2")], tmp)
     [trace_dir] = (tmp / "outputs").iterdir()
     return trace_dir
 
