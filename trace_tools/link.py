@@ -570,11 +570,12 @@ def remove_recording_overhead(linked: LinkedTrace, traced_step_us: float, untrac
 
     Recording costs about the same for every op it records (the observer's and Kineto's callbacks at its start
     and end), so the traced step is longer than the untraced one by that cost times the ops on the critical
-    thread. The measured share 1 - untraced/traced of the thread that holds the step annotation (its time as the
-    .et holds it: per-operator medians) is the profiler's; the cost per op is the c at which taking min(c, the
-    op's own time) out of every op of that thread removes that share; every CPU op on every thread then loses
-    min(c, its own time). GPU durations are the device's and carry no recording cost. Shares, not microseconds:
-    the .et's medians and the wall-clock steps then agree on what "the step" is even when one step was slow.
+    thread. The thread that holds the step annotation spans the step in the .et (its ops, the time between them
+    and its waits, as per-operator medians); the profiler's part of it is what makes it longer than the measured
+    untraced step. The cost per op is the c at which taking min(c, the op's own time) out of every op of that
+    thread removes exactly that; every CPU op on every thread then loses min(c, its own time). GPU durations are
+    the device's and carry no recording cost. The untraced step is the measurement the durations are calibrated
+    to; the network the run waited on is the same in both, so what differs is the profiler's.
     """
     linked.overhead = [0.0] * len(linked.kind)
     if traced_step_us <= untraced_step_us or not linked.traced_steps:
@@ -589,7 +590,9 @@ def remove_recording_overhead(linked: LinkedTrace, traced_step_us: float, untrac
     if not on_main:
         return 0.0
     thread_time = sum(linked.excl[i] for i in range(len(linked.kind)) if linked.lane[i] == main_lane)
-    excess = min((1.0 - untraced_step_us / traced_step_us) * thread_time, sum(on_main))
+    excess = min(thread_time - untraced_step_us, sum(on_main))
+    if excess <= 0:
+        return 0.0
     # sum(min(c, t) for t in on_main) grows with c: find the c at which it equals the excess.
     removed_below, below = 0.0, 0
     cost = on_main[-1]

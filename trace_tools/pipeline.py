@@ -52,7 +52,8 @@ class RankResult:
     collectives: list = field(default_factory=list)
     traced_step: str = ""
     traced_step_us: float = 0.0
-    critical_path_us: float = 0.0
+    critical_path_us: float = 0.0         # of the .et as written (medians, the profiler's cost removed)
+    traced_critical_path_us: float = 0.0  # of the same graph with the traced durations of the chosen step
     match_mode: str = ""
     match_detail: str = ""
     host_ops: int = 0
@@ -377,6 +378,7 @@ def _validate_into(result: RankResult, path: Path, timings: dict[str, float]) ->
     result.nodes = report.nodes
     result.nodes_by_type = report.nodes_by_type
     result.critical_path_us = report.critical_path_us
+    result.traced_critical_path_us = report.traced_critical_path_us
     result.collectives = [list(c) for c in report.collectives]
     result.comm_ops = len(report.collectives) + report.p2p
     result.comm_bytes = report.comm_bytes

@@ -40,15 +40,15 @@ def comm_text(rank: RankResult) -> str:
     return f"{kinds or rank.comm_ops} ({_bytes(rank.comm_bytes)})"
 
 
-def reference_step_us(rank: RankResult) -> float:
-    """The step the .et stands for: the untraced one when the run measured it, else the traced one."""
-    return rank.untraced_step_us or rank.traced_step_us
+def replay_critical_path_us(rank: RankResult) -> float:
+    """The critical path of the .et's graph with the traced durations: what replaying the trace gives back."""
+    return rank.traced_critical_path_us or rank.critical_path_us
 
 
 def ratio_text(rank: RankResult) -> str:
-    if not reference_step_us(rank) or not rank.critical_path_us:
+    if not rank.traced_step_us or not replay_critical_path_us(rank):
         return "-"
-    return f"{rank.critical_path_us / reference_step_us(rank):.3f}"
+    return f"{replay_critical_path_us(rank) / rank.traced_step_us:.3f}"
 
 
 def durations_text(rank: RankResult) -> str:
@@ -59,7 +59,8 @@ def durations_text(rank: RankResult) -> str:
     if rank.untraced_step_us:
         text += (f"; profiler cost removed: {rank.recording_overhead_us / 1000:.1f} ms per step "
                  f"({rank.overhead_per_op_us:.1f} µs per op; untraced step {rank.untraced_step_us / 1000:.1f} ms, "
-                 f"run.json)")
+                 f"run.json); critical path of the .et as written {rank.critical_path_us / 1000:.1f} ms (its "
+                 "collectives at their traced durations, waits for the slower rank included)")
     else:
         text += "; profiler cost not removed (no untraced step times in run.json)"
     return text
@@ -99,7 +100,7 @@ def render_run_summary(result: RunResult) -> str:
         if r.ok:
             matched = f"{r.host_ops_matched}/{r.host_ops} ({r.match_rate:.1%}, {r.match_mode})"
             lines.append(f"| {r.rank} | {status_text(r)} | {node_counts(r)} | {comm_text(r)} | "
-                         f"{_us(r.traced_step_us)} | {_us(r.critical_path_us)} | {ratio_text(r)} | {matched} | "
+                         f"{_us(r.traced_step_us)} | {_us(replay_critical_path_us(r))} | {ratio_text(r)} | {matched} | "
                          f"{r.conversion_s:.2f} |")
         else:
             lines.append(f"| {r.rank} | {status_text(r)} | - | - | - | - | - | - | {r.conversion_s:.2f} |")
@@ -132,9 +133,10 @@ def render_run_summary(result: RunResult) -> str:
                      "in the same order per process group)")
     lines.append("- every .et was decoded after writing: all dependencies resolve, no cycle, every node is issued by "
                  "a dependency-respecting walk, only node types ASTRA-sim accepts")
-    lines.append("- ratio = critical path (collectives at their traced durations) / the step the .et stands for: "
-                 "the untraced step time of run.json when measured, else the traced step (`ProfilerStep#N` in the "
-                 "device trace, or the traced span when there is none)")
+    lines.append("- ratio = critical path of the .et's graph with the traced durations of its step (collectives at "
+                 "their traced durations) / that traced step (`ProfilerStep#N` in the device trace, or the traced "
+                 "span when there is none): near 1.0, replaying the graph gives back the step it came from; the .et "
+                 "itself holds per-operator medians with the profiler's cost removed (see the details)")
     for r in result.ranks:
         for warning in r.warnings:
             lines.append(f"- rank {r.rank}: {warning}")
@@ -183,7 +185,7 @@ def render_table(results: list[RunResult]) -> str:
         for r in result.ranks:
             if r.ok:
                 rows.append((result.run.name, str(r.rank), status_text(r, table=True), str(r.nodes), comm_text(r),
-                             _us(reference_step_us(r)), _us(r.critical_path_us), ratio_text(r), f"{r.match_rate:.1%}",
+                             _us(r.traced_step_us), _us(replay_critical_path_us(r)), ratio_text(r), f"{r.match_rate:.1%}",
                              f"{r.conversion_s:.2f}"))
             else:
                 rows.append((result.run.name, str(r.rank), status_text(r, table=True), "-", "-", "-", "-", "-", "-",
@@ -191,8 +193,10 @@ def render_table(results: list[RunResult]) -> str:
     widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]
     out = ["  ".join(cell.ljust(widths[c]) for c, cell in enumerate(row)).rstrip() for row in rows]
     out.insert(1, "  ".join("-" * w for w in widths))
-    if any(r.untraced_step_us for result in results for r in result.ranks):
-        out.append("step µs: the untraced step (run.json) where measured; the .et durations estimate it")
+    untraced = [f"{result.run.name} rank {r.rank} {r.untraced_step_us:,.0f}" for result in results
+                for r in result.ranks if r.untraced_step_us]
+    if untraced:
+        out.append("the .et durations estimate the untraced step (µs, run.json): " + "; ".join(untraced))
     for result in results:
         for r in result.ranks:
             if r.status == "failed":

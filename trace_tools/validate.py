@@ -78,6 +78,7 @@ class EtReport:
     problems: list[str] = field(default_factory=list)
     visited: int = 0
     critical_path_us: float = 0.0
+    traced_critical_path_us: float = 0.0  # with the durations as traced (traced_micros where the .et has it)
     traced_step_us: float = 0.0
     rank: int | None = None
     # (process group, comm type name, bytes) of every collective in start order
@@ -103,6 +104,7 @@ def validate_et(path: str | Path) -> EtReport:
     ids: list[int] = []
     deps: list[tuple] = []
     durations: list[int] = []
+    traced_durations: list[int] = []
     type_counts: Counter = Counter()
     collectives = []
     try:
@@ -119,6 +121,8 @@ def validate_et(path: str | Path) -> EtReport:
             ids.append(node.id)
             deps.append(tuple(set(node.data_deps) | set(node.ctrl_deps)))
             durations.append(node.duration_micros)
+            traced_durations.append(next((a.int64_val for a in node.attr if a.name == "traced_micros"),
+                                         node.duration_micros))
             type_counts[NODE_TYPE_NAMES.get(node.type, str(node.type))] += 1
             _check_node(node, report, collectives)
     except (EtFormatError, OSError) as e:
@@ -151,6 +155,8 @@ def validate_et(path: str | Path) -> EtReport:
             children[index_of[dep]].append(index)
     finish = [0.0] * len(ids)
     ready_at = [0.0] * len(ids)
+    traced_finish = [0.0] * len(ids)
+    traced_ready_at = [0.0] * len(ids)
     ready = [i for i, m in enumerate(missing) if m == 0]
     visited = 0
     while ready:
@@ -158,9 +164,12 @@ def validate_et(path: str | Path) -> EtReport:
         visited += 1
         done = ready_at[i] + durations[i]
         finish[i] = done
+        traced_done = traced_finish[i] = traced_ready_at[i] + traced_durations[i]
         for c in children[i]:
             if done > ready_at[c]:
                 ready_at[c] = done
+            if traced_done > traced_ready_at[c]:
+                traced_ready_at[c] = traced_done
             missing[c] -= 1
             if missing[c] == 0:
                 ready.append(c)
@@ -168,6 +177,7 @@ def validate_et(path: str | Path) -> EtReport:
     if visited != len(ids):
         report.problems.append(f"only {visited} of {len(ids)} nodes can be issued: a dependency cycle")
     report.critical_path_us = max(finish, default=0.0)
+    report.traced_critical_path_us = max(traced_finish, default=0.0)
     collectives.sort()
     report.collectives = [(pg, comm_type, size) for _, _, pg, comm_type, size in collectives]
     return report
