@@ -9,6 +9,10 @@ if __package__ in (None, ""):
     sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _ROOT / "bert"]
     sys.path.insert(0, str(_ROOT))
 
+from utils.environment import require  # noqa: E402
+
+require("training")  # one line naming the environment to use, not a ModuleNotFoundError
+
 import torch
 from transformers import DataCollatorForLanguageModeling
 

@@ -9,6 +9,10 @@ if __package__ in (None, ""):
     sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _ROOT / "gpt2"]
     sys.path.insert(0, str(_ROOT))
 
+from utils.environment import require  # noqa: E402
+
+require("training")  # one line naming the environment to use, not a ModuleNotFoundError
+
 from transformers import DataCollatorForLanguageModeling
 
 from gpt2.config import DEFAULT_MODEL_NAME, GPT2_SIZES
