@@ -117,9 +117,13 @@ def test_one_rank_traced_gpt2_step_has_no_trainer_bookkeeping(tmp_path):
     assert collectives(nodes) == []
     # no .item() of the trainer's, and none of transformers' padding probe (a pad id looked for in every batch)
     assert host_reads_outside_training(nodes) == []
-    logged = (tmp_path / "logs" / "training_rank_0.log").read_text()
-    # --logging-steps 1, but the steps whose bookkeeping would land in the window (wait 1 + warmup 1) are not logged
-    assert "step 3/3" in logged and "step 1/3" not in logged and "step 2/3" not in logged
+    lines = [line.split(": ", 1)[1] for line in (tmp_path / "logs" / "training_rank_0.log").read_text().splitlines()
+             if " step " in line and "ms/step" in line]
+    # --logging-steps 1: the lines of steps 1 and 2, written while the window records steps 2 and 3, read no loss
+    assert [line.startswith(f"step {n}/3 |") for n, line in enumerate(lines, start=1)] == [True] * 3
+    assert "loss" not in lines[0].split("|")[2] and lines[0].endswith("in the trace window: loss read after it")
+    assert lines[1].endswith("in the trace window: loss read after it")
+    assert "| loss " in lines[2] and "tok/s" in lines[2]
 
 
 def test_ddp_broadcasts_buffers_only_for_models_that_change_them_in_training():

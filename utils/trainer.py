@@ -315,7 +315,8 @@ class Trainer:
         self._start_time = time.perf_counter()
         self._loop_first_step = 0        # self.step when the loop (and its tracer) started
         self._local_tokens_since_sync = 0   # real (non-padding) tokens this rank trained since the last sync
-        self._tokens_since_log = 0          # real tokens of all ranks since the last log line
+        self._tokens_since_log = 0          # real tokens of all ranks since the last log line with a loss
+        self._rate_started = 0.0            # when those tokens began (perf_counter)
 
     # ---- setup -----------------------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -674,7 +675,7 @@ class Trainer:
             logger.info("already at step %d of %d: nothing to train", self.step, self.max_steps)
             return False
         window_start, window_steps = time.perf_counter(), 0
-        self._loop_first_step = self.step
+        self._loop_first_step, self._rate_started = self.step, window_start
         # The bar shows only on a terminal (disable=None); there, log lines are routed around it. Elsewhere
         # (nohup, pipes) the handlers stay as they are: info on stdout, warnings on stderr.
         progress = tqdm(total=self.max_steps, initial=self.step, desc=f"{self.family.name} training",
@@ -699,6 +700,10 @@ class Trainer:
                             now = time.perf_counter()
                             self._log_step(self.last_loss, grad_norm, window_steps, now - window_start)
                             window_start, window_steps = now, 0
+                    elif self._is_logging_step():  # inside the trace window: the time only, nothing read back
+                        now = time.perf_counter()
+                        self._log_traced_step(window_steps, now - window_start)
+                        window_start, window_steps = now, 0
                     if args.eval_steps and self.step % args.eval_steps == 0:
                         self._evaluate_and_keep_best()
                     if args.save_steps and self.step % args.save_steps == 0:
@@ -709,10 +714,17 @@ class Trainer:
                 progress.close()
         return False
 
+    def _log_traced_step(self, steps: int, seconds: float) -> None:
+        """A logging step inside the trace window: its host time, without the loss, whose all-reduce and device
+        read would land in the traced step; the next line after the window has the loss and tokens/s."""
+        logger.info("step %d/%d | epoch %.2f | lr %.3g | %.1f ms/step | in the trace window: loss read after it",
+                    self.step, self.max_steps, self.stream.epochs_done, self.last_lr, 1000 * seconds / steps)
+
     def _log_step(self, loss: float, grad_norm, steps: int, seconds: float) -> None:
-        # Real tokens only (padding left out), of all ranks, since the last log line.
-        tokens_per_s = self._tokens_since_log / max(seconds, 1e-9)
-        self._tokens_since_log = 0
+        # Real tokens only (padding left out), of all ranks, since the last line with a loss (window lines skip it).
+        now = time.perf_counter()
+        tokens_per_s = self._tokens_since_log / max(now - self._rate_started, 1e-9)
+        self._tokens_since_log, self._rate_started = 0, now
         parts = [f"step {self.step}/{self.max_steps}", f"epoch {self.stream.epochs_done:.2f}", f"loss {loss:.4f}",
                  f"lr {self.last_lr:.3g}"]
         scalars = {"train/loss": loss, "train/learning_rate": self.last_lr, "train/tokens_per_second": tokens_per_s}
