@@ -9,5 +9,5 @@ ensure_python_env test
 # As if activated: the environment's own tools (torchrun, shellcheck, hadolint) come first.
 PATH="$(dirname "$PYTHON"):$PATH"
 export PATH
-echo "==> Using $PYTHON ($("$PYTHON" -c 'import torch; print("torch", torch.__version__)'))"
+echo "==> Using $PYTHON (torch $PYTHON_ENV_TORCH)"
 exec "$PYTHON" -m pytest "$@"

@@ -17,10 +17,11 @@ _python_env_requirement_files() {
 }
 
 _python_env_is_suitable() {
-    # $1: python executable; $2: "train" or "test"; $3: project root
+    # $1: python executable; $2: "train" or "test"; $3: project root. Sets PYTHON_ENV_TORCH (torch's version).
     _python_env_requirement_files "$3" "$2"
     "$1" "$3/utils/environment.py" check-requirements "${PYTHON_ENV_FILES[@]}" >/dev/null 2>&1 || return 1
-    "$1" - <<'PY' >/dev/null 2>&1
+    # shellcheck disable=SC2034  # read by run_tests.sh
+    PYTHON_ENV_TORCH="$("$1" - <<'PY' 2>/dev/null
 import sys
 import torch
 major, minor = (int(x) for x in torch.__version__.split(".")[:2])
@@ -28,8 +29,10 @@ if (major, minor) < (2, 4):
     sys.exit(1)
 # transformers 5 quietly switches off torch older than 2.6: such a pair imports but builds no model.
 from transformers.utils import is_torch_available
+print(torch.__version__)
 sys.exit(0 if is_torch_available() else 1)
 PY
+)"
 }
 
 ensure_python_env() {
