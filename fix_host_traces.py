@@ -4,7 +4,11 @@ import argparse
 import sys
 import time
 
-from trace_tools.repair import DEFAULT_MIN_NODES, find_host_traces, repair_host_trace
+from utils.environment import require
+
+require("conversion")  # one line naming the environment to use, not a ModuleNotFoundError
+
+from trace_tools.repair import DEFAULT_MIN_NODES, find_host_traces, repair_host_trace  # noqa: E402
 
 
 def positive_int(text: str) -> int:

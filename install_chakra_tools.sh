@@ -1,18 +1,19 @@
 #!/usr/bin/env bash
-# Create or reuse the conversion environment (chakra-venv/) with requirements-convert.txt; optionally the official et_replay.
+# Create or reuse the conversion environment (chakra-venv/): requirements-convert.txt (about 30 MB), optionally the
+# report's matplotlib and the official et_replay.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 REQUIREMENTS="$ROOT/requirements-convert.txt"
+REPORT_REQUIREMENTS="$ROOT/requirements-report.txt"
 VENV="${CHAKRA_VENV:-$ROOT/chakra-venv}"
 WITH_OFFICIAL=0
+WITH_REPORT=0
 # How long to wait for GitHub before saying it cannot be reached (a machine without network must not hang).
 NET_TIMEOUT="${CHAKRA_NET_TIMEOUT:-10}"
 PARAM_REPO="https://github.com/facebookresearch/param.git"
 PARAM_COMMIT="7b19f586dd8b267333114992833a0d7e0d601630"   # the et_replay chakra_trace_link was tested with
 ET_REPLAY_SPEC="git+$PARAM_REPO@$PARAM_COMMIT#subdirectory=et_replay"
-# What the converter imports; checked before reusing an environment.
-REQUIRED_MODULES="chakra.schema.protobuf.et_def_pb2 chakra.src.third_party.utils.protolib google.protobuf orjson tqdm matplotlib"
 MARKER_NAME=".mosim-convert-requirements.sha256"
 # Exit status when the environment is ready but --with-official could not install the official tools.
 EXIT_OFFICIAL_UNAVAILABLE=3
@@ -21,16 +22,18 @@ usage() {
     cat <<EOF
 Create or reuse the Python environment for converting traces to Chakra .et files.
 
-Usage: ./install_chakra_tools.sh [--venv DIR] [--with-official]
+Usage: ./install_chakra_tools.sh [--venv DIR] [--with-report] [--with-official]
 
 Options:
   --venv DIR        environment to create or reuse (default: $ROOT/chakra-venv, or \$CHAKRA_VENV)
+  --with-report     also install $(basename "$REPORT_REQUIREMENTS") (matplotlib), for trace_report.py and --report
   --with-official   also install the official et_replay (facebookresearch/param @ ${PARAM_COMMIT:0:8}) from
-                    GitHub, which chakra_trace_link needs; says so and goes on when GitHub cannot be reached
+                    GitHub and HolisticTraceAnalysis, which chakra_trace_link needs; says so and goes on when
+                    GitHub cannot be reached
   -h, --help        this help
 
-Installs $(basename "$REQUIREMENTS") (mlc-chakra, protobuf, orjson, tqdm, matplotlib) with pip.
-A second run reuses the environment in seconds unless the requirements file changed.
+Installs $(basename "$REQUIREMENTS") (mlc-chakra without its heavy dependencies, protobuf, orjson, tqdm) with
+pip --no-deps: about 30 MB. A second run reuses the environment in seconds unless the requirements file changed.
 Exit status: 0 ready; 1 the environment could not be made; 2 bad usage;
 $EXIT_OFFICIAL_UNAVAILABLE ready, but the official tools asked for with --with-official could not be installed.
 EOF
@@ -67,11 +70,19 @@ requirements_hash() {
     "$1" -c 'import hashlib, sys; print(hashlib.sha256(open(sys.argv[1], "rb").read()).hexdigest())' "$REQUIREMENTS"
 }
 
-has_required_modules() {
-    # shellcheck disable=SC2086  # the module list is split on purpose
-    "$1" -c 'import importlib, sys
-for name in sys.argv[1:]:
-    importlib.import_module(name)' $REQUIRED_MODULES >/dev/null 2>&1
+has_modules() {
+    # $1: python; $2: conversion or report (utils/environment.py holds the module lists)
+    "$1" "$ROOT/utils/environment.py" has "$2" >/dev/null 2>&1
+}
+
+# pip, quiet: its output goes to a log in the environment and is shown only when it fails.
+quiet_pip() {
+    local python="$1" log="$VENV/pip.log"
+    shift
+    if ! "$python" -m pip install --disable-pip-version-check --no-input "$@" >"$log" 2>&1; then
+        tail -n 25 "$log" >&2
+        return 1
+    fi
 }
 
 install_official() {
@@ -91,13 +102,16 @@ install_official() {
         return "$EXIT_OFFICIAL_UNAVAILABLE"
     fi
     say "Installing the official et_replay (param @ ${PARAM_COMMIT:0:8}) from GitHub"
-    if ! GIT_TERMINAL_PROMPT=0 run_with_timeout 900 "$python" -m pip install "$ET_REPLAY_SPEC"; then
+    if ! GIT_TERMINAL_PROMPT=0 run_with_timeout 900 "$python" -m pip install --disable-pip-version-check --no-input \
+            "$ET_REPLAY_SPEC" >"$VENV/pip.log" 2>&1; then
+        tail -n 25 "$VENV/pip.log" >&2
         echo "warning: official et_replay not installed: pip could not install $ET_REPLAY_SPEC (see above)" >&2
         return "$EXIT_OFFICIAL_UNAVAILABLE"
     fi
-    # HolisticTraceAnalysis comes from PyPI with mlc-chakra; chakra_trace_link imports it as hta.
-    if ! "$python" -c "import hta" >/dev/null 2>&1 && ! "$python" -m pip install HolisticTraceAnalysis; then
-        echo "warning: HolisticTraceAnalysis could not be installed; chakra_trace_link needs it" >&2
+    # The conversion installs mlc-chakra without its dependencies; chakra_trace_link imports HolisticTraceAnalysis
+    # (as hta) and chakra's other tools networkx and pydot: install them all now.
+    if ! "$python" -c "import hta" >/dev/null 2>&1 && ! quiet_pip "$python" -r "$REQUIREMENTS"; then
+        echo "warning: mlc-chakra's dependencies (HolisticTraceAnalysis) could not be installed; chakra_trace_link needs them" >&2
         return "$EXIT_OFFICIAL_UNAVAILABLE"
     fi
     say "Official tools ready: $(dirname "$python")/chakra_trace_link, $(dirname "$python")/chakra_converter"
@@ -112,6 +126,7 @@ main() {
                 shift 2 ;;
             --venv=*) VENV="${1#--venv=}"; shift ;;
             --with-official) WITH_OFFICIAL=1; shift ;;
+            --with-report) WITH_REPORT=1; shift ;;
             -h|--help) usage; exit 0 ;;
             *) usage_error "unknown option: $1" ;;
         esac
@@ -141,19 +156,27 @@ main() {
     fi
     local wanted
     wanted="$(requirements_hash "$python")"
-    if [ -f "$marker" ] && [ "$(cat "$marker")" = "$wanted" ] && has_required_modules "$python"; then
+    if [ -f "$marker" ] && [ "$(cat "$marker")" = "$wanted" ] && has_modules "$python" conversion; then
         say "Reusing $VENV (requirements already installed)"
     else
-        say "Installing $(basename "$REQUIREMENTS") into $VENV"
-        if ! "$python" -m pip install -r "$REQUIREMENTS"; then
+        say "Installing $(basename "$REQUIREMENTS") into $VENV (mlc-chakra without its heavy dependencies)"
+        if ! quiet_pip "$python" --no-deps -r "$REQUIREMENTS"; then
             echo "error: pip could not install $REQUIREMENTS into $VENV (see above; pip needs PyPI)" >&2
             exit 1
         fi
-        if ! has_required_modules "$python"; then
-            echo "error: $VENV still cannot import one of: $REQUIRED_MODULES" >&2
+        if ! has_modules "$python" conversion; then
+            echo "error: $VENV still cannot import the conversion packages:" \
+                 "$("$python" "$ROOT/utils/environment.py" has conversion 2>&1)" >&2
             exit 1
         fi
         echo "$wanted" >"$marker"
+    fi
+    if [ "$WITH_REPORT" = 1 ] && ! has_modules "$python" report; then
+        say "Installing $(basename "$REPORT_REQUIREMENTS") into $VENV (matplotlib, for the report's figures)"
+        if ! quiet_pip "$python" -r "$REPORT_REQUIREMENTS"; then
+            echo "error: pip could not install $REPORT_REQUIREMENTS into $VENV (see above)" >&2
+            exit 1
+        fi
     fi
     local rc=0
     if [ "$WITH_OFFICIAL" = 1 ]; then

@@ -6,5 +6,8 @@ cd "$(dirname "$0")"
 # shellcheck source=scripts/python_env.sh
 source scripts/python_env.sh
 ensure_python_env test
-echo "==> Using $PYTHON ($("$PYTHON" -c 'import torch; print("torch", torch.__version__)'))"
+# As if activated: the environment's own tools (torchrun, shellcheck, hadolint) come first.
+PATH="$(dirname "$PYTHON"):$PATH"
+export PATH
+echo "==> Using $PYTHON (torch $PYTHON_ENV_TORCH)"
 exec "$PYTHON" -m pytest "$@"

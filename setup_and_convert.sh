@@ -4,6 +4,7 @@ set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 VENV="${CHAKRA_VENV:-$ROOT/chakra-venv}"
+VENV_GIVEN="${CHAKRA_VENV:-}"
 PYTHON_GIVEN="${CHAKRA_PYTHON:-}"
 WITH_OFFICIAL=0
 JOBS=""
@@ -11,7 +12,6 @@ DIRS=()
 CONVERT_ARGS=()
 # install_chakra_tools.sh's exit status for "ready, but the official tools could not be installed".
 EXIT_OFFICIAL_UNAVAILABLE=3
-REQUIRED_MODULES="chakra.schema.protobuf.et_def_pb2 chakra.src.third_party.utils.protolib google.protobuf orjson tqdm matplotlib"
 
 usage() {
     cat <<EOF
@@ -29,8 +29,10 @@ Options:
   --python PY       use this Python instead, when it already has the conversion packages (or \$CHAKRA_PYTHON)
   -h, --help        this help
 
-Steps: install_chakra_tools.sh (creates chakra-venv/ once, reuses it after), fix_host_traces.py (repairs host
-traces, keeping <file>.orig), convert_to_et.py (link, convert, validate, CONVERSION_SUMMARY.md).
+Steps: pick an environment (--python; else an existing chakra-venv/; else the active virtual environment or
+$ROOT/.venv when it has the conversion packages; else install_chakra_tools.sh creates chakra-venv/, about 30 MB),
+fix_host_traces.py (repairs host traces, keeping <file>.orig), convert_to_et.py (link, convert, validate,
+CONVERSION_SUMMARY.md). With -- --report, the environment also gets matplotlib for the figures.
 Everything after -- goes to convert_to_et.py, e.g. -- --emit-merged --output-dir converted
 Exit status: convert_to_et.py's (non-zero when a rank failed; the others are still converted); 1 when a folder
 is missing, holds no traces, a host trace cannot be repaired or the environment cannot be made; 2 bad usage.
@@ -45,11 +47,18 @@ usage_error() {
 
 say() { echo "==> $*"; }
 
-has_required_modules() {
-    # shellcheck disable=SC2086  # the module list is split on purpose
-    "$1" -c 'import importlib, sys
-for name in sys.argv[1:]:
-    importlib.import_module(name)' $REQUIRED_MODULES >/dev/null 2>&1
+has_modules() {
+    # $1: python; $2: conversion or report (utils/environment.py holds the module lists)
+    "$1" "$ROOT/utils/environment.py" has "$2" >/dev/null 2>&1
+}
+
+# "report" when convert_to_et.py is asked for the report (it draws figures with matplotlib), else "conversion".
+needed_side() {
+    local arg
+    for arg in "${CONVERT_ARGS[@]+"${CONVERT_ARGS[@]}"}"; do
+        [ "$arg" = "--report" ] && { echo report; return; }
+    done
+    echo conversion
 }
 
 has_traces() {
@@ -72,8 +81,9 @@ parse_args() {
             --venv)
                 [ $# -ge 2 ] || usage_error "--venv needs a folder"
                 VENV="$2"
+                VENV_GIVEN="$2"
                 shift 2 ;;
-            --venv=*) VENV="${1#--venv=}"; shift ;;
+            --venv=*) VENV="${1#--venv=}"; VENV_GIVEN="$VENV"; shift ;;
             --python)
                 [ $# -ge 2 ] || usage_error "--python needs an interpreter"
                 PYTHON_GIVEN="$2"
@@ -112,13 +122,28 @@ check_given_python() {
             echo "error: $PYTHON_GIVEN: no such Python" >&2
             exit 1
         fi
-        if ! has_required_modules "$PYTHON_GIVEN"; then
-            echo "error: $PYTHON_GIVEN cannot import the conversion packages ($REQUIRED_MODULES);" \
+        if ! has_modules "$PYTHON_GIVEN" "$(needed_side)"; then
+            echo "error: $PYTHON_GIVEN cannot import the conversion packages" \
+                 "($("$PYTHON_GIVEN" "$ROOT/utils/environment.py" has "$(needed_side)" 2>&1 | sed 's/^missing: //'));" \
                  "drop --python to use chakra-venv/, or run ./install_chakra_tools.sh" >&2
             exit 1
         fi
         [ "$WITH_OFFICIAL" = 0 ] || echo "note: --with-official is ignored with --python (nothing is installed into $PYTHON_GIVEN)" >&2
     fi
+}
+
+# An environment that already has the conversion packages, when no chakra-venv/ exists yet and none was named:
+# the active virtual environment, then the project's .venv (the main job's, which has them all).
+existing_environment() {
+    [ -z "$VENV_GIVEN" ] && [ "$WITH_OFFICIAL" = 0 ] && [ ! -x "$VENV/bin/python" ] || return 1
+    local candidate
+    for candidate in "${VIRTUAL_ENV:+$VIRTUAL_ENV/bin/python}" "$ROOT/.venv/bin/python"; do
+        if [ -n "$candidate" ] && [ -x "$candidate" ] && has_modules "$candidate" "$(needed_side)"; then
+            echo "$candidate"
+            return 0
+        fi
+    done
+    return 1
 }
 
 pick_python() {
@@ -127,8 +152,15 @@ pick_python() {
         say "Using $PYTHON (it has the conversion packages; no chakra-venv/ needed)"
         return
     fi
+    local existing
+    if existing="$(existing_environment)"; then
+        PYTHON="$existing"
+        say "Using $(dirname "$(dirname "$PYTHON")") (it has the conversion packages; no chakra-venv/ needed)"
+        return
+    fi
     local install=("$ROOT/install_chakra_tools.sh" --venv "$VENV")
     [ "$WITH_OFFICIAL" = 1 ] && install+=(--with-official)
+    [ "$(needed_side)" = report ] && install+=(--with-report)
     local rc=0
     "${install[@]}" || rc=$?
     if [ "$rc" = "$EXIT_OFFICIAL_UNAVAILABLE" ]; then

@@ -6,7 +6,11 @@ import sys
 import time
 from pathlib import Path
 
-from trace_tools.report import ReportError, find_report_folders, write_report
+from utils.environment import require
+
+require("report")  # one line naming the environment to use, not a ModuleNotFoundError
+
+from trace_tools.report import ReportError, find_report_folders, write_report  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -13,6 +13,10 @@ if __name__ == "__main__":
     from utils.errors import stop_quietly_while_starting_up
     stop_quietly_while_starting_up()  # Ctrl-C during the slow imports below: one line, not a traceback
 
+from utils.environment import require  # noqa: E402
+
+require("training")  # one line naming the environment to use, not a ModuleNotFoundError
+
 import torch
 from transformers import DataCollatorForLanguageModeling
 

@@ -28,7 +28,9 @@ def prepare_gpt2_tokenizer(tokenizer):
 def finalize_gpt2_config(config: GPT2Config, tokenizer) -> None:
     config.vocab_size = len(tokenizer)
     config.bos_token_id = config.eos_token_id = tokenizer.eos_token_id
-    config.pad_token_id = tokenizer.pad_token_id
+    # Training packs text into full blocks (gpt2/train.py): there is no padding. With a pad id set, transformers
+    # would look for it in every batch without an attention mask (a host sync per forward, and ops in every trace).
+    config.pad_token_id = None
 
 
 def build_gpt2_model(config: GPT2Config, attn_implementation: str) -> GPT2LMHeadModel:

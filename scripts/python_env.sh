@@ -4,29 +4,39 @@
 #
 # torch is installed as torch==2.13.0 *before* requirements.txt: a bare
 # "torch>=2.4" on a machine without torch would pull a multi-GB CUDA build.
+# requirements-convert.txt goes in with --no-deps (it lists everything the
+# conversion imports; mlc-chakra's own dependencies are not used).
 
 PROJECT_TORCH_VERSION="${PROJECT_TORCH_VERSION:-2.13.0}"
 
+_python_env_requirement_files() {
+    # $1: project root; $2: "train" or "test". Sets PYTHON_ENV_FILES: every file whose requirements the
+    # environment must meet (an array, not command output: bash 3.2 on macOS has no mapfile).
+    PYTHON_ENV_FILES=("$1/requirements.txt" "$1/requirements-convert.txt" "$1/requirements-report.txt")
+    if [ "$2" = "test" ]; then PYTHON_ENV_FILES+=("$1/requirements-test.txt"); fi
+}
+
 _python_env_is_suitable() {
-    # $1: python executable; $2: "train", "convert" or "test"
-    local need="torch transformers datasets tokenizers tqdm orjson google.protobuf chakra.schema.protobuf.et_def_pb2"
-    [ "$2" = "test" ] && need="$need pytest yaml"
-    "$1" - "$need" <<'PY' >/dev/null 2>&1
-import importlib, sys
-for name in sys.argv[1].split():
-    importlib.import_module(name)
+    # $1: python executable; $2: "train" or "test"; $3: project root. Sets PYTHON_ENV_TORCH (torch's version).
+    _python_env_requirement_files "$3" "$2"
+    "$1" "$3/utils/environment.py" check-requirements "${PYTHON_ENV_FILES[@]}" >/dev/null 2>&1 || return 1
+    # shellcheck disable=SC2034  # read by run_tests.sh
+    PYTHON_ENV_TORCH="$("$1" - <<'PY' 2>/dev/null
+import sys
 import torch
 major, minor = (int(x) for x in torch.__version__.split(".")[:2])
 if (major, minor) < (2, 4):
     sys.exit(1)
 # transformers 5 quietly switches off torch older than 2.6: such a pair imports but builds no model.
 from transformers.utils import is_torch_available
+print(torch.__version__)
 sys.exit(0 if is_torch_available() else 1)
 PY
+)"
 }
 
 ensure_python_env() {
-    # $1: "train", "convert" or "test" (what the caller is about to run)
+    # $1: "train" or "test" (what the caller is about to run)
     local purpose="${1:-test}"
     local root
     root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -37,7 +47,7 @@ ensure_python_env() {
         else candidate="$(command -v python3 || true)"
         fi
     fi
-    if [ -n "$candidate" ] && _python_env_is_suitable "$candidate" "$purpose"; then
+    if [ -n "$candidate" ] && _python_env_is_suitable "$candidate" "$purpose" "$root"; then
         PYTHON="$candidate"
         export PYTHON
         return 0
@@ -48,21 +58,29 @@ ensure_python_env() {
         echo "error: python3 not found; install Python 3.9 or newer" >&2
         return 1
     fi
-    echo "==> No suitable Python environment active; creating $root/.venv (once)" >&2
-    [ -x "$root/.venv/bin/python" ] || "$base_python" -m venv "$root/.venv"
     local venv_python="$root/.venv/bin/python"
-    "$venv_python" -m pip install -q --upgrade pip >&2 || true
+    if [ -x "$venv_python" ]; then
+        echo "==> $root/.venv lacks packages for $purpose; installing them" >&2
+    else
+        echo "==> No suitable Python environment active; creating $root/.venv (once)" >&2
+        "$base_python" -m venv "$root/.venv"
+    fi
     if ! "$venv_python" -c "import torch" >/dev/null 2>&1; then
         echo "==> Installing torch==$PROJECT_TORCH_VERSION (CPU wheel) first" >&2
-        "$venv_python" -m pip install -q "torch==$PROJECT_TORCH_VERSION" >&2
+        "$venv_python" -m pip install -q --disable-pip-version-check "torch==$PROJECT_TORCH_VERSION" >&2
     fi
-    echo "==> Installing requirements into .venv" >&2
-    "$venv_python" -m pip install -q -r "$root/requirements.txt" -r "$root/requirements-convert.txt" >&2
-    if [ "$purpose" = "test" ]; then
-        "$venv_python" -m pip install -q -r "$root/requirements-test.txt" >&2
-    fi
-    if ! _python_env_is_suitable "$venv_python" "$purpose"; then
-        echo "error: $root/.venv was created but still lacks a package; see the pip output above" >&2
+    local requirement_args=() file
+    _python_env_requirement_files "$root" "$purpose"
+    local files=("${PYTHON_ENV_FILES[@]}")
+    for file in "${files[@]}"; do
+        [ "$file" = "$root/requirements-convert.txt" ] || requirement_args+=(-r "$file")
+    done
+    echo "==> Installing $(for file in "${files[@]}"; do basename "$file"; done | tr '\n' ' ')into .venv" >&2
+    "$venv_python" -m pip install -q --disable-pip-version-check "${requirement_args[@]}" >&2
+    "$venv_python" -m pip install -q --disable-pip-version-check --no-deps -r "$root/requirements-convert.txt" >&2
+    if ! _python_env_is_suitable "$venv_python" "$purpose" "$root"; then
+        echo "error: $root/.venv was set up but still lacks a package:" >&2
+        "$venv_python" "$root/utils/environment.py" check-requirements "${files[@]}" >&2 || true
         return 1
     fi
     PYTHON="$venv_python"

@@ -18,3 +18,38 @@ def shared_fixtures() -> Path:
     if not SHARED_FIXTURES.is_dir():
         pytest.skip(f"{SHARED_FIXTURES} not found: the reference traces live beside the team's clones, not in the repository")
     return SHARED_FIXTURES
+
+
+# ---- the quick subset: -m "not slow" ------------------------------------------------------------------------------
+# Under 2 minutes on 2 cores: it leaves out whatever trains a model, starts the launchers, installs packages, runs
+# the documentation's commands, or reads the large reference traces. Tests mark themselves slow one by one; the
+# groups below are marked here, so one look shows everything the quick subset skips and why.
+SLOW_MODULES = {
+    "test_training.py": "trains the tiny models, in this process and under torchrun",
+    "test_launchers.py": "runs the launchers, which start training runs",
+    "test_bench.py": "runs the benchmarks",
+}
+SLOW_FIXTURES = {
+    "filled_venv": "installs the conversion packages into a new environment",
+    "chakra_venv": "installs the conversion packages, then runs the documentation's commands in a clone",
+    "shared_fixtures": "reads the team's reference GPU traces (8 ranks, hundreds of MB)",
+    "cpu_reports": "converts and reports on the bundled runs",
+    "gpu_reports": "converts and reports on the reference GPU traces",
+    "run_dir": "converts and reports on the bundled runs and the reference GPU traces",
+    "one_rank_gpt2": "trains and traces a tiny GPT-2",
+}
+SLOW_TESTS = {
+    "test_dockerfile_import_check_passes_in_a_complete_environment": "imports the whole training side in a new process",
+    "test_tokenizer_download_offline_warns_and_lets_the_build_go_on": "imports transformers in a new process",
+    "test_tokenizer_download_strict_fails_when_a_tokenizer_is_missing": "imports transformers in a new process",
+    "test_tokenizer_download_saves_a_loadable_tokenizer": "imports transformers in a new process",
+    "test_truncation_anywhere_keeps_exactly_the_complete_nodes": "repairs one trace truncated at every node",
+    "test_one_rank_traced_gpt2_step_has_no_trainer_bookkeeping": "trains and traces a tiny GPT-2",
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        name = getattr(item, "originalname", item.name)
+        if item.path.name in SLOW_MODULES or name in SLOW_TESTS or SLOW_FIXTURES.keys() & set(item.fixturenames):
+            item.add_marker(pytest.mark.slow)

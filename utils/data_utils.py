@@ -19,6 +19,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 BUNDLED_SQUAD_SAMPLE = REPO_ROOT / "data" / "squad_sample.json"
 HUB_SQUAD_ID = "rajpurkar/squad"
 TOKENIZE_CHUNK = 2000  # examples per tokenizer call: fast, and keeps peak memory low on full SQuAD
+# Batch key of the number of real (non-padding) tokens in the batch, for tokens/s and MFU; not a model input.
+REAL_TOKENS = "num_real_tokens"
 
 
 @dataclass(frozen=True)
@@ -224,6 +226,20 @@ def tokenize_examples(encode: Callable[[List[TextExample]], dict], examples: Seq
     return PackedExamples(columns, offsets)
 
 
+def group_texts(token_rows: Sequence[Sequence[int]], block_size: int, separator: Optional[int] = None) -> List[List[int]]:
+    """Concatenate tokenized texts (each followed by `separator`, e.g. GPT-2's end-of-text) and cut the stream into
+    full blocks of block_size tokens, dropping the remainder: transformers' run_clm `group_texts`, applied to one
+    chunk of examples at a time as run_clm applies it per map batch. Every token of every block is a real one, so
+    no padding is trained, traced or counted, and causal attention needs no mask."""
+    stream: List[int] = []
+    for row in token_rows:
+        stream.extend(row)
+        if separator is not None:
+            stream.append(separator)
+    usable = len(stream) - len(stream) % block_size
+    return [stream[start:start + block_size] for start in range(0, usable, block_size)]
+
+
 class ResumableDistributedSampler(DistributedSampler):
     """DistributedSampler that can start mid-epoch, so a resumed run sees exactly the batches it had left.
 
@@ -243,13 +259,32 @@ class ResumableDistributedSampler(DistributedSampler):
         return max(0, self.num_samples - self.start_index)
 
 
+class CountingCollator:
+    """A collator that also records in the batch how many tokens its examples held before padding (REAL_TOKENS).
+
+    Counted from the examples' Python lists, not the collated mask: no torch op lands in the traced step and no
+    device sync is needed to read it.
+    """
+
+    def __init__(self, collate_fn: Callable):
+        self.collate_fn = collate_fn
+
+    def __call__(self, features: List[dict]) -> dict:
+        batch = self.collate_fn(features)
+        batch[REAL_TOKENS] = sum(len(feature["input_ids"]) for feature in features)
+        return batch
+
+
 def build_dataloader(dataset: Dataset, collate_fn, *, batch_size: int, rank: int, world_size: int, seed: int,
-                     train: bool, pin_memory: bool) -> DataLoader:
+                     train: bool, pin_memory: bool, num_workers: int = 0) -> DataLoader:
+    """Batches of this rank's share. num_workers > 0 only for collators that draw no random numbers: workers would
+    run the MLM collator on their own RNG streams, which a resume could not restore."""
     sampler = ResumableDistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=train, seed=seed)
-    # Workers would run the MLM collator on their own RNG streams, which a resume could not restore.
     # The explicit generator keeps DataLoader iterators from drawing on the global RNG the collator uses.
-    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, collate_fn=collate_fn, drop_last=train,
-                      num_workers=0, pin_memory=pin_memory, generator=torch.Generator().manual_seed(seed))
+    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, collate_fn=CountingCollator(collate_fn),
+                      drop_last=train,
+                      num_workers=num_workers, persistent_workers=num_workers > 0, pin_memory=pin_memory,
+                      generator=torch.Generator().manual_seed(seed))
 
 
 class BatchStream:

@@ -1,8 +1,10 @@
-"""Throughput and model FLOPs utilisation (MFU), and the metric sinks: TensorBoard and Weights & Biases."""
+"""Throughput and model FLOPs utilisation (MFU), the machine's load while tracing, and the metric sinks."""
 import logging
 import os
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Dict, Optional, Set
 
 import torch
 
@@ -20,6 +22,7 @@ PEAK_TFLOPS = [
     ("L4", (121.0, 60.0, 30.3)),
     ("A10", (125.0, 62.5, 31.2)),
     ("V100", (125.0, None, 15.7)),        # fp16 only, no bf16/tf32
+    ("T4", (65.0, None, 8.1)),            # fp16 only, no bf16/tf32
     ("RTX 4090", (165.2, 82.6, 82.6)),
 ]
 
@@ -59,6 +62,121 @@ def flops_per_token(compute_params: int, n_layer: int, hidden: int, seq_len: int
     """Training FLOPs per token: 6N for the matmuls forward and backward plus 12*L*H*T for attention scores
     (PaLM paper, appendix B; the estimate nanoGPT's MFU uses)."""
     return 6.0 * compute_params + 12.0 * n_layer * hidden * seq_len
+
+
+# ---- machine load while tracing ----------------------------------------------------------------------------------
+# Other processes using more than this share of the CPUs during the traced window make its step times unreliable:
+# the same traced step measured 2.76 s and 0.22 s in two runs on a loaded machine.
+BUSY_OTHER_CPU_SHARE = 0.25
+PROC = Path("/proc")
+
+
+@dataclass(frozen=True)
+class LoadSample:
+    """A snapshot of the machine's CPU use (Linux /proc; elsewhere the load average only)."""
+
+    monotonic_s: float
+    load_average: Optional[tuple]
+    busy_cpu_s: Optional[float]                    # all CPUs' non-idle time since boot
+    process_cpu_s: Dict[int, float] = field(default_factory=dict)   # this job's processes: user + system time
+    job_pids: frozenset = frozenset()
+
+
+def _clock_ticks() -> int:
+    return os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _busy_cpu_seconds() -> Optional[float]:
+    """user + nice + system + irq + softirq + steal of all CPUs, from /proc/stat's first line."""
+    try:
+        fields = (PROC / "stat").read_text().splitlines()[0].split()
+    except (OSError, IndexError):
+        return None
+    values = [int(v) for v in fields[1:9]]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = values + [0] * (8 - len(values))
+    return (user + nice + system + irq + softirq + steal) / _clock_ticks()
+
+
+def _processes() -> Dict[int, tuple]:
+    """pid -> (parent pid, user + system CPU seconds) of every process /proc shows."""
+    table, ticks = {}, _clock_ticks()
+    for entry in PROC.iterdir() if PROC.is_dir() else ():
+        if not entry.name.isdigit():
+            continue
+        try:
+            text = (entry / "stat").read_text()
+        except OSError:
+            continue  # gone meanwhile
+        after_name = text[text.rfind(")") + 2:].split()  # the command name may hold spaces and parentheses
+        table[int(entry.name)] = (int(after_name[1]), (int(after_name[11]) + int(after_name[12])) / ticks)
+    return table
+
+
+def job_process_ids(processes: Dict[int, tuple]) -> Set[int]:
+    """This process, its descendants, and under torchrun the agent and every rank it started on this machine."""
+    roots = {os.getpid()}
+    if os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("LOCAL_WORLD_SIZE"):
+        roots.add(os.getppid())
+    children: Dict[int, list] = {}
+    for pid, (parent, _) in processes.items():
+        children.setdefault(parent, []).append(pid)
+    job, pending = set(), list(roots)
+    while pending:  # iterative walk of the process tree
+        pid = pending.pop()
+        if pid not in job:
+            job.add(pid)
+            pending.extend(children.get(pid, ()))
+    return job
+
+
+def sample_machine_load() -> LoadSample:
+    """Take one snapshot; two of them, around the traced window, go to machine_load_between()."""
+    try:
+        load = tuple(round(x, 2) for x in os.getloadavg())
+    except (AttributeError, OSError):
+        load = None
+    processes = _processes()
+    job = job_process_ids(processes) if processes else set()
+    return LoadSample(monotonic_s=time.monotonic(), load_average=load, busy_cpu_s=_busy_cpu_seconds(),
+                      process_cpu_s={pid: processes[pid][1] for pid in job if pid in processes},
+                      job_pids=frozenset(job))
+
+
+def machine_load_between(start: LoadSample, end: LoadSample) -> dict:
+    """What the machine did besides this job between two samples, for run.json.
+
+    other_processes_cpu_s is all CPUs' busy time less the CPU time of this job's processes (this rank, its
+    torchrun agent and sibling ranks on this machine); other_processes_cpu_share divides it by the CPU time the
+    window offered (seconds x CPUs). busy is True when that share exceeds BUSY_OTHER_CPU_SHARE.
+    """
+    window = max(end.monotonic_s - start.monotonic_s, 1e-9)
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    report = {"window_s": round(window, 6), "cpus": cpus,
+              "load_average_start": start.load_average, "load_average_end": end.load_average,
+              "job_cpu_s": None, "other_processes_cpu_s": None, "other_processes_cpu_share": None, "busy": None}
+    if start.busy_cpu_s is not None and end.busy_cpu_s is not None:
+        job_cpu = sum(end.process_cpu_s[pid] - start.process_cpu_s.get(pid, 0.0) for pid in end.process_cpu_s)
+        other = max(0.0, end.busy_cpu_s - start.busy_cpu_s - job_cpu)
+        total_cpus = os.cpu_count() or cpus  # /proc/stat counts every CPU of the machine
+        report.update(job_cpu_s=round(job_cpu, 3), other_processes_cpu_s=round(other, 3),
+                      other_processes_cpu_share=round(other / (window * total_cpus), 4))
+        report["busy"] = report["other_processes_cpu_share"] > BUSY_OTHER_CPU_SHARE
+    elif end.load_average is not None:
+        report["busy"] = end.load_average[0] > cpus
+    return report
+
+
+def busy_machine_warning(load: dict) -> Optional[str]:
+    """One line for the log when other work shared the machine during the traced window, else None."""
+    if not load.get("busy"):
+        return None
+    if load.get("other_processes_cpu_s") is not None:
+        what = (f"other processes used {load['other_processes_cpu_s']:.2f} CPU-s of the {load['window_s']:.2f} s "
+                f"window ({100 * load['other_processes_cpu_share']:.0f}% of the machine's CPUs)")
+    else:
+        what = f"load average {load['load_average_end'][0]} on {load['cpus']} CPUs"
+    return (f"the machine was busy while the step was traced: {what}; its measured times may be inflated "
+            "(trace again on an idle machine to compare)")
 
 
 class MetricSinks:

@@ -20,7 +20,6 @@ from typing import Callable, List, Optional
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
 from tqdm.auto import tqdm
 
 from utils.chakra_tracer import TraceError, add_tracing_arguments, build_tracer, tracing_window_steps
@@ -28,11 +27,12 @@ from utils.checkpointing import (BEST_MODEL, FINAL_MODEL, INITIAL_MODEL, SaveDir
                                  check_resumable, check_writable_folder, checkpoint_name, clean_partial_checkpoints,
                                  earlier_checkpoints, load_resume_state, read_training_info, restore_rng_state,
                                  weights_fingerprint, write_checkpoint)
-from utils.data_utils import (BatchStream, RepeatedBatch, TextExample, TextSplits, build_dataloader,
+from utils.data_utils import (REAL_TOKENS, BatchStream, RepeatedBatch, TextExample, TextSplits, build_dataloader,
                               check_data_flags, load_text_splits, tokenize_examples)
-from utils.distributed import DistributedContext, distributed_context
+from utils.distributed import DistributedContext, distributed_context, wrap_data_parallel
 from utils.errors import CheckpointError, NonFiniteLossError, StopRequested, UsageError
 from utils.metrics import MetricSinks, count_parameters, flops_per_token, peak_flops_per_gpu
+from utils.precision import bf16_refusal, default_precision, enable_tf32_matmuls
 from utils.tokenization import TokenizerRequest, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -43,6 +43,8 @@ LOG_FILE = "training_rank_{rank}.log"
 # torchrun passes the user's Ctrl-C on to every rank, which the terminal already sent it: a second SIGINT this soon
 # after the first, under torchrun, is that copy, not the user pressing Ctrl-C again.
 TORCHRUN_SIGNAL_COPY_WINDOW_S = 1.0
+# DataLoader worker processes per rank on GPU runs (collators that draw no random numbers only; see build_dataloader).
+GPU_LOADER_WORKERS = 2
 
 
 @dataclass(frozen=True)
@@ -62,6 +64,8 @@ class ModelFamily:
         build_model: (config, attention implementation) -> a freshly initialised model.
         encode: (tokenizer, examples, max length) -> tokenizer output with overflow windows.
         make_collator: (tokenizer, max length) -> collate function producing model inputs with labels.
+        random_collator: whether the collator draws random numbers (MLM masking); only one that does not may run
+            in DataLoader workers, whose RNG streams a resume could not restore.
     """
 
     name: str
@@ -76,6 +80,7 @@ class ModelFamily:
     build_model: Callable
     encode: Callable
     make_collator: Callable
+    random_collator: bool = True
 
 
 # ------------------------------------------------------------------------------------------------- arguments
@@ -100,7 +105,8 @@ def build_arg_parser(family: ModelFamily) -> argparse.ArgumentParser:
                       help="a JSONL corpus of {\"text\": ...} lines (UTF-8), or a directory of *.jsonl files")
     data.add_argument("--cache-dir", default=None, help="Hugging Face datasets/tokenizer cache directory")
     data.add_argument("--max-seq-length", type=int, default=512,
-                      help="tokens per sequence; every batch is padded to it (default: %(default)s)")
+                      help="tokens per sequence: GPT-2 packs text into blocks of it, BERT pads every batch to it "
+                           "(default: %(default)s)")
     data.add_argument("--validation-fraction", type=float, default=0.1,
                       help="share of a local dataset held out for validation (default: %(default)s)")
     data.add_argument("--eval-batches", type=int, default=50,
@@ -186,11 +192,11 @@ def validate_args(args: argparse.Namespace, family: ModelFamily) -> None:
 
     cuda = torch.cuda.is_available()
     if args.precision is None:
-        args.precision = ("bf16" if torch.cuda.is_bf16_supported() else "fp16") if cuda else "fp32"
+        args.precision = default_precision()
     if args.precision == "fp16" and not cuda:
         raise UsageError("--precision fp16 needs a CUDA GPU (it trains with a gradient scaler); use bf16 or fp32 on the CPU")
-    if args.precision == "bf16" and cuda and not torch.cuda.is_bf16_supported():
-        raise UsageError(f"--precision bf16: {torch.cuda.get_device_name()} has no bf16 support; use --precision fp16")
+    if args.precision == "bf16" and bf16_refusal():
+        raise UsageError(bf16_refusal())
     if args.attn_implementation == "flash_attention_2":
         if not cuda or args.precision == "fp32":
             raise UsageError("--attn-implementation flash_attention_2 needs a CUDA GPU and --precision bf16 or fp16")
@@ -409,6 +415,10 @@ class Trainer:
         self.training_started = False   # signals then stop gracefully (a checkpoint) instead of at once
         self.resumed = False
         self._start_time = time.perf_counter()
+        self._loop_first_step = 0        # self.step when the loop (and its tracer) started
+        self._local_tokens_since_sync = 0   # real (non-padding) tokens this rank trained since the last sync
+        self._tokens_since_log = 0          # real tokens of all ranks since the last log line with a loss
+        self._rate_started = 0.0            # when those tokens began (perf_counter)
 
     # ---- setup -----------------------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -440,14 +450,18 @@ class Trainer:
             args.max_seq_length = max_positions
         self.train_data, self.val_data = self._tokenize()
         seed_everything(args.seed + ctx.rank)  # from here on: per-rank dropout and masking streams
+        enable_tf32_matmuls(self.device)
         self.model.to(self.device)
 
         collator = self.family.make_collator(self.tokenizer, args.max_seq_length)
         pin = self.device.type == "cuda"
+        workers = GPU_LOADER_WORKERS if pin and not self.family.random_collator else 0
         self.train_loader = build_dataloader(self.train_data, collator, batch_size=args.batch_size, rank=ctx.rank,
-                                             world_size=ctx.world_size, seed=args.seed, train=True, pin_memory=pin)
+                                             world_size=ctx.world_size, seed=args.seed, train=True, pin_memory=pin,
+                                             num_workers=workers)
         self.val_loader = build_dataloader(self.val_data, collator, batch_size=args.batch_size, rank=ctx.rank,
-                                           world_size=ctx.world_size, seed=args.seed, train=False, pin_memory=pin)
+                                           world_size=ctx.world_size, seed=args.seed, train=False, pin_memory=pin,
+                                           num_workers=workers)
         if len(self.train_loader) == 0:
             raise UsageError(f"{self.splits.source}: {len(self.train_data)} training sequences are fewer than "
                              f"--batch-size {args.batch_size} x {ctx.world_size} rank(s); use more data or a smaller batch")
@@ -467,8 +481,7 @@ class Trainer:
         self.eval_model = torch.compile(self.model) if args.compile else self.model
         self.train_model = self.eval_model
         if ctx.is_distributed:
-            self.train_model = DistributedDataParallel(
-                self.eval_model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+            self.train_model = wrap_data_parallel(self.eval_model, self.device)
         self.n_params, compute_params = count_parameters(self.model)
         self.flops_per_token = flops_per_token(compute_params, self.config.num_hidden_layers,
                                                self.config.hidden_size, args.max_seq_length)
@@ -599,16 +612,24 @@ class Trainer:
         return torch.autocast(device_type=self.device.type, dtype=dtype)
 
     def _to_device(self, batch: dict) -> dict:
-        return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+        """The model inputs of a batch on the device (the collator's token count stays behind)."""
+        return {k: v.to(self.device, non_blocking=True) for k, v in batch.items() if k != REAL_TOKENS}
 
-    def _optimizer_step(self) -> "tuple[float, Optional[float], bool]":
-        """All micro-steps of one optimizer step: (mean loss over ranks, grad norm, whether to stop now)."""
+    def _optimizer_step(self) -> "tuple[torch.Tensor, Optional[torch.Tensor]]":
+        """All micro-steps of one optimizer step: (this rank's mean loss, grad norm), both left on the device.
+
+        Only what training itself does: forward, backward (DDP all-reduces the gradients), clipping, the optimizer.
+        Reading the loss, which waits for the device, and agreeing with the other ranks happen on sync steps only
+        (_sync_due), so the traced step holds no collective and no host sync of the trainer's own.
+        """
         args, model = self.args, self.train_model
         accumulation = args.gradient_accumulation_steps
         model.train()
-        loss_sum = torch.zeros((), device=self.device)
+        loss_sum = None
         for micro in range(accumulation):
-            batch = self._to_device(next(self.stream))
+            batch = next(self.stream)
+            self._local_tokens_since_sync += batch[REAL_TOKENS]  # counted by the collator: no device sync
+            batch = self._to_device(batch)
             last = micro == accumulation - 1
             # Only the last micro-step all-reduces gradients; the others accumulate locally.
             sync = contextlib.nullcontext() if last or not self.ctx.is_distributed else model.no_sync()
@@ -616,20 +637,7 @@ class Trainer:
                 with self._autocast():
                     loss = model(**batch).loss
                 self.scaler.scale(loss / accumulation).backward()
-            loss_sum += loss.detach().float()
-        # One small all-reduce per step: the logged loss is the global mean, and a NaN or a stop request on any
-        # rank is seen by all ranks at the same step (they must leave the loop together).
-        stats = torch.stack([loss_sum / accumulation,
-                             torch.tensor(float(self.stop_signal is not None), device=self.device)])
-        if self.ctx.is_distributed:
-            dist.all_reduce(stats)
-        mean_loss = stats[0].item() / self.ctx.world_size
-        if not math.isfinite(mean_loss):
-            where = self.last_checkpoint or "none (no checkpoint was saved yet)"
-            raise NonFiniteLossError(
-                f"loss is {mean_loss} at step {self.step + 1}; stopped before the optimizer step. Last good "
-                f"checkpoint: {where}. Lower --learning-rate, raise --warmup-steps, keep --max-grad-norm above 0, "
-                "or use --precision bf16/fp32 instead of fp16")
+            loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
         grad_norm = None
         if args.max_grad_norm > 0:
             self.scaler.unscale_(self.optimizer)
@@ -639,7 +647,52 @@ class Trainer:
         self.scaler.update()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return mean_loss, grad_norm, stats[1].item() > 0
+        return (loss_sum / accumulation if accumulation > 1 else loss_sum), grad_norm
+
+    # ---- sync steps: the loss read, agreed on and logged -------------------------------------------------------
+    def _is_logging_step(self) -> bool:
+        return self.step % self.args.logging_steps == 0 or self.step in (1, self.max_steps)
+
+    def _inside_trace_window(self) -> bool:
+        """Whether the profiler records the coming step: what the loop does now lands in that step's trace."""
+        if not self.args.enable_tracing:
+            return False
+        coming = self.step - self._loop_first_step  # the tracer counts optimizer steps from the loop's start
+        return self.args.trace_wait_steps <= coming < tracing_window_steps(self.args)
+
+    def _sync_due(self) -> bool:
+        """Whether this step reads the loss and agrees on it with the other ranks (torchtitan's way: on logging
+        steps, not every step): logging steps outside the trace window, evaluation and checkpoint steps (which
+        sync anyway, and must not save non-finite weights), the last step, and in a one-process run a stop
+        request at once. Ranks decide from the step number alone, so they meet in the all-reduce together; a
+        stop request or a non-finite loss is therefore acted on at the next sync step."""
+        a, step = self.args, self.step
+        if step == self.max_steps or (a.eval_steps and step % a.eval_steps == 0) \
+                or (a.save_steps and step % a.save_steps == 0):
+            return True
+        if not self.ctx.is_distributed and self.stop_signal is not None:
+            return True
+        return self._is_logging_step() and not self._inside_trace_window()
+
+    def _agree_on_loss_and_stop(self, loss: torch.Tensor) -> "tuple[float, bool]":
+        """(this step's loss averaged over ranks, whether any rank was asked to stop); also sums the real tokens
+        all ranks trained since the last sync. The trainer's one all-reduce and host sync, on sync steps only."""
+        local = torch.tensor([float(self.stop_signal is not None), float(self._local_tokens_since_sync)],
+                             dtype=torch.float64)
+        stats = torch.cat([loss.detach().reshape(1).to(torch.float64), local.to(self.device)])
+        if self.ctx.is_distributed:
+            dist.all_reduce(stats)
+        loss_sum, stops, tokens = stats.tolist()
+        self._local_tokens_since_sync = 0
+        self._tokens_since_log += int(tokens)
+        mean_loss = loss_sum / self.ctx.world_size
+        if not math.isfinite(mean_loss):
+            where = self.last_checkpoint or "none (no checkpoint was saved yet)"
+            raise NonFiniteLossError(
+                f"loss is {mean_loss} at step {self.step}; stopped without saving it. Last good checkpoint: {where}. "
+                "Lower --learning-rate, raise --warmup-steps, keep --max-grad-norm above 0, or use --precision "
+                "bf16/fp32 instead of fp16")
+        return mean_loss, stops > 0
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -748,6 +801,7 @@ class Trainer:
             logger.info("already at step %d of %d: nothing to train", self.step, self.max_steps)
             return False
         window_start, window_steps = time.perf_counter(), 0
+        self._loop_first_step, self._rate_started = self.step, window_start
         # The bar shows only on a terminal (disable=None); there, log lines are routed around it. Elsewhere
         # (nohup, pipes) the handlers stay as they are: info on stdout, warnings on stderr.
         progress = tqdm(total=self.max_steps, initial=self.step, desc=f"{self.family.name} training",
@@ -758,17 +812,23 @@ class Trainer:
                 around_bar:
             try:
                 while self.step < self.max_steps:
-                    loss, grad_norm, stop = self._optimizer_step()
+                    loss, grad_norm = self._optimizer_step()
                     tracer.step()
                     self.step += 1
                     self.tokens_seen += self.tokens_per_step
-                    self.last_loss = loss
                     window_steps += 1
                     progress.update(1)
-                    progress.set_postfix(loss=f"{loss:.4f}", refresh=False)
-                    if self.step % args.logging_steps == 0 or self.step in (1, self.max_steps) or stop:
+                    stop = False
+                    if self._sync_due():
+                        self.last_loss, stop = self._agree_on_loss_and_stop(loss)
+                        progress.set_postfix(loss=f"{self.last_loss:.4f}", refresh=False)
+                        if self._is_logging_step() or stop:
+                            now = time.perf_counter()
+                            self._log_step(self.last_loss, grad_norm, window_steps, now - window_start)
+                            window_start, window_steps = now, 0
+                    elif self._is_logging_step():  # inside the trace window: the time only, nothing read back
                         now = time.perf_counter()
-                        self._log_step(loss, grad_norm, window_steps, now - window_start)
+                        self._log_traced_step(window_steps, now - window_start)
                         window_start, window_steps = now, 0
                     if args.eval_steps and self.step % args.eval_steps == 0:
                         self._evaluate_and_keep_best()
@@ -780,8 +840,17 @@ class Trainer:
                 progress.close()
         return False
 
+    def _log_traced_step(self, steps: int, seconds: float) -> None:
+        """A logging step inside the trace window: its host time, without the loss, whose all-reduce and device
+        read would land in the traced step; the next line after the window has the loss and tokens/s."""
+        logger.info("step %d/%d | epoch %.2f | lr %.3g | %.1f ms/step | in the trace window: loss read after it",
+                    self.step, self.max_steps, self.stream.epochs_done, self.last_lr, 1000 * seconds / steps)
+
     def _log_step(self, loss: float, grad_norm, steps: int, seconds: float) -> None:
-        tokens_per_s = self.tokens_per_step * steps / max(seconds, 1e-9)
+        # Real tokens only (padding left out), of all ranks, since the last line with a loss (window lines skip it).
+        now = time.perf_counter()
+        tokens_per_s = self._tokens_since_log / max(now - self._rate_started, 1e-9)
+        self._tokens_since_log, self._rate_started = 0, now
         parts = [f"step {self.step}/{self.max_steps}", f"epoch {self.stream.epochs_done:.2f}", f"loss {loss:.4f}",
                  f"lr {self.last_lr:.3g}"]
         scalars = {"train/loss": loss, "train/learning_rate": self.last_lr, "train/tokens_per_second": tokens_per_s}
