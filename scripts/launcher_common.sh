@@ -736,6 +736,7 @@ lc_convert() {
     lc_run_command
     if [ "$LC_RC" = 0 ]; then
         LC_CONVERT_STATUS="ok"
+        LC_NEXT_RUN="${dirs[0]}"
         lc_say "✅ Converted: <run name>.<rank>.et and CONVERSION_SUMMARY.md in each trace folder"
     else
         LC_CONVERT_STATUS="failed (exit $LC_RC)"
@@ -864,5 +865,11 @@ lc_print_summary() {
     done
     if [ "$LC_DO_CONVERT" = 1 ] && [ "$LC_TRACE" = 1 ]; then
         printf '   %-28s %s\n' "conversion to .et" "${LC_CONVERT_STATUS:-not run}"
+    fi
+    if [ -n "${LC_NEXT_RUN:-}" ]; then
+        lc_say ""
+        lc_say "👉 Next steps: the report: $PYTHON trace_report.py $LC_NEXT_RUN"
+        lc_say "   ASTRA-sim (built by ./install_astra_sim.sh): $PYTHON simulate.py $LC_NEXT_RUN --bandwidth 100Gbit/s"
+        lc_say "   or its workload path: --workload-configuration=$LC_NEXT_RUN/$(basename "$LC_NEXT_RUN") (docs/CHAKRA_SETUP.md)"
     fi
 }

@@ -44,7 +44,7 @@ CONVERSION_SUMMARY = "CONVERSION_SUMMARY.md"
 WORLD_GROUP = "0"
 # Metadata this module writes; replaced when a scaled set is scaled again.
 SCALE_ATTRS = {"rank", "world_size", "process_groups", "scaled", "source_rank", "traced_world_size", "compute_scale"}
-# What run.json's optional "parallelism" field may say for a data-parallel run (the tracer does not write it yet).
+# What run.json's "parallelism" field says for a data-parallel run (our trainer writes it; older runs lack it).
 DATA_PARALLEL_NAMES = {"ddp", "dp", "data_parallel", "data-parallel", "distributeddataparallel"}
 OVERRIDE_HINT = "--assume-data-parallel scales it anyway"
 

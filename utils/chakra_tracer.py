@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ExecutionTraceObserver, ProfilerActivity, profile, schedule
 
+from utils.metrics import busy_machine_warning, machine_load_between, sample_machine_load
+
 logger = logging.getLogger(__name__)
 
 # Output layout, one folder per run: <trace-output-dir>/<trace-name>/...
@@ -200,6 +202,8 @@ class ChakraTracer:
         self._step_started = 0.0
         self.step_wall_time_s: dict[int, float] = {}          # traced steps
         self.untraced_step_wall_time_s: dict[int, float] = {}  # steps before the profiler's window
+        self._load_start = None                                   # machine load when the traced steps began
+        self.machine_load: dict[str, Any] | None = None
         self.files: dict[str, Path] = {}
 
     # ---- lifecycle -------------------------------------------------------------------------------------------
@@ -231,6 +235,8 @@ class ChakraTracer:
             self._discard_traces()
             raise
         logger.info("rank %d: tracing optimizer steps %s into %s", self.rank, self.traced_steps, self.trace_dir)
+        if self.first_traced_step == 0:
+            self._load_start = sample_machine_load()
         self._step_started = self._now(sync=True)
         return self
 
@@ -240,6 +246,8 @@ class ChakraTracer:
         timed = step <= self.traced_steps[-1]
         if step in self.traced_steps:
             self.step_wall_time_s[step] = self._now(sync=True) - self._step_started
+            if step == self.traced_steps[-1] and self._load_start is not None:
+                self._note_machine_load()
         elif step < self.wait_steps:
             self.untraced_step_wall_time_s[step] = self._now(sync=True) - self._step_started
         self._step += 1
@@ -247,7 +255,16 @@ class ChakraTracer:
             self._profiler.step()
             if self._step >= self.traced_steps[-1] + 1:
                 self._finalize_capture()
+        if self._step == self.first_traced_step:
+            self._load_start = sample_machine_load()  # before the clock starts, so the probe's time stays out
         self._step_started = self._now(sync=timed)
+
+    def _note_machine_load(self) -> None:
+        """What else ran on the machine during the traced steps (run.json); a warning when it was busy."""
+        self.machine_load = machine_load_between(self._load_start, sample_machine_load())
+        warning = busy_machine_warning(self.machine_load)
+        if warning:
+            logger.warning("rank %d: %s", self.rank, warning)
 
     def __exit__(self, exc_type, exc_val, exc_tb) -> bool:
         failed = exc_type is not None
@@ -457,6 +474,7 @@ class ChakraTracer:
             "step_wall_time_s": [self.step_wall_time_s[s] for s in completed],
             # Steps before the profiler's window (the first holds one-time start-up costs): the run as it is
             # without tracing, for the conversion's correction of the profiler's own cost.
+            "machine_load": self.machine_load,
             "untraced_step_wall_time_s": [self.untraced_step_wall_time_s[s]
                                           for s in sorted(self.untraced_step_wall_time_s)],
             "files": {kind: path.name for kind, path in sorted(self.files.items())},
@@ -487,6 +505,7 @@ class ChakraTracer:
             # The slowest rank sets each step's time in a synchronous data-parallel job.
             "step_wall_time_s_max": [max(t[i] for t in times) for i in range(len(completed))] if times else [],
             "untraced_steps": sorted(self.untraced_step_wall_time_s),
+            "machine_busy": any((r.get("machine_load") or {}).get("busy") for r in ranks),
         }
         path = self.trace_dir / RUN_INFO
         partial = self._partial(path)

@@ -760,7 +760,10 @@ class Trainer:
                 "sequence_length": a.max_seq_length, "precision": a.precision, "compile": a.compile,
                 "attention": a.attn_implementation, "gradient_accumulation_steps": a.gradient_accumulation_steps,
                 "world_size": self.ctx.world_size, "data_source": self.splits.source,
-                "tokenizer_source": self.tokenizer_source}
+                "tokenizer_source": self.tokenizer_source,
+                # every multi-rank run is DDP over one world group: what scale_et.py checks before scaling
+                "parallelism": {"data_parallel": self.ctx.world_size, "tensor_parallel": 1, "pipeline_parallel": 1,
+                                "wrapper": "DistributedDataParallel" if self.ctx.is_distributed else None}}
 
     def train(self) -> int:
         """The loop; returns the process exit status (0, or 128 + signal number after a graceful stop). A signal
