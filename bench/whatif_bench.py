@@ -71,6 +71,7 @@ MODELS = {
                                   burst_slack_s=2e-3, repeats=1, timeout_s=3600),
 }
 QUICK_RATES = ("unthrottled", "100mbit")
+DRIFT_WARNING = 0.2  # block medians of one rate further apart than this: the report says the machine was unsteady
 MICRO_SIZES = (10_000_000, 100_000_000)
 
 
@@ -86,8 +87,20 @@ class RealRuns:
     drops: int = 0
 
     @property
+    def step_ms(self) -> float:
+        """The real step: the mean of the block medians. Each rate's blocks sit symmetrically in the run (the order
+        alternates every cycle), so a load that rises or falls steadily during the run cancels out of this mean;
+        within a block the median leaves out the odd step another job slowed down."""
+        return statistics.fmean(self.segment_ms)
+
+    @property
     def median_ms(self) -> float:
         return 1000 * statistics.median(self.steps)
+
+    @property
+    def drift(self) -> float:
+        """How far apart this rate's block medians are, relative to their mean (0 for a steady machine)."""
+        return (max(self.segment_ms) - min(self.segment_ms)) / self.step_ms
 
     def spread(self) -> str:
         ordered = sorted(self.steps)
@@ -398,8 +411,8 @@ def real_runs(ns: Namespace, setup: ModelSetup, rates: list, args, env: dict, ro
                 entry.steps += kept
                 entry.segment_ms.append(1000 * statistics.median(kept))
         for entry in results.values():
-            print(f"    {entry.rate.label}: median {fmt_ms(entry.median_ms if entry.steps else None)} ms/step over "
-                  f"{len(entry.steps)} steps; per block {', '.join(f'{ms:,.0f}' for ms in entry.segment_ms)}",
+            print(f"    {entry.rate.label}: {fmt_ms(entry.step_ms if entry.steps else None)} ms/step (mean of the block "
+                  f"medians {', '.join(f'{ms:,.0f}' for ms in entry.segment_ms)}; {len(entry.steps)} steps)",
                   flush=True)
     missing = [label for label, entry in results.items() if not entry.steps]
     if missing:
@@ -465,14 +478,21 @@ def report(setup: ModelSetup, args, sim: Simulator, verification: list, micro: l
               "and ASTRA-sim on a 2-rank `.et` of one ALL_REDUCE at R/2 per link.", "",
               format_table(["rate", "MB", "repeats", "real ms", "ring 2S/R ms", "real / ring", "ASTRA-sim ms",
                             "ASTRA-sim / real"], micro), ""]
-    real_rows = [[label, len(r.steps), fmt_ms(r.median_ms), r.spread(), ", ".join(f"{ms:,.0f}" for ms in r.segment_ms),
-                  ", ".join(f"{load:.1f}" for load in r.loads), r.drops] for label, r in real.items()]
+    real_rows = [[label, len(r.steps), fmt_ms(r.step_ms), fmt_ms(r.median_ms), r.spread(),
+                  ", ".join(f"{ms:,.0f}" for ms in r.segment_ms), ", ".join(f"{load:.1f}" for load in r.loads), r.drops]
+                 for label, r in real.items()]
+    drifting = max(real.values(), key=lambda r: r.drift)
     lines += [f"Untraced real runs: {args.repeats} run(s) of {args.skip} + {args.cycles} x {len(real)} x {args.block} "
               f"steps; the rate changes every {args.block} steps, in alternating order each cycle, so load drift "
               f"weighs on every rate alike; the first {args.skip} steps, steps that straddle a change and the first "
-              f"{args.settle} after it are left out. Step = the trainer's `ms/step` log line (`--logging-steps 1`).",
-              "", format_table(["network", "steps", "median ms", "p10-p90 ms", "block medians ms",
-                                "load 1-min at each block", "drops"], real_rows), ""]
+              f"{args.settle} after it are left out. Step = the trainer's `ms/step` log line (`--logging-steps 1`); "
+              "the real step is the mean of the block medians, which cancels a steady drift of the load.",
+              "", format_table(["network", "steps", "real step ms", "pooled median ms", "p10-p90 ms",
+                                "block medians ms", "load 1-min at each block", "drops"], real_rows), ""]
+    if drifting.drift > DRIFT_WARNING:
+        lines += [f"**The machine's speed changed during the run:** the block medians at {drifting.rate.label} are "
+                  f"{100 * drifting.drift:.0f}% apart. Other jobs' load, not the network, moved these steps; read "
+                  "the ratios below with that uncertainty, or measure again on a quieter machine.", ""]
     trace_rows = [[t.index + 1, t.rate.label, fmt_ms(t.traced_ms), fmt_ms(t.untraced_ms), fmt_ms(t.before_window_ms),
                    loads_text([t.load])] for t in traces]
     lines += ["Traced runs (converted with `convert_to_et.py`):", "",
@@ -481,9 +501,9 @@ def report(setup: ModelSetup, args, sim: Simulator, verification: list, micro: l
     if sim.ok:
         rows, replay, whatif = [], [], []
         for trace in traces:
-            own_real, own_predicted = real[trace.rate.label].median_ms, trace.predictions[trace.rate.label].step_ms
+            own_real, own_predicted = real[trace.rate.label].step_ms, trace.predictions[trace.rate.label].step_ms
             for label, result in trace.predictions.items():
-                measured = real[label].median_ms
+                measured = real[label].step_ms
                 ratio = result.step_ms / measured
                 (replay if label == trace.rate.label else whatif).append(ratio)
                 note = "replay (trace simulated at its own rate)" if label == trace.rate.label else ""
