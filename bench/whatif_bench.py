@@ -586,7 +586,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--settle", type=int, default=None,
                         help="steps left out after each change of rate " + _per_model("settle"))
     parser.add_argument("--cycles", type=int, default=None,
-                        help="passes over all rates in an untraced run " + _per_model("cycles"))
+                        help="passes over all rates in an untraced run; an even number cancels a steady drift of "
+                             "the machine's load " + _per_model("cycles"))
     parser.add_argument("--repeats", type=int, default=None, help="untraced runs, pooled " + _per_model("repeats"))
     parser.add_argument("--micro-rate", default="1gbit",
                         help="rate of the all-reduce micro-benchmark (default: %(default)s)")
@@ -629,6 +630,9 @@ def resolve(args) -> tuple:
     if min(args.skip, args.settle) < 0 or args.settle + 1 >= args.block:
         raise ValueError(f"--settle {args.settle} must leave steps in a --block of {args.block} (a step straddling "
                          "each change is left out too); --skip must be 0 or more")
+    if args.cycles > 1 and args.cycles % 2:
+        raise ValueError(f"--cycles {args.cycles}: use an even number (or 1), so every rate sits as early as late "
+                         "in the run on average")
     if min(args.traces, args.repeats, args.cycles, args.micro_repeats, args.trace_wait_steps) < 1:
         raise ValueError("--traces, --repeats, --cycles, --micro-repeats and --trace-wait-steps must be at least 1")
     rates = [parse_rate(text) for text in (args.rates or ",".join(setup.rates)).split(",") if text.strip()]
