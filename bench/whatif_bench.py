@@ -32,7 +32,7 @@ TRACE_NAME = "whatif_{model}_{rate}_{index}"
 DOCS = REPO_ROOT / "docs" / "BENCHMARKS.md"
 DOCS_BEGIN, DOCS_END = "<!-- whatif:begin -->", "<!-- whatif:end -->"
 MODEL_BEGIN, MODEL_END = "<!-- whatif:{key}:begin -->", "<!-- whatif:{key}:end -->"
-MODEL_PART = re.compile(r"<!-- whatif:([\w.-]+):begin -->.*?<!-- whatif:\1:end -->", re.DOTALL)
+MODEL_PART = re.compile(r"<!-- whatif:([\w.@/-]+):begin -->.*?<!-- whatif:\1:end -->", re.DOTALL)
 GIB = 1 << 30  # ASTRA-sim analytical's GB
 LOG_TIME = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")  # utils/trainer.py's file log format
 
@@ -456,7 +456,8 @@ def loads_text(loads: list) -> str:
 def report(setup: ModelSetup, args, sim: Simulator, verification: list, micro: list, traces: list, real: dict,
            unthrottled_bits: float, unthrottled_source: str, ns: Namespace, invocation: str) -> str:
     """The Markdown of one run of the benchmark: what ran, where, and the tables."""
-    lines = [f"### {setup.label}", "",
+    heading = setup.label if not traces[0].rate.throttled else f"{setup.label}, traced at {traces[0].rate.label}"
+    lines = [f"### {heading}", "",
              f"Measured {datetime.datetime.now().astimezone().strftime('%Y-%m-%d %H:%M %Z')}, as root, with "
              f"`{invocation}`.", "",
              f"- {machine_description(('torch', 'transformers', 'mlc-chakra'))}; Linux {platform.release()}",
@@ -536,7 +537,7 @@ def write_docs(path: Path, key: str, section: str) -> None:
         head, block, tail = text.rstrip("\n") + "\n\n", "", "\n"
     parts = {match.group(1): match.group(0) for match in MODEL_PART.finditer(block)}
     parts[key] = f"{MODEL_BEGIN.format(key=key)}\n{section.strip()}\n{MODEL_END.format(key=key)}"
-    ordered = [parts.pop(k) for k in MODELS if k in parts] + list(parts.values())
+    ordered = [parts.pop(k) for k in MODELS if k in parts] + [parts[k] for k in sorted(parts)]
     block = "\n" + DOCS_INTRO.strip() + "\n\n" + "\n\n".join(ordered) + "\n"
     fd, tmp = tempfile.mkstemp(prefix="." + path.name, dir=path.parent)
     with os.fdopen(fd, "w", encoding="utf-8") as f:
@@ -705,8 +706,10 @@ def main(argv=None) -> int:
     print()
     print(text)
     if not (args.quick or args.no_docs):
-        write_docs(Path(args.docs) if args.docs else DOCS, setup.key, text)
-        print(f"\nwritten to {args.docs or DOCS} (whatif block, {setup.key} part)")
+        # One part per model and trace rate: a trace taken on a throttled network does not replace the other.
+        key = setup.key if not trace_rate.throttled else f"{setup.key}@{trace_rate.label.replace(' ', '')}"
+        write_docs(Path(args.docs) if args.docs else DOCS, key, text)
+        print(f"\nwritten to {args.docs or DOCS} (whatif block, {key} part)")
     return 0
 
 
