@@ -50,6 +50,7 @@ class ModelSetup:
     block: int          # steps at one rate before the untraced run moves on to the next
     settle: int         # steps left out after each change of rate (TCP windows, a full tbf bucket)
     cycles: int         # passes over all rates in one untraced run, alternating their order
+    warmup_cycles: int  # passes before those, thrown away
     rates: tuple        # default network rates, from compute- to communication-dominated
     burst_slack_s: float  # tbf burst beyond one packet, as time at the rate (bench/netem.py says why)
     repeats: int        # untraced runs, pooled
@@ -59,6 +60,7 @@ class ModelSetup:
 MODELS = {
     # The CPU quick runs' configuration (scripts/launcher_common.sh: tiny, batch 4, 128 tokens, one thread a rank).
     "tiny": ModelSetup("tiny", "GPT-2 tiny", "tiny", 4, 128, skip=10, block=10, settle=2, cycles=4,
+                       warmup_cycles=1,
                        rates=("unthrottled", "1gbit", "400mbit", "100mbit"), burst_slack_s=250e-6, repeats=1,
                        timeout_s=900),
     # GPT-2 124M's layers (12 x 768, 12 heads) with the trainer's offline stand-in tokenizer (no --tokenizer-path):
@@ -66,7 +68,7 @@ MODELS = {
     # 11 s at 500 Mbit/s, against 1.5-6 s of compute (quiet to busy machine). Its ~14 buckets a step leave few idle
     # pauses, so a larger tbf burst costs little and keeps the busy rate at R.
     "gpt2-124m-shape": ModelSetup("gpt2-124m-shape", "GPT-2 124M shape (offline vocabulary)", "gpt2", 1, 128,
-                                  skip=3, block=4, settle=1, cycles=2,
+                                  skip=3, block=4, settle=1, cycles=2, warmup_cycles=1,
                                   rates=("unthrottled", "2gbit", "1gbit", "500mbit"),
                                   burst_slack_s=2e-3, repeats=1, timeout_s=3600),
 }
@@ -377,11 +379,14 @@ def timed_steps(log_path: Path) -> list:
 
 def real_runs(ns: Namespace, setup: ModelSetup, rates: list, args, env: dict, root: Path) -> dict:
     """Untraced runs that cycle through the rates in blocks of steps, alternating the order each cycle, so a
-    machine getting busier or quieter during the run weighs on every rate alike. A step counts for a rate when it
-    began after that rate took effect and ended before the next change; the first `settle` such steps of each
-    block are left out too."""
+    machine getting busier or quieter during the run weighs on every rate alike. The first `warmup_cycles` cycles
+    are thrown away (the first blocks of a run came out up to 2x slower at every rate: the trainer, gloo's sockets
+    and the machine settling). A step counts for a rate when it began after that rate took effect and ended before
+    the next change; the first `settle` such steps of each block are left out too."""
     results = {rate.label: RealRuns(rate) for rate in rates}
-    schedule = [rate for cycle in range(args.cycles) for rate in (rates if cycle % 2 == 0 else rates[::-1])]
+    cycles = args.warmup_cycles + args.cycles
+    schedule = [rate for cycle in range(cycles) for rate in (rates if cycle % 2 == 0 else rates[::-1])]
+    first_measured = args.warmup_cycles * len(rates)
     total = args.skip + len(schedule) * args.block + 1  # one more step: the last block ends cleanly
     for repeat in range(args.repeats):
         work = root / f"real-{repeat}"
@@ -401,7 +406,7 @@ def real_runs(ns: Namespace, setup: ModelSetup, rates: list, args, env: dict, ro
                              "happened; the trainer's log was not followed")
         steps = timed_steps(work / "logs" / OUR_LOG_FILE)
         windows = cycler.switches + [(math.inf, None, None, ns.drops())]
-        for (began, rate, load, _), (ended, _, _, drops) in zip(windows, windows[1:]):
+        for (began, rate, load, _), (ended, _, _, drops) in list(zip(windows, windows[1:]))[first_measured:]:
             inside = [end - start for step, start, end in steps if step > args.skip and start >= began and end <= ended]
             kept = inside[args.settle:]
             entry = results[rate.label]
@@ -483,10 +488,11 @@ def report(setup: ModelSetup, args, sim: Simulator, verification: list, micro: l
                   ", ".join(f"{ms:,.0f}" for ms in r.segment_ms), ", ".join(f"{load:.1f}" for load in r.loads), r.drops]
                  for label, r in real.items()]
     drifting = max(real.values(), key=lambda r: r.drift)
-    lines += [f"Untraced real runs: {args.repeats} run(s) of {args.skip} + {args.cycles} x {len(real)} x {args.block} "
-              f"steps; the rate changes every {args.block} steps, in alternating order each cycle, so load drift "
-              f"weighs on every rate alike; the first {args.skip} steps, steps that straddle a change and the first "
-              f"{args.settle} after it are left out. Step = the trainer's `ms/step` log line (`--logging-steps 1`); "
+    lines += [f"Untraced real runs: {args.repeats} run(s) of {args.skip} + ({args.warmup_cycles} + {args.cycles}) x "
+              f"{len(real)} x {args.block} steps; the rate changes every {args.block} steps, in alternating order each "
+              f"cycle, so load drift weighs on every rate alike; the first {args.skip} steps, the first "
+              f"{args.warmup_cycles} cycle(s), steps that straddle a change and the first {args.settle} after it are "
+              "left out. Step = the trainer's `ms/step` log line (`--logging-steps 1`); "
               "the real step is the mean of the block medians, which cancels a steady drift of the load.",
               "", format_table(["network", "steps", "real step ms", "pooled median ms", "p10-p90 ms",
                                 "block medians ms", "load 1-min at each block", "drops"], real_rows), ""]
@@ -589,6 +595,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--cycles", type=int, default=None,
                         help="passes over all rates in an untraced run; an even number cancels a steady drift of "
                              "the machine's load " + _per_model("cycles"))
+    parser.add_argument("--warmup-cycles", type=int, default=None,
+                        help="passes over all rates before those, thrown away " + _per_model("warmup_cycles"))
     parser.add_argument("--repeats", type=int, default=None, help="untraced runs, pooled " + _per_model("repeats"))
     parser.add_argument("--micro-rate", default="1gbit",
                         help="rate of the all-reduce micro-benchmark (default: %(default)s)")
@@ -619,16 +627,17 @@ def resolve(args) -> tuple:
     """The model setup and the parsed rates, after --quick and the per-model defaults."""
     if args.quick:
         args.model, args.traces, args.repeats, args.cycles, args.block, args.settle = "tiny", 1, 1, 1, 5, 1
+        args.warmup_cycles = 0
         args.skip, args.micro_repeats, args.check_seconds = 3, 1, 0.3
         args.micro_rate, args.micro_sizes = "100mbit", "10000000"
         args.rates = args.rates or ",".join(QUICK_RATES)
     setup = MODELS[args.model]
-    for name in ("skip", "block", "settle", "cycles", "repeats"):
+    for name in ("skip", "block", "settle", "cycles", "warmup_cycles", "repeats"):
         if getattr(args, name) is None:
             setattr(args, name, getattr(setup, name))
     if args.trace_wait_steps is None:
         args.trace_wait_steps = 4 if args.quick else setup.skip + 2
-    if min(args.skip, args.settle) < 0 or args.settle + 1 >= args.block:
+    if min(args.skip, args.settle, args.warmup_cycles) < 0 or args.settle + 1 >= args.block:
         raise ValueError(f"--settle {args.settle} must leave steps in a --block of {args.block} (a step straddling "
                          "each change is left out too); --skip must be 0 or more")
     if args.cycles > 1 and args.cycles % 2:
