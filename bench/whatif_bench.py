@@ -32,7 +32,7 @@ TRACE_NAME = "whatif_{model}_{rate}_{index}"
 DOCS = REPO_ROOT / "docs" / "BENCHMARKS.md"
 DOCS_BEGIN, DOCS_END = "<!-- whatif:begin -->", "<!-- whatif:end -->"
 MODEL_BEGIN, MODEL_END = "<!-- whatif:{key}:begin -->", "<!-- whatif:{key}:end -->"
-MODEL_PART = re.compile(r"<!-- whatif:([\w.-]+):begin -->.*?<!-- whatif:\1:end -->", re.DOTALL)
+MODEL_PART = re.compile(r"<!-- whatif:([\w.@/-]+):begin -->.*?<!-- whatif:\1:end -->", re.DOTALL)
 GIB = 1 << 30  # ASTRA-sim analytical's GB
 LOG_TIME = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")  # utils/trainer.py's file log format
 
@@ -50,6 +50,7 @@ class ModelSetup:
     block: int          # steps at one rate before the untraced run moves on to the next
     settle: int         # steps left out after each change of rate (TCP windows, a full tbf bucket)
     cycles: int         # passes over all rates in one untraced run, alternating their order
+    warmup_cycles: int  # passes before those, thrown away
     rates: tuple        # default network rates, from compute- to communication-dominated
     burst_slack_s: float  # tbf burst beyond one packet, as time at the rate (bench/netem.py says why)
     repeats: int        # untraced runs, pooled
@@ -59,6 +60,7 @@ class ModelSetup:
 MODELS = {
     # The CPU quick runs' configuration (scripts/launcher_common.sh: tiny, batch 4, 128 tokens, one thread a rank).
     "tiny": ModelSetup("tiny", "GPT-2 tiny", "tiny", 4, 128, skip=10, block=10, settle=2, cycles=4,
+                       warmup_cycles=1,
                        rates=("unthrottled", "1gbit", "400mbit", "100mbit"), burst_slack_s=250e-6, repeats=1,
                        timeout_s=900),
     # GPT-2 124M's layers (12 x 768, 12 heads) with the trainer's offline stand-in tokenizer (no --tokenizer-path):
@@ -66,11 +68,12 @@ MODELS = {
     # 11 s at 500 Mbit/s, against 1.5-6 s of compute (quiet to busy machine). Its ~14 buckets a step leave few idle
     # pauses, so a larger tbf burst costs little and keeps the busy rate at R.
     "gpt2-124m-shape": ModelSetup("gpt2-124m-shape", "GPT-2 124M shape (offline vocabulary)", "gpt2", 1, 128,
-                                  skip=3, block=4, settle=1, cycles=2,
+                                  skip=3, block=4, settle=1, cycles=2, warmup_cycles=1,
                                   rates=("unthrottled", "2gbit", "1gbit", "500mbit"),
                                   burst_slack_s=2e-3, repeats=1, timeout_s=3600),
 }
 QUICK_RATES = ("unthrottled", "100mbit")
+DRIFT_WARNING = 0.2  # block medians of one rate further apart than this: the report says the machine was unsteady
 MICRO_SIZES = (10_000_000, 100_000_000)
 
 
@@ -86,8 +89,20 @@ class RealRuns:
     drops: int = 0
 
     @property
+    def step_ms(self) -> float:
+        """The real step: the mean of the block medians. Each rate's blocks sit symmetrically in the run (the order
+        alternates every cycle), so a load that rises or falls steadily during the run cancels out of this mean;
+        within a block the median leaves out the odd step another job slowed down."""
+        return statistics.fmean(self.segment_ms)
+
+    @property
     def median_ms(self) -> float:
         return 1000 * statistics.median(self.steps)
+
+    @property
+    def drift(self) -> float:
+        """How far apart this rate's block medians are, relative to their mean (0 for a steady machine)."""
+        return (max(self.segment_ms) - min(self.segment_ms)) / self.step_ms
 
     def spread(self) -> str:
         ordered = sorted(self.steps)
@@ -364,11 +379,14 @@ def timed_steps(log_path: Path) -> list:
 
 def real_runs(ns: Namespace, setup: ModelSetup, rates: list, args, env: dict, root: Path) -> dict:
     """Untraced runs that cycle through the rates in blocks of steps, alternating the order each cycle, so a
-    machine getting busier or quieter during the run weighs on every rate alike. A step counts for a rate when it
-    began after that rate took effect and ended before the next change; the first `settle` such steps of each
-    block are left out too."""
+    machine getting busier or quieter during the run weighs on every rate alike. The first `warmup_cycles` cycles
+    are thrown away (the first blocks of a run came out up to 2x slower at every rate: the trainer, gloo's sockets
+    and the machine settling). A step counts for a rate when it began after that rate took effect and ended before
+    the next change; the first `settle` such steps of each block are left out too."""
     results = {rate.label: RealRuns(rate) for rate in rates}
-    schedule = [rate for cycle in range(args.cycles) for rate in (rates if cycle % 2 == 0 else rates[::-1])]
+    cycles = args.warmup_cycles + args.cycles
+    schedule = [rate for cycle in range(cycles) for rate in (rates if cycle % 2 == 0 else rates[::-1])]
+    first_measured = args.warmup_cycles * len(rates)
     total = args.skip + len(schedule) * args.block + 1  # one more step: the last block ends cleanly
     for repeat in range(args.repeats):
         work = root / f"real-{repeat}"
@@ -388,7 +406,7 @@ def real_runs(ns: Namespace, setup: ModelSetup, rates: list, args, env: dict, ro
                              "happened; the trainer's log was not followed")
         steps = timed_steps(work / "logs" / OUR_LOG_FILE)
         windows = cycler.switches + [(math.inf, None, None, ns.drops())]
-        for (began, rate, load, _), (ended, _, _, drops) in zip(windows, windows[1:]):
+        for (began, rate, load, _), (ended, _, _, drops) in list(zip(windows, windows[1:]))[first_measured:]:
             inside = [end - start for step, start, end in steps if step > args.skip and start >= began and end <= ended]
             kept = inside[args.settle:]
             entry = results[rate.label]
@@ -398,8 +416,8 @@ def real_runs(ns: Namespace, setup: ModelSetup, rates: list, args, env: dict, ro
                 entry.steps += kept
                 entry.segment_ms.append(1000 * statistics.median(kept))
         for entry in results.values():
-            print(f"    {entry.rate.label}: median {fmt_ms(entry.median_ms if entry.steps else None)} ms/step over "
-                  f"{len(entry.steps)} steps; per block {', '.join(f'{ms:,.0f}' for ms in entry.segment_ms)}",
+            print(f"    {entry.rate.label}: {fmt_ms(entry.step_ms if entry.steps else None)} ms/step (mean of the block "
+                  f"medians {', '.join(f'{ms:,.0f}' for ms in entry.segment_ms)}; {len(entry.steps)} steps)",
                   flush=True)
     missing = [label for label, entry in results.items() if not entry.steps]
     if missing:
@@ -443,7 +461,8 @@ def loads_text(loads: list) -> str:
 def report(setup: ModelSetup, args, sim: Simulator, verification: list, micro: list, traces: list, real: dict,
            unthrottled_bits: float, unthrottled_source: str, ns: Namespace, invocation: str) -> str:
     """The Markdown of one run of the benchmark: what ran, where, and the tables."""
-    lines = [f"### {setup.label}", "",
+    heading = setup.label if not traces[0].rate.throttled else f"{setup.label}, traced at {traces[0].rate.label}"
+    lines = [f"### {heading}", "",
              f"Measured {datetime.datetime.now().astimezone().strftime('%Y-%m-%d %H:%M %Z')}, as root, with "
              f"`{invocation}`.", "",
              f"- {machine_description(('torch', 'transformers', 'mlc-chakra'))}; Linux {platform.release()}",
@@ -465,14 +484,22 @@ def report(setup: ModelSetup, args, sim: Simulator, verification: list, micro: l
               "and ASTRA-sim on a 2-rank `.et` of one ALL_REDUCE at R/2 per link.", "",
               format_table(["rate", "MB", "repeats", "real ms", "ring 2S/R ms", "real / ring", "ASTRA-sim ms",
                             "ASTRA-sim / real"], micro), ""]
-    real_rows = [[label, len(r.steps), fmt_ms(r.median_ms), r.spread(), ", ".join(f"{ms:,.0f}" for ms in r.segment_ms),
-                  ", ".join(f"{load:.1f}" for load in r.loads), r.drops] for label, r in real.items()]
-    lines += [f"Untraced real runs: {args.repeats} run(s) of {args.skip} + {args.cycles} x {len(real)} x {args.block} "
-              f"steps; the rate changes every {args.block} steps, in alternating order each cycle, so load drift "
-              f"weighs on every rate alike; the first {args.skip} steps, steps that straddle a change and the first "
-              f"{args.settle} after it are left out. Step = the trainer's `ms/step` log line (`--logging-steps 1`).",
-              "", format_table(["network", "steps", "median ms", "p10-p90 ms", "block medians ms",
-                                "load 1-min at each block", "drops"], real_rows), ""]
+    real_rows = [[label, len(r.steps), fmt_ms(r.step_ms), fmt_ms(r.median_ms), r.spread(),
+                  ", ".join(f"{ms:,.0f}" for ms in r.segment_ms), ", ".join(f"{load:.1f}" for load in r.loads), r.drops]
+                 for label, r in real.items()]
+    drifting = max(real.values(), key=lambda r: r.drift)
+    lines += [f"Untraced real runs: {args.repeats} run(s) of {args.skip} + ({args.warmup_cycles} + {args.cycles}) x "
+              f"{len(real)} x {args.block} steps; the rate changes every {args.block} steps, in alternating order each "
+              f"cycle, so load drift weighs on every rate alike; the first {args.skip} steps, the first "
+              f"{args.warmup_cycles} cycle(s), steps that straddle a change and the first {args.settle} after it are "
+              "left out. Step = the trainer's `ms/step` log line (`--logging-steps 1`); "
+              "the real step is the mean of the block medians, which cancels a steady drift of the load.",
+              "", format_table(["network", "steps", "real step ms", "pooled median ms", "p10-p90 ms",
+                                "block medians ms", "load 1-min at each block", "drops"], real_rows), ""]
+    if drifting.drift > DRIFT_WARNING:
+        lines += [f"**The machine's speed changed during the run:** the block medians at {drifting.rate.label} are "
+                  f"{100 * drifting.drift:.0f}% apart. Other jobs' load, not the network, moved these steps; read "
+                  "the ratios below with that uncertainty, or measure again on a quieter machine.", ""]
     trace_rows = [[t.index + 1, t.rate.label, fmt_ms(t.traced_ms), fmt_ms(t.untraced_ms), fmt_ms(t.before_window_ms),
                    loads_text([t.load])] for t in traces]
     lines += ["Traced runs (converted with `convert_to_et.py`):", "",
@@ -481,9 +508,9 @@ def report(setup: ModelSetup, args, sim: Simulator, verification: list, micro: l
     if sim.ok:
         rows, replay, whatif = [], [], []
         for trace in traces:
-            own_real, own_predicted = real[trace.rate.label].median_ms, trace.predictions[trace.rate.label].step_ms
+            own_real, own_predicted = real[trace.rate.label].step_ms, trace.predictions[trace.rate.label].step_ms
             for label, result in trace.predictions.items():
-                measured = real[label].median_ms
+                measured = real[label].step_ms
                 ratio = result.step_ms / measured
                 (replay if label == trace.rate.label else whatif).append(ratio)
                 note = "replay (trace simulated at its own rate)" if label == trace.rate.label else ""
@@ -516,7 +543,7 @@ def write_docs(path: Path, key: str, section: str) -> None:
         head, block, tail = text.rstrip("\n") + "\n\n", "", "\n"
     parts = {match.group(1): match.group(0) for match in MODEL_PART.finditer(block)}
     parts[key] = f"{MODEL_BEGIN.format(key=key)}\n{section.strip()}\n{MODEL_END.format(key=key)}"
-    ordered = [parts.pop(k) for k in MODELS if k in parts] + list(parts.values())
+    ordered = [parts.pop(k) for k in MODELS if k in parts] + [parts[k] for k in sorted(parts)]
     block = "\n" + DOCS_INTRO.strip() + "\n\n" + "\n\n".join(ordered) + "\n"
     fd, tmp = tempfile.mkstemp(prefix="." + path.name, dir=path.parent)
     with os.fdopen(fd, "w", encoding="utf-8") as f:
@@ -566,7 +593,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--settle", type=int, default=None,
                         help="steps left out after each change of rate " + _per_model("settle"))
     parser.add_argument("--cycles", type=int, default=None,
-                        help="passes over all rates in an untraced run " + _per_model("cycles"))
+                        help="passes over all rates in an untraced run; an even number cancels a steady drift of "
+                             "the machine's load " + _per_model("cycles"))
+    parser.add_argument("--warmup-cycles", type=int, default=None,
+                        help="passes over all rates before those, thrown away " + _per_model("warmup_cycles"))
     parser.add_argument("--repeats", type=int, default=None, help="untraced runs, pooled " + _per_model("repeats"))
     parser.add_argument("--micro-rate", default="1gbit",
                         help="rate of the all-reduce micro-benchmark (default: %(default)s)")
@@ -597,18 +627,22 @@ def resolve(args) -> tuple:
     """The model setup and the parsed rates, after --quick and the per-model defaults."""
     if args.quick:
         args.model, args.traces, args.repeats, args.cycles, args.block, args.settle = "tiny", 1, 1, 1, 5, 1
+        args.warmup_cycles = 0
         args.skip, args.micro_repeats, args.check_seconds = 3, 1, 0.3
         args.micro_rate, args.micro_sizes = "100mbit", "10000000"
         args.rates = args.rates or ",".join(QUICK_RATES)
     setup = MODELS[args.model]
-    for name in ("skip", "block", "settle", "cycles", "repeats"):
+    for name in ("skip", "block", "settle", "cycles", "warmup_cycles", "repeats"):
         if getattr(args, name) is None:
             setattr(args, name, getattr(setup, name))
     if args.trace_wait_steps is None:
         args.trace_wait_steps = 4 if args.quick else setup.skip + 2
-    if min(args.skip, args.settle) < 0 or args.settle + 1 >= args.block:
+    if min(args.skip, args.settle, args.warmup_cycles) < 0 or args.settle + 1 >= args.block:
         raise ValueError(f"--settle {args.settle} must leave steps in a --block of {args.block} (a step straddling "
                          "each change is left out too); --skip must be 0 or more")
+    if args.cycles > 1 and args.cycles % 2:
+        raise ValueError(f"--cycles {args.cycles}: use an even number (or 1), so every rate sits as early as late "
+                         "in the run on average")
     if min(args.traces, args.repeats, args.cycles, args.micro_repeats, args.trace_wait_steps) < 1:
         raise ValueError("--traces, --repeats, --cycles, --micro-repeats and --trace-wait-steps must be at least 1")
     rates = [parse_rate(text) for text in (args.rates or ",".join(setup.rates)).split(",") if text.strip()]
@@ -681,8 +715,10 @@ def main(argv=None) -> int:
     print()
     print(text)
     if not (args.quick or args.no_docs):
-        write_docs(Path(args.docs) if args.docs else DOCS, setup.key, text)
-        print(f"\nwritten to {args.docs or DOCS} (whatif block, {setup.key} part)")
+        # One part per model and trace rate: a trace taken on a throttled network does not replace the other.
+        key = setup.key if not trace_rate.throttled else f"{setup.key}@{trace_rate.label.replace(' ', '')}"
+        write_docs(Path(args.docs) if args.docs else DOCS, key, text)
+        print(f"\nwritten to {args.docs or DOCS} (whatif block, {key} part)")
     return 0
 
 
