@@ -505,9 +505,10 @@ def report(setup: ModelSetup, args, sim: Simulator, verification: list, micro: l
               "", format_table(["network", "steps", "real step ms", "pooled median ms", "p10-p90 ms",
                                 "block medians ms", "load 1-min at each block", "drops"], real_rows), ""]
     if drifting.drift > DRIFT_WARNING:
-        lines += [f"**The machine's speed changed during the run:** the block medians at {drifting.rate.label} are "
-                  f"{100 * drifting.drift:.0f}% apart. Other jobs' load, not the network, moved these steps; read "
-                  "the ratios below with that uncertainty, or measure again on a quieter machine.", ""]
+        lines += [f"**The step changed during the run at a fixed rate:** the block medians at {drifting.rate.label} "
+                  f"are {100 * drifting.drift:.0f}% apart (other jobs' load, or the ranks' own variation on a machine "
+                  "with as many cores as ranks). Read the ratios below with that uncertainty; more cycles or a "
+                  "quieter machine narrow it.", ""]
     trace_rows = [[t.index + 1, t.rate.label, fmt_ms(t.traced_ms), fmt_ms(t.untraced_ms), fmt_ms(t.before_window_ms),
                    loads_text([t.load])] for t in traces]
     lines += ["Traced runs (converted with `convert_to_et.py`):", "",
