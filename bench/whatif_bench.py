@@ -406,9 +406,17 @@ def real_runs(ns: Namespace, setup: ModelSetup, rates: list, args, env: dict, ro
                              "happened; the trainer's log was not followed")
         steps = timed_steps(work / "logs" / OUR_LOG_FILE)
         windows = cycler.switches + [(math.inf, None, None, ns.drops())]
-        for (began, rate, load, _), (ended, _, _, drops) in list(zip(windows, windows[1:]))[first_measured:]:
-            inside = [end - start for step, start, end in steps if step > args.skip and start >= began and end <= ended]
-            kept = inside[args.settle:]
+        # Where the order turns round (... B A | A B ...) a block repeats its predecessor's rate: nothing changed
+        # there, so no step straddles it and none needs to settle.
+        rate_since = 0.0
+        for index, ((began, rate, load, _), (ended, _, _, drops)) in enumerate(zip(windows, windows[1:])):
+            changed = index == 0 or windows[index - 1][1] != rate
+            rate_since = began if changed else rate_since
+            if index < first_measured:
+                continue
+            inside = [end - start for step, start, end in steps
+                      if step > args.skip and start >= rate_since and began <= end <= ended]
+            kept = inside[args.settle:] if changed else inside
             entry = results[rate.label]
             entry.loads.append(load)
             entry.drops += drops
@@ -497,9 +505,10 @@ def report(setup: ModelSetup, args, sim: Simulator, verification: list, micro: l
               "", format_table(["network", "steps", "real step ms", "pooled median ms", "p10-p90 ms",
                                 "block medians ms", "load 1-min at each block", "drops"], real_rows), ""]
     if drifting.drift > DRIFT_WARNING:
-        lines += [f"**The machine's speed changed during the run:** the block medians at {drifting.rate.label} are "
-                  f"{100 * drifting.drift:.0f}% apart. Other jobs' load, not the network, moved these steps; read "
-                  "the ratios below with that uncertainty, or measure again on a quieter machine.", ""]
+        lines += [f"**The step changed during the run at a fixed rate:** the block medians at {drifting.rate.label} "
+                  f"are {100 * drifting.drift:.0f}% apart (other jobs' load, or the ranks' own variation on a machine "
+                  "with as many cores as ranks). Read the ratios below with that uncertainty; more cycles or a "
+                  "quieter machine narrow it.", ""]
     trace_rows = [[t.index + 1, t.rate.label, fmt_ms(t.traced_ms), fmt_ms(t.untraced_ms), fmt_ms(t.before_window_ms),
                    loads_text([t.load])] for t in traces]
     lines += ["Traced runs (converted with `convert_to_et.py`):", "",
@@ -528,6 +537,13 @@ def report(setup: ModelSetup, args, sim: Simulator, verification: list, micro: l
                   f"(target within 10%): {ratio_range(whatif)}.", ""]
     else:
         lines += [f"Predictions skipped: {sim.missing}.", ""]
+    # The trace and the real runs ran at different times: on a shared machine its speed may have changed between.
+    pace = [t.before_window_ms / real[t.rate.label].step_ms for t in traces if t.before_window_ms]
+    if pace:
+        lines += [f"Machine between the runs: the traced runs' own untraced steps (before the window) took "
+                  f"{ratio_range(pace)} the untraced run's step at the same rate"
+                  + (f"; more than {100 * DRIFT_WARNING:.0f}% apart, so part of every ratio above is the machine's "
+                     "changing speed, not the `.et`." if max(abs(r - 1) for r in pace) > DRIFT_WARNING else "."), ""]
     return "\n".join(lines)
 
 
@@ -625,12 +641,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def resolve(args) -> tuple:
     """The model setup and the parsed rates, after --quick and the per-model defaults."""
-    if args.quick:
-        args.model, args.traces, args.repeats, args.cycles, args.block, args.settle = "tiny", 1, 1, 1, 5, 1
-        args.warmup_cycles = 0
-        args.skip, args.micro_repeats, args.check_seconds = 3, 1, 0.3
+    if args.quick:  # smaller defaults; flags given on the command line still win
+        quick = dict(repeats=1, cycles=1, warmup_cycles=0, block=5, settle=1, skip=3, rates=",".join(QUICK_RATES))
+        for name, value in quick.items():
+            if getattr(args, name) is None:
+                setattr(args, name, value)
+        args.model, args.traces, args.micro_repeats, args.check_seconds = "tiny", 1, 1, 0.3
         args.micro_rate, args.micro_sizes = "100mbit", "10000000"
-        args.rates = args.rates or ",".join(QUICK_RATES)
     setup = MODELS[args.model]
     for name in ("skip", "block", "settle", "cycles", "warmup_cycles", "repeats"):
         if getattr(args, name) is None:
