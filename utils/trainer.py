@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
-from utils.chakra_tracer import TraceError, add_tracing_arguments, build_tracer, tracing_window_steps
+from utils.chakra_tracer import TraceError, add_tracing_arguments, build_tracer, trace_window, tracing_window_steps
 from utils.checkpointing import (BEST_MODEL, FINAL_MODEL, INITIAL_MODEL, SaveDirLock, capture_rng_state,
                                  check_resumable, check_writable_folder, checkpoint_name, clean_partial_checkpoints,
                                  earlier_checkpoints, load_resume_state, read_training_info, restore_rng_state,
@@ -658,7 +658,8 @@ class Trainer:
         if not self.args.enable_tracing:
             return False
         coming = self.step - self._loop_first_step  # the tracer counts optimizer steps from the loop's start
-        return self.args.trace_wait_steps <= coming < tracing_window_steps(self.args)
+        wait, warmup, active = trace_window(self.args)
+        return wait <= coming < wait + warmup + active
 
     def _sync_due(self) -> bool:
         """Whether this step reads the loss and agrees on it with the other ranks (torchtitan's way: on logging
