@@ -26,6 +26,17 @@ def successors(linked) -> list[list[int]]:
     return children
 
 
+def reachable_from(children: list[list[int]], start: int) -> set[int]:
+    """Every node that depends on `start`, directly or not (iterative walk)."""
+    seen, stack = set(), [start]
+    while stack:
+        for d in children[stack.pop()]:
+            if d not in seen:
+                seen.add(d)
+                stack.append(d)
+    return seen
+
+
 def touches_buffer(linked, node: int, buffer: set[int]) -> bool:
     """The node, or the CPU op that launched it, reads or writes one of the storages in `buffer`."""
     op = linked.parent[node] if linked.kind[node] == GPU_OP else node
@@ -67,12 +78,7 @@ def test_ddp_bucket_all_reduce_gates_only_the_ops_that_consume_its_buffer(run, r
         assert all(touches_buffer(linked, d, collective_buffer(linked, c)) for d in consumers)
         backward_after_enqueue = [i for i in range(len(linked.kind)) if "Backward" in linked.name(i)
                                   and linked.ts[i] > linked.ts[c]]
-        descendants, stack = set(), [c]
-        while stack:
-            for d in children[stack.pop()]:
-                if d not in descendants:
-                    descendants.add(d)
-                    stack.append(d)
+        descendants = reachable_from(children, c)
         assert not descendants & set(backward_after_enqueue)
     if run == "gpt2_2x128_2r_buckets":  # the first bucket is reduced while most of the backward is still to run
         first = min(buckets, key=lambda c: linked.ts[c])
@@ -87,12 +93,7 @@ def test_dlrm_data_parallel_all_reduce_gates_no_backward_kernel_that_does_not_re
     assert all_reduces
     for c in all_reduces:
         buffer = collective_buffer(linked, c)
-        descendants, stack = set(), [c]
-        while stack:
-            for d in children[stack.pop()]:
-                if d not in descendants:
-                    descendants.add(d)
-                    stack.append(d)
+        descendants = reachable_from(children, c)
         for d in descendants:
             if linked.kind[d] == GPU_OP and d not in linked.comm:
                 launcher = linked.name(linked.parent[d]) if linked.parent[d] >= 0 else ""
