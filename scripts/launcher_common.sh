@@ -736,7 +736,7 @@ lc_convert() {
     lc_run_command
     if [ "$LC_RC" = 0 ]; then
         LC_CONVERT_STATUS="ok"
-        LC_NEXT_RUN="${dirs[0]}"
+        LC_NEXT_RUN="${dirs[${#dirs[@]}-1]}"  # the largest run: ASTRA-sim needs two NPUs or more
         lc_say "✅ Converted: <run name>.<rank>.et and CONVERSION_SUMMARY.md in each trace folder"
     else
         LC_CONVERT_STATUS="failed (exit $LC_RC)"
