@@ -954,6 +954,9 @@ class _Timeline:
     lane_starts: dict[int, list[float]]
     busy: dict[int, "_BusyTime"]       # lane -> when its operators kept it busy
     cpu_lanes: list[int]
+    own_ends: dict[int, list[float]]   # lane -> end times of its nodes, sorted
+    launched: "_EnqueueOrder"          # CPU lane -> GPU work it enqueued
+    on_stream: "_EnqueueOrder"         # GPU lane -> its work
 
     def add(self, source: int, target: int, rule: str) -> bool:
         """Edge source -> target when source started first (so every edge keeps the graph acyclic)."""
@@ -988,14 +991,29 @@ class _Timeline:
         if holder >= 0:
             linked.wait[holder] += overlap
 
-    @property
-    def own_ends(self) -> dict[int, list[float]]:
-        cached = getattr(self, "_own_ends", None)
-        if cached is None:
-            ts, dur = self.linked.ts, self.linked.dur
-            cached = {lane: sorted(ts[i] + dur[i] for i in nodes) for lane, nodes in self.lane_nodes.items()}
-            self._own_ends = cached
-        return cached
+
+@dataclass
+class _EnqueueOrder:
+    """GPU nodes grouped by a lane, each group in the order it was enqueued (with the enqueue times, for bisect)."""
+
+    nodes: dict[int, list[int]]
+    times: dict[int, list[float]]
+
+    @classmethod
+    def of(cls, linked: LinkedTrace, key) -> "_EnqueueOrder":
+        groups: dict[int, list[int]] = defaultdict(list)
+        for g in linked.launch_ts:
+            lane = key(g)
+            if lane >= 0:
+                groups[lane].append(g)
+        for nodes in groups.values():
+            nodes.sort(key=lambda g: linked.launch_ts[g])
+        return cls(groups, {lane: [linked.launch_ts[g] for g in nodes] for lane, nodes in groups.items()})
+
+    def last_before(self, lane: int, t: float, inclusive: bool = True) -> int:
+        """Position in the lane's group of the last node enqueued before t (at t too when inclusive), or -1."""
+        times = self.times.get(lane, [])
+        return (bisect.bisect_right(times, t) if inclusive else bisect.bisect_left(times, t)) - 1
 
 
 def _build_dependencies(linked: LinkedTrace, syncs: list[tuple[int, int, float]]) -> None:
@@ -1082,7 +1100,10 @@ def order_lanes(linked: LinkedTrace) -> _Timeline:
         lane_starts={lane: [ts[i] for i in nodes] for lane, nodes in lane_ops.items()},
         busy={lane: _BusyTime([ts[i] for i in nodes], [ts[i] + dur[i] for i in nodes])
               for lane, nodes in lane_ops.items()},
-        cpu_lanes=[lane for lane, key in enumerate(linked.lanes) if key[0] == "cpu"])
+        cpu_lanes=[lane for lane, key in enumerate(linked.lanes) if key[0] == "cpu"],
+        own_ends={lane: sorted(ts[i] + dur[i] for i in nodes) for lane, nodes in lane_nodes.items()},
+        launched=_EnqueueOrder.of(linked, lambda g: lane_of[linked.parent[g]] if linked.parent[g] >= 0 else -1),
+        on_stream=_EnqueueOrder.of(linked, lambda g: lane_of[g]))
 
 
 def link_launches(timeline: _Timeline) -> None:
@@ -1120,6 +1141,7 @@ def _collective_enqueuers(timeline: _Timeline) -> dict[int, int]:
                 c10d_by_storage[s].append(i)
     for nodes in c10d_by_storage.values():
         nodes.sort(key=lambda i: ts[i])
+    starts = {s: [ts[x] for x in nodes] for s, nodes in c10d_by_storage.items()}
     enqueuers = {}
     for i in linked.comm:
         h = linked.host_index[i]
@@ -1128,7 +1150,7 @@ def _collective_enqueuers(timeline: _Timeline) -> dict[int, int]:
         best = -1
         for s in host.storages[h]:
             nodes = c10d_by_storage.get(s, ())
-            q = bisect.bisect_right([ts[x] for x in nodes], ts[i]) - 1
+            q = bisect.bisect_right(starts.get(s, ()), ts[i]) - 1
             while q >= 0 and linked.lane[nodes[q]] == linked.lane[i]:
                 q -= 1
             if q >= 0 and (best < 0 or ts[nodes[q]] > ts[best]):
@@ -1209,14 +1231,6 @@ def link_collective_consumers(timeline: _Timeline) -> set[int]:
     for nodes in touching.values():
         nodes.sort(key=lambda i: ts[i])
     touch_times = {s: [ts[i] for i in nodes] for s, nodes in touching.items()}
-    launched: dict[int, list[int]] = defaultdict(list)  # CPU lane -> GPU nodes it enqueued, by enqueue time
-    for g, t in linked.launch_ts.items():
-        p = linked.parent[g]
-        if p >= 0:
-            launched[lane_of[p]].append(g)
-    for nodes in launched.values():
-        nodes.sort(key=lambda g: linked.launch_ts[g])
-    launch_times = {lane: [linked.launch_ts[g] for g in nodes] for lane, nodes in launched.items()}
     consumed: set[int] = set()
     for i in sorted(linked.comm, key=lambda x: ts[x]):
         call = _enqueue_call(linked, i) if linked.kind[i] == GPU_OP else linked.parent[i]
@@ -1252,8 +1266,8 @@ def link_collective_consumers(timeline: _Timeline) -> set[int]:
                 timeline.note_wait(consumer, lane_of[i])
             continue
         lane = lane_of[consumer]
-        q = bisect.bisect_left(launch_times.get(lane, []), ts[consumer])
-        nodes = launched.get(lane, [])
+        q = timeline.launched.last_before(lane, ts[consumer], inclusive=False) + 1
+        nodes = timeline.launched.nodes.get(lane, [])
         while q < len(nodes) and lane_of[nodes[q]] == lane_of[i]:
             q += 1
         if q < len(nodes) and ts[nodes[q]] >= ts[i] + dur[i] - 1.0 and timeline.add(i, nodes[q], "consumer"):
@@ -1393,23 +1407,17 @@ def linked_stream_wait_events(timeline: _Timeline) -> bool:
     if not dev.stream_waits:
         return False
     rt_start = {corr: t for corr, t in zip(dev.rt_corr, dev.rt_ts) if corr >= 0}
-    enqueued: dict[tuple, list[int]] = defaultdict(list)
-    for g in linked.launch_ts:
-        key = linked.lanes[linked.lane[g]]
-        enqueued[(key[1], key[2])].append(g)
-    for nodes in enqueued.values():
-        nodes.sort(key=lambda g: linked.launch_ts[g])
-    times = {key: [linked.launch_ts[g] for g in nodes] for key, nodes in enqueued.items()}
+    lane_of_stream = {key: lane for lane, key in enumerate(linked.lanes)}
+    on_stream = timeline.on_stream
     for device, stream, waited_stream, wait_corr, record_corr in dev.stream_waits:
         waited_at, recorded_at = rt_start.get(wait_corr), rt_start.get(record_corr)
-        if waited_at is None or recorded_at is None:
+        waiting, waited = lane_of_stream.get(("gpu", device, stream)), lane_of_stream.get(("gpu", device, waited_stream))
+        if waited_at is None or recorded_at is None or waiting is None or waited is None:
             continue
-        before = enqueued.get((device, waited_stream), [])
-        p = bisect.bisect_right(times.get((device, waited_stream), []), recorded_at) - 1
-        after = enqueued.get((device, stream), [])
-        q = bisect.bisect_left(times.get((device, stream), []), waited_at)
-        if p >= 0 and q < len(after):
-            timeline.add(before[p], after[q], "cuda stream wait event")
+        p = on_stream.last_before(waited, recorded_at)
+        q = on_stream.last_before(waiting, waited_at, inclusive=False) + 1
+        if p >= 0 and q < len(on_stream.nodes[waiting]):
+            timeline.add(on_stream.nodes[waited][p], on_stream.nodes[waiting][q], "cuda stream wait event")
     return True
 
 
@@ -1418,21 +1426,13 @@ def link_collective_stream_waits(timeline: _Timeline) -> None:
     it: ProcessGroupNCCL makes its stream wait on the current stream's work so far."""
     linked = timeline.linked
     lane_of = linked.lane
-    launched: dict[int, list[int]] = defaultdict(list)
-    for g in linked.launch_ts:
-        p = linked.parent[g]
-        if p >= 0:
-            launched[lane_of[p]].append(g)
-    for nodes in launched.values():
-        nodes.sort(key=lambda g: linked.launch_ts[g])
-    times = {lane: [linked.launch_ts[g] for g in nodes] for lane, nodes in launched.items()}
     for i in linked.comm:
         if linked.kind[i] != GPU_OP or linked.parent[i] < 0:
             continue
         lane = lane_of[linked.parent[i]]
         device = linked.lanes[lane_of[i]][1]
-        q = bisect.bisect_left(times[lane], linked.launch_ts[i]) - 1
-        nodes = launched[lane]
+        q = timeline.launched.last_before(lane, linked.launch_ts[i], inclusive=False)
+        nodes = timeline.launched.nodes[lane]
         while q >= 0 and (lane_of[nodes[q]] == lane_of[i] or linked.lanes[lane_of[nodes[q]]][1] != device):
             q -= 1
         if q >= 0:
@@ -1454,14 +1454,7 @@ def link_synchronizing_calls(timeline: _Timeline, syncs: list[tuple[int, int, fl
     device_busy = {device: _BusyTime([ts[i] for lane in lanes for i in timeline.lane_nodes[lane]],
                                      [ts[i] + linked.dur[i] for lane in lanes for i in timeline.lane_nodes[lane]])
                    for device, lanes in gpu_lanes_of_device.items()}
-    enqueued: dict[int, list[int]] = defaultdict(list)  # GPU lane -> its nodes by enqueue time
-    by_thread: dict[int, list[int]] = defaultdict(list)  # CPU lane -> GPU nodes it enqueued, by enqueue time
-    for g, t in linked.launch_ts.items():
-        enqueued[lane_of[g]].append(g)
-        if linked.parent[g] >= 0:
-            by_thread[lane_of[linked.parent[g]]].append(g)
-    for nodes in list(enqueued.values()) + list(by_thread.values()):
-        nodes.sort(key=lambda g: linked.launch_ts[g])
+    launched, on_stream = timeline.launched, timeline.on_stream
     whole_device = ("DeviceSynchronize", "CtxSynchronize")
     for lane, r, end in syncs:
         holder = linked.launcher_of_rt.get(r, -1)
@@ -1471,19 +1464,18 @@ def link_synchronizing_calls(timeline: _Timeline, syncs: list[tuple[int, int, fl
         if waiter < 0:
             continue
         called = dev.rt_ts[r]
-        mine = by_thread.get(lane, [])
-        q = bisect.bisect_right([linked.launch_ts[g] for g in mine], called) - 1
+        q = launched.last_before(lane, called)
         if q < 0:
             continue
+        mine = launched.nodes[lane]
         if dev.rt_names[r].endswith(whole_device):
             streams = gpu_lanes_of_device[linked.lanes[lane_of[mine[q]]][1]]
         else:
             streams = [lane_of[mine[q]]]
         for stream in streams:
-            nodes = enqueued[stream]
-            p = bisect.bisect_right([linked.launch_ts[g] for g in nodes], called) - 1
-            if p >= 0 and timeline.add(nodes[p], waiter, "synchronising call"):
-                linked.sync_deps.setdefault(waiter, []).append(nodes[p])
+            p = on_stream.last_before(stream, called)
+            if p >= 0 and timeline.add(on_stream.nodes[stream][p], waiter, "synchronising call"):
+                linked.sync_deps.setdefault(waiter, []).append(on_stream.nodes[stream][p])
 
 
 def own_ends_before(own_ends: list[float], t: float) -> float:

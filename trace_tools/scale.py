@@ -30,7 +30,8 @@ from chakra.schema.protobuf.et_def_pb2 import (
 from .convert import _varint, new_file_mode
 from .link import COMM_TYPE_NAMES
 from .pipeline import FALLBACK_OUTPUT_ROOT, _writable
-from .validate import EtFormatError, collectives_agree, iter_et_messages, validate_et
+from .summary import format_bytes
+from .validate import EtFormatError, collectives_agree, iter_et_messages, read_et_metadata, validate_et
 
 logger = logging.getLogger(__name__)
 
@@ -145,11 +146,7 @@ def read_source_et(path: Path) -> SourceEt:
     point-to-point nodes and the start of the backward pass are noted for the data-parallel check."""
     try:
         messages = iter_et_messages(path)
-        metadata = GlobalMetadata()
-        try:
-            metadata.ParseFromString(next(messages))
-        except StopIteration:
-            raise EtFormatError(f"{path}: empty .et") from None
+        metadata = read_et_metadata(messages, path)
         source = SourceEt(path=path, metadata=metadata, blobs=[], node_types=[], comm_indices=[])
         collectives = []
         node = Node()
@@ -605,13 +602,6 @@ def _outputs_of(result: ScaleResult, source_rank: int) -> str:
     return _ranges(ranks) + f" ({len(ranks)} rank{'s' if len(ranks) != 1 else ''})"
 
 
-def _size(value: int) -> str:
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if value >= size:
-            return f"{value / size:.1f} {unit}"
-    return f"{value} B"
-
-
 def render_scale_summary(result: ScaleResult) -> str:
     source, ranks, k = result.source, result.ranks, result.source.ranks
     kinds = Counter(comm_type for _, comm_type, _ in result.collectives)
@@ -638,13 +628,13 @@ def render_scale_summary(result: ScaleResult) -> str:
         lines.append("Slowed ranks are listed twice: the shared row counts them, but they have their own file.")
     files = (f"{len(result.written)} distinct file{'s' if len(result.written) != 1 else ''} written, "
              f"{result.links} hard links" + (f", {result.copies} copies (the file system refused hard links)"
-                                             if result.copies else "") + f"; {_size(result.new_bytes)} of new disk")
+                                             if result.copies else "") + f"; {format_bytes(result.new_bytes)} of new disk")
     lines += [
         "",
         "## What was done",
         "",
         f"- Data parallelism: {result.parallelism}.",
-        f"- Collectives per rank: {comm} ({_size(total)}), sizes as traced; every collective is now in process group "
+        f"- Collectives per rank: {comm} ({format_bytes(total)}), sizes as traced; every collective is now in process group "
         f"`{WORLD_GROUP}` (`pg_name`), which ASTRA-sim runs over all {ranks} NPUs without a "
         "`--comm-group-configuration`.",
         f"- Metadata of every file: `world_size` {ranks}, `source_rank` (the traced rank it replays), "

@@ -22,7 +22,8 @@ def _us(value: float) -> str:
     return f"{value:,.0f}" if value else "-"
 
 
-def _bytes(value: int) -> str:
+def format_bytes(value: int) -> str:
+    """A byte count in B, KiB, MiB or GiB."""
     for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if value >= size:
             return f"{value / size:.1f} {unit}"
@@ -37,7 +38,7 @@ def comm_text(rank: RankResult) -> str:
     if not rank.comm_ops:
         return "none"
     kinds = ", ".join(f"{count} {name}" for name, count in sorted(rank.comm_by_type.items()))
-    return f"{kinds or rank.comm_ops} ({_bytes(rank.comm_bytes)})"
+    return f"{kinds or rank.comm_ops} ({format_bytes(rank.comm_bytes)})"
 
 
 def replay_critical_path_us(rank: RankResult) -> float:

@@ -95,6 +95,16 @@ class EtReport:
         return self.critical_path_us / self.traced_step_us if self.traced_step_us else 0.0
 
 
+def read_et_metadata(messages, path: str | Path) -> GlobalMetadata:
+    """The global metadata, the first message of a .et (EtFormatError for an empty file)."""
+    metadata = GlobalMetadata()
+    try:
+        metadata.ParseFromString(next(messages))
+    except StopIteration:
+        raise EtFormatError(f"{path}: empty .et") from None
+    return metadata
+
+
 def validate_et(path: str | Path) -> EtReport:
     """Decode the .et and check it: dependencies resolve, node types are accepted, collectives are complete, and a
     walk that issues every node whose dependencies are done (as ASTRA-sim's feeder does) reaches all nodes.
@@ -109,11 +119,7 @@ def validate_et(path: str | Path) -> EtReport:
     collectives = []
     try:
         messages = iter_et_messages(path)
-        metadata = GlobalMetadata()
-        try:
-            metadata.ParseFromString(next(messages))
-        except StopIteration:
-            raise EtFormatError(f"{path}: empty .et") from None
+        metadata = read_et_metadata(messages, path)
         node = Node()
         for blob in messages:
             node.Clear()
