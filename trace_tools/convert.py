@@ -2,16 +2,15 @@
 from __future__ import annotations
 
 import heapq
-import os
-import tempfile
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import orjson
 from chakra.schema.protobuf.et_def_pb2 import AttributeProto, GlobalMetadata, Node
 from chakra.src.third_party.utils.protolib import encodeMessage
 
 from .link import COMM_COLL_NODE, COMM_RECV_NODE, COMM_SEND_NODE, GPU_OP, HOST_OP, KINETO_OP, LinkedTrace
+from .atomic import _atomic_output
 from .load import CHUNK_BYTES, iter_document, read_trace_bytes
 
 ET_VERSION = "0.0.4"
@@ -184,39 +183,6 @@ def _varint(value: int) -> bytes:
         else:
             out.append(bits)
             return bytes(out)
-
-
-def new_file_mode() -> int:
-    """The mode open() would give a new file under the current umask."""
-    umask = os.umask(0)
-    os.umask(umask)
-    return 0o666 & ~umask
-
-
-class _atomic_output:
-    """Context manager: a binary file that appears under its final name only when fully written."""
-
-    def __init__(self, path: Path):
-        self.path = path
-        self.tmp: str | None = None
-        self.file: BinaryIO | None = None
-
-    def __enter__(self) -> BinaryIO:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd, self.tmp = tempfile.mkstemp(prefix="." + self.path.name + ".", suffix=".tmp", dir=self.path.parent)
-        self.file = os.fdopen(fd, "wb", buffering=1 << 20)
-        return self.file
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        assert self.file is not None and self.tmp is not None
-        try:
-            self.file.close()
-            if exc_type is None:
-                os.chmod(self.tmp, new_file_mode())  # mkstemp makes 0600 files; outputs are ordinary files
-                os.replace(self.tmp, self.path)
-        finally:
-            if os.path.exists(self.tmp):
-                os.unlink(self.tmp)
 
 
 # ---------------------------------------------------------------------------------------------------------------

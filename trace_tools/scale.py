@@ -27,7 +27,8 @@ from chakra.schema.protobuf.et_def_pb2 import (
     AttributeProto, GlobalMetadata, Node,
 )
 
-from .convert import _varint, new_file_mode
+from .atomic import write_text_atomic
+from .convert import _varint
 from .link import COMM_TYPE_NAMES
 from .pipeline import FALLBACK_OUTPUT_ROOT, _writable
 from .summary import format_bytes
@@ -670,14 +671,4 @@ def render_scale_summary(result: ScaleResult) -> str:
 
 
 def write_scale_summary(result: ScaleResult) -> Path:
-    path = result.output_dir / SUMMARY_NAME
-    fd, tmp = tempfile.mkstemp(prefix="." + SUMMARY_NAME, dir=result.output_dir)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(render_scale_summary(result))
-        os.chmod(tmp, new_file_mode())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return path
+    return write_text_atomic(result.output_dir / SUMMARY_NAME, render_scale_summary(result))

@@ -15,6 +15,8 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .atomic import write_text_atomic
+
 ASTRA_SIM_ENV = "ASTRA_SIM"
 INSTALLER = "install_astra_sim.sh"
 BINARY_NAME = "AstraSim_Analytical_Congestion_Unaware"
@@ -289,33 +291,19 @@ class SimulationResult:
         return [ns / 1e6 for ns in self.per_rank_ns]
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(prefix="." + path.name, dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def write_configs(work_dir: Path, network: Network, groups: dict[str, list[int]]) -> list[str]:
     """ASTRA-sim's input files in work_dir; returns the command-line flags that name them (relative to work_dir)."""
     work_dir.mkdir(parents=True, exist_ok=True)
-    _write_atomic(work_dir / NETWORK_FILE, network_yaml(network))
-    _write_atomic(work_dir / SYSTEM_FILE, json.dumps(system_config(network), indent=4) + "\n")
-    _write_atomic(work_dir / MEMORY_FILE, json.dumps({"memory-type": "NO_MEMORY_EXPANSION"}, indent=4) + "\n")
+    write_text_atomic(work_dir / NETWORK_FILE, network_yaml(network))
+    write_text_atomic(work_dir / SYSTEM_FILE, json.dumps(system_config(network), indent=4) + "\n")
+    write_text_atomic(work_dir / MEMORY_FILE, json.dumps({"memory-type": "NO_MEMORY_EXPANSION"}, indent=4) + "\n")
     flags = [f"--system-configuration={SYSTEM_FILE}", f"--network-configuration={NETWORK_FILE}",
              f"--remote-memory-configuration={MEMORY_FILE}"]
     (work_dir / COMM_GROUP_FILE).unlink(missing_ok=True)
     if groups:
         # ASTRA-sim ignores a communicator file whose path contains "empty" (its "no file" value): the name is
         # given relative to the folder it runs in.
-        _write_atomic(work_dir / COMM_GROUP_FILE, json.dumps(groups, indent=4, sort_keys=True) + "\n")
+        write_text_atomic(work_dir / COMM_GROUP_FILE, json.dumps(groups, indent=4, sort_keys=True) + "\n")
         flags.append(f"--comm-group-configuration={COMM_GROUP_FILE}")
     return flags
 
@@ -366,7 +354,7 @@ def simulate_workload(workload_prefix: Path, ranks: int, *, bandwidth_gbs: float
     except subprocess.TimeoutExpired as e:
         raise SimulationError(f"{binary}: still running after {timeout_s:g} s; stopped") from e
     output = proc.stdout + proc.stderr
-    _write_atomic(work_dir / OUTPUT_FILE, output)
+    write_text_atomic(work_dir / OUTPUT_FILE, output)
     finished: dict[int, tuple[int, int]] = {}
     for match in FINISHED_RE.finditer(output):
         finished[int(match.group(1))] = (int(match.group(2)), int(match.group(3)))
@@ -525,7 +513,7 @@ def render_simulation(result: SimulationResult, invocation: str) -> str:
 
 def write_simulation(result: SimulationResult, folder: Path, invocation: str) -> Path:
     path = Path(folder) / SIMULATION_NAME
-    _write_atomic(path, render_simulation(result, invocation))
+    write_text_atomic(path, render_simulation(result, invocation))
     return path
 
 

@@ -3,13 +3,11 @@ from __future__ import annotations
 
 import datetime
 import json
-import os
 import re
-import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
-from .convert import new_file_mode
+from .atomic import write_text_atomic
 from .pipeline import RankResult, RunResult, rank_result_from_dict
 
 SUMMARY_NAME = "CONVERSION_SUMMARY.md"
@@ -149,18 +147,7 @@ def render_run_summary(result: RunResult) -> str:
 
 
 def write_run_summary(result: RunResult) -> Path:
-    path = result.output_dir / SUMMARY_NAME
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix="." + SUMMARY_NAME, dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(render_run_summary(result))
-        os.chmod(tmp, new_file_mode())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    return write_text_atomic(result.output_dir / SUMMARY_NAME, render_run_summary(result))
 
 
 def read_previous_results(output_dir: Path) -> dict[int, RankResult] | None:
