@@ -1,0 +1,37 @@
+"""The file layout and names of a traced run, shared by the tracer, discovery, loading, the launchers and the docs'
+tests (torch-free). One folder per run: <trace-output-dir>/<trace-name>/ holding, per rank, host.<r>.json (PyTorch's
+ExecutionTraceObserver), device.<r>.json (Kineto), stacks.<r>.txt, and run.json; the converter adds
+<trace-name>.<r>.et and CONVERSION_SUMMARY.md."""
+
+HOST_TRACE = "host.{rank}.json"
+DEVICE_TRACE = "device.{rank}.json"
+STACKS_TABLE = "stacks.{rank}.txt"
+RUN_INFO = "run.json"
+ET_FILE = "{prefix}.{rank}.et"  # the name ASTRA-sim reads: <workload prefix>.<rank>.et
+CONVERSION_SUMMARY = "CONVERSION_SUMMARY.md"
+# Written here first and renamed once complete and valid, so a crash never leaves a half-written trace.
+PARTIAL_SUFFIX = ".partial"
+INVALID_SUFFIX = ".invalid"
+# The profiler marks optimizer step n in both traces with this annotation.
+STEP_PREFIX = "ProfilerStep#"
+STEP_ANNOTATION = STEP_PREFIX + "{step}"
+# Every device trace carries the run's identity in its metadata under this key: {"id", "rank", "world_size"}.
+RUN_METADATA_KEY = "mosim_run"
+# The files of the run a new one replaces go here, once the new window is written: <trace-output-dir>/.previous/<name>/
+PREVIOUS_RUN_DIR = ".previous"
+# What a conversion or a report made of a run's traces (rank 0 moves them aside with the traces they came from).
+DERIVED_FILES = ("run.json", CONVERSION_SUMMARY, "report.md", "report.json", "SIMULATION.md")
+# ExecutionTraceObserver.start() records the process-group config under this name when torch.distributed is up.
+PG_INIT_NODE = "## process_group:init ##"
+
+
+def host_trace_name(rank: int) -> str:
+    return HOST_TRACE.format(rank=rank)
+
+
+def device_trace_name(rank: int) -> str:
+    return DEVICE_TRACE.format(rank=rank)
+
+
+def et_name(prefix: str, rank: int) -> str:
+    return ET_FILE.format(prefix=prefix, rank=rank)

@@ -1,0 +1,66 @@
+"""The model families this project trains: the one place a model is declared.
+
+A family is a folder (`gpt2/`, `bert/`) with a `train.py` that defines its `ModelFamily` (utils/trainer.py) and a
+`config.py` with its named sizes. The registry below holds what the launchers and benchmarks need without importing
+torch; `load_family(name)` imports the folder's training definition. Adding a model = one folder + one line here.
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class FamilyInfo:
+    """What is known of a family before torch is imported.
+
+    name: the folder and the --model value of the launchers (`gpt2`).
+    label: how people write it (`GPT-2`).
+    default_model: --model-name on GPUs (a named size of the family, or a hub id).
+    objective: `causal` or `masked` language modelling.
+    """
+
+    name: str
+    label: str
+    default_model: str
+    objective: str
+
+    @property
+    def train_module(self) -> str:
+        return f"{self.name}.train"
+
+    @property
+    def train_script(self) -> str:
+        return f"{self.name}/train.py"
+
+
+FAMILIES: dict[str, FamilyInfo] = {}
+
+
+def register(info: FamilyInfo) -> FamilyInfo:
+    """Add a family to the registry (tests register toy families; an existing name is refused)."""
+    if info.name in FAMILIES:
+        raise ValueError(f"model family {info.name!r} is already registered")
+    FAMILIES[info.name] = info
+    return info
+
+
+register(FamilyInfo("gpt2", "GPT-2", default_model="gpt2", objective="causal"))
+register(FamilyInfo("bert", "BERT", default_model="bert-base-uncased", objective="masked"))
+
+
+def family_info(name: str) -> FamilyInfo:
+    """The registered family `name`, or a ValueError listing the known ones."""
+    try:
+        return FAMILIES[name]
+    except KeyError:
+        raise ValueError(f"unknown model family {name!r} (known: {', '.join(FAMILIES)})") from None
+
+
+def load_family(name: str):
+    """The family's ModelFamily (imports torch and transformers): `<name>.train.<NAME>_FAMILY` or `FAMILY`."""
+    module = importlib.import_module(family_info(name).train_module)
+    for attribute in (f"{name.upper()}_FAMILY", "FAMILY"):
+        if hasattr(module, attribute):
+            return getattr(module, attribute)
+    raise ValueError(f"{module.__file__}: defines no {name.upper()}_FAMILY or FAMILY")
