@@ -257,8 +257,8 @@ def test_tracing_off_creates_no_profiler_no_observer_and_no_files(tmp_path, monk
 def test_tracing_flags_default_to_timed_untraced_steps_and_three_recorded_ones():
     args = parse_tracing_args()
     assert not args.enable_tracing and args.trace_output_dir == "./outputs" and args.trace_name is None
-    assert chakra_tracer.trace_window(args) == (3, 1, 3)
-    assert tracing_window_steps(args) == 7
+    assert chakra_tracer.trace_window(args) == (5, 1, 3)
+    assert tracing_window_steps(args) == 9
     assert tracing_window_steps(parse_tracing_args("--trace-wait-steps", "5", "--trace-active-steps", "10")) == 16
 
 

@@ -240,7 +240,7 @@ def test_tracing_without_max_steps_stops_after_the_trace_window(tmp_path):
     status, save_dir, _ = train("gpt2", tmp_path, *QUICK, "--enable-tracing", "--trace-output-dir",
                                 str(tmp_path / "outputs"), "--no-save-initial")
     assert status == 0
-    assert info(save_dir / "final_model")["step"] == 7  # wait 3 (timed) + warmup 1 + active 3
+    assert info(save_dir / "final_model")["step"] == 9  # wait 5 (timed) + warmup 1 + active 3
     trace_dir = tmp_path / "outputs" / "gpt2-tiny_1cpu"
     assert {"host.0.json", "device.0.json", "run.json"} <= {p.name for p in trace_dir.iterdir()}
     run = json.loads((trace_dir / "run.json").read_text())

@@ -176,9 +176,9 @@ def test_profiler_cost_measured_by_the_tracer_is_taken_out_of_the_durations(tmp_
         "untraced_step_wall_time_s": [5 * traced_s, untraced_s, untraced_s]}]}))
     result = convert_rank(folder / "host.0.json.gz", folder / "device.0.json.gz", folder / "run.0.et")
     assert result.untraced_step_us == pytest.approx(untraced_s * 1e6)
-    assert result.recording_overhead_us == pytest.approx(0.3 * traced_s * 1e6, rel=0.01)
-    # the critical path shrinks by what the profiler added on the thread that holds it
-    assert result.critical_path_us == pytest.approx(untraced_s * 1e6, rel=0.03)
+    # the durations are calibrated so that replaying the .et's graph takes the untraced step
+    assert result.critical_path_us == pytest.approx(untraced_s * 1e6, rel=0.005)
+    assert result.recording_overhead_us == pytest.approx(plain.critical_path_us - untraced_s * 1e6, rel=0.01)
     metadata, nodes = read_et_with_protolib(folder / "run.0.et")
     meta = {a.name: a for a in metadata.attr}
     assert meta["untraced_step_micros"].int64_val == round(untraced_s * 1e6)
@@ -240,3 +240,35 @@ def test_a_recorded_stream_wait_orders_two_streams_and_nothing_else_does(tmp_pat
     consume = next(i for i in range(len(linked.kind)) if linked.name(i) == "consume_kernel")
     assert (produce in linked.deps[consume]) == with_sync_event
     assert linked.stats["dependency_rules"].get("cuda stream wait event", 0) == int(with_sync_event)
+
+
+GPU_TRACE = Path(__file__).parent / "data" / "gpu" / "gpt2_tiny_1gpu"
+
+
+def test_gpu_trace_is_calibrated_through_the_autograd_thread(tmp_path):
+    """On a GPU the backward pass runs on the autograd thread while the training thread waits for it: the profiler's
+    cost is on both threads, and the .et replays the untraced step only if both lose it."""
+    folder, plain_folder = tmp_path / "run", tmp_path / "plain"
+    for target, names in ((folder, ("host.0.json.gz", "device.0.json.gz", "run.json")),
+                          (plain_folder, ("host.0.json.gz", "device.0.json.gz"))):
+        target.mkdir()
+        for name in names:
+            (target / name).write_bytes((GPU_TRACE / name).read_bytes())
+    result = convert_rank(folder / "host.0.json.gz", folder / "device.0.json.gz", folder / "run.0.et")
+    plain = convert_rank(plain_folder / "host.0.json.gz", plain_folder / "device.0.json.gz", plain_folder / "p.0.et")
+    untraced = json.loads((GPU_TRACE / "run.json").read_text())["ranks"][0]["untraced_step_wall_time_s"][1:]
+    assert result.untraced_step_us == pytest.approx(sorted(untraced)[len(untraced) // 2] * 1e6, rel=0.5)
+    assert plain.critical_path_us > 3 * result.untraced_step_us
+    assert result.critical_path_us == pytest.approx(result.untraced_step_us, rel=0.005)
+
+    def attr(node, name):
+        return next((getattr(a, a.WhichOneof("value")) for a in node.attr if a.name == name), None)
+
+    _, nodes = read_et_with_protolib(folder / "run.0.et")
+    _, plain_nodes = read_et_with_protolib(plain_folder / "p.0.et")
+    plain_duration = {n.id: n.duration_micros for n in plain_nodes}
+    kernels = [n for n in nodes if attr(n, "is_cpu_op") is False]
+    assert kernels and all(n.duration_micros == plain_duration[n.id] for n in kernels)  # no recording cost on a GPU
+    shortened = {attr(n, "kineto_tid") for n in nodes if attr(n, "is_cpu_op")
+                 and n.duration_micros < plain_duration[n.id]}
+    assert len(shortened) >= 2  # the training thread and the autograd thread

@@ -566,49 +566,92 @@ def use_median_durations(linked: LinkedTrace, kexcl: list[float]) -> None:
 
 
 def remove_recording_overhead(linked: LinkedTrace, traced_step_us: float, untraced_step_us: float) -> float:
-    """Take the profiler's own cost out of the CPU durations; returns the cost per recorded op (µs).
+    """Take the profiler's own cost out of the CPU durations.
 
     Recording costs about the same for every op it records (the observer's and Kineto's callbacks at its start
-    and end), so the traced step is longer than the untraced one by that cost times the ops on the critical
-    thread. The thread that holds the step annotation spans the step in the .et (its ops, the time between them
-    and its waits, as per-operator medians); the profiler's part of it is what makes it longer than the measured
-    untraced step. The cost per op is the c at which taking min(c, the op's own time) out of every op of that
-    thread removes exactly that; every CPU op on every thread then loses min(c, its own time). GPU durations are
-    the device's and carry no recording cost. The untraced step is the measurement the durations are calibrated
-    to; the network the run waited on is the same in both, so what differs is the profiler's.
+    and end), and that cost lands both inside the op's span and in the time of what encloses it on its thread
+    (the gaps between callees are the caller's exclusive time; between top-level ops, the step annotation's). So
+    a CPU op loses min(c x (1 + the ops recorded directly inside it), its own time), for one cost c. The untraced step is the
+    measurement the durations are calibrated to: c is the cost at which the .et's critical path (its dependency
+    graph replayed with the corrected durations, GPU kernels and collectives as traced) equals the untraced step.
+    Calibrating the path, not one thread, holds wherever the profiled work runs: the training thread alone (CPU
+    ranks), or the training thread and the autograd thread that runs the backward pass on a GPU, whose time the
+    training thread spends waiting. GPU durations are the device's and carry no recording cost; the network the
+    run waited on is the same traced or not, so what differs is the profiler's. When even removing all CPU time
+    leaves a path longer than the untraced step (GPU- or network-bound), every CPU op loses its whole own time.
+    Returns c.
     """
-    linked.overhead = [0.0] * len(linked.kind)
+    count = len(linked.kind)
+    linked.overhead = [0.0] * count
     if traced_step_us <= untraced_step_us or not linked.traced_steps:
         return 0.0
-    step_nodes = [i for i in range(len(linked.kind)) if linked.kind[i] != GPU_OP and linked.src[i] in linked.traced_steps]
-    if not step_nodes:
-        return 0.0
-    main_lane = linked.lane[step_nodes[0]]
-    cpu_ops = [i for i in range(len(linked.kind)) if linked.kind[i] != GPU_OP and i not in linked.comm]
+    cpu_ops = [i for i in range(count) if linked.kind[i] != GPU_OP and i not in linked.comm]
     own = {i: max(0.0, linked.excl[i] - linked.wait[i]) for i in cpu_ops}
-    on_main = sorted(own[i] for i in cpu_ops if linked.lane[i] == main_lane)
-    if not on_main:
+    if not cpu_ops:
         return 0.0
-    thread_time = sum(linked.excl[i] for i in range(len(linked.kind)) if linked.lane[i] == main_lane)
-    excess = min(thread_time - untraced_step_us, sum(on_main))
-    if excess <= 0:
+    recorded = Counter(p for p in linked.lane_parent if p >= 0)
+    weight = {i: 1 + recorded[i] for i in cpu_ops}
+    order = _issue_order(linked)
+    base = [linked.work(i) for i in range(count)]
+
+    def path_with_cost(c: float) -> float:
+        durations = list(base)
+        for i in cpu_ops:
+            durations[i] = own[i] - min(c * weight[i], own[i])
+        return _longest_path(linked, order, durations)
+
+    as_traced = path_with_cost(0.0)
+    if as_traced <= untraced_step_us:
         return 0.0
-    # sum(min(c, t) for t in on_main) grows with c: find the c at which it equals the excess.
-    removed_below, below = 0.0, 0
-    cost = on_main[-1]
-    for t in on_main:
-        # with c in [previous t, t]: removed = removed_below + c * (len - below)
-        c = (excess - removed_below) / (len(on_main) - below)
-        if c <= t:
-            cost = c
-            break
-        removed_below += t
-        below += 1
+    low, high = 0.0, max(own[i] / weight[i] for i in cpu_ops)
+    if path_with_cost(high) < untraced_step_us:
+        while high - low > max(0.01, 1e-4 * high):  # the path shrinks as c grows: bisect to 0.01 µs per op
+            middle = (low + high) / 2
+            if path_with_cost(middle) > untraced_step_us:
+                low = middle
+            else:
+                high = middle
+    cost = high
     for i in cpu_ops:
-        linked.overhead[i] = min(cost, own[i])
+        linked.overhead[i] = min(cost * weight[i], own[i])
     linked.stats["recording_overhead_per_op_us"] = round(cost, 3)
-    linked.stats["recording_overhead_us"] = round(excess, 1)
+    linked.stats["recording_overhead_us"] = round(as_traced - path_with_cost(cost), 1)
     return cost
+
+
+def _issue_order(linked: LinkedTrace) -> list[int]:
+    """The nodes in an order where each follows its caller and its dependencies (Kahn's algorithm)."""
+    children: list[list[int]] = [[] for _ in linked.kind]
+    missing = [0] * len(linked.kind)
+    for i, deps in enumerate(linked.deps):
+        before = list(deps) + ([linked.parent[i]] if linked.parent[i] >= 0 else [])
+        missing[i] = len(before)
+        for d in before:
+            children[d].append(i)
+    ready = [i for i, m in enumerate(missing) if m == 0]
+    order: list[int] = []
+    while ready:
+        i = ready.pop()
+        order.append(i)
+        for c in children[i]:
+            missing[c] -= 1
+            if missing[c] == 0:
+                ready.append(c)
+    return order
+
+
+def _longest_path(linked: LinkedTrace, order: list[int], durations: list[float]) -> float:
+    """The .et's critical path with these durations: a node starts when its caller and dependencies are done
+    (validate.py's issue loop)."""
+    finish = [0.0] * len(durations)
+    parent, deps = linked.parent, linked.deps
+    for i in order:
+        start = finish[parent[i]] if parent[i] >= 0 else 0.0
+        for d in deps[i]:
+            if finish[d] > start:
+                start = finish[d]
+        finish[i] = start + durations[i]
+    return max(finish, default=0.0)
 
 
 def _add_cpu_nodes(linked: LinkedTrace, match: list[int], matched: list[int], steps: set[int],

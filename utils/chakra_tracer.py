@@ -49,7 +49,7 @@ class TraceError(RuntimeError):
 
 # Untraced steps before the window are timed (the first one, with its one-time start-up costs, is not used by the
 # conversion); several active steps give per-operator medians instead of one sample.
-DEFAULT_WAIT_STEPS = 3
+DEFAULT_WAIT_STEPS = 5
 DEFAULT_WARMUP_STEPS = 1
 DEFAULT_ACTIVE_STEPS = 3
 
