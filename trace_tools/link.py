@@ -461,11 +461,11 @@ def link_host_and_device(host: HostTrace, dev: DeviceTrace, rank: int = 0,
                               for i in range(len(cpu_lane), len(linked.kind))]
     linked.lanes = [key for key, _ in sorted(lanes.items(), key=lambda item: item[1])]
     linked.wait = [0.0] * len(linked.kind)
-    use_median_durations(linked, kexcl)
 
     host_index_of_id = {nid: i for i, nid in enumerate(host.ids)}
     host_parent_idx = [host_index_of_id.get(p, -1) for p in host.parents]
     _classify_communication(linked, [i for i, k in enumerate(linked.kind) if k == GPU_OP], host_parent_idx)
+    use_median_durations(linked, kexcl)
     _build_dependencies(linked, syncs)
     _assign_ids(linked)
     stats["nodes"] = len(linked.kind)
@@ -505,8 +505,10 @@ def _select_step(linked: LinkedTrace, match: list[int], matched: list[int]) -> l
 def use_median_durations(linked: LinkedTrace, kexcl: list[float]) -> None:
     """Per-operator medians over the traced steps: every CPU op and GPU kernel of the chosen step gets the median
     of its own duration and those of the same op in the other steps (same thread or stream, same name, same
-    occurrence of that name in the step), so one slow sample does not make the .et. The raw durations stay in the
-    `traced_micros` attribute of each node."""
+    occurrence of that name in the step), so one slow sample does not make the .et. A collective gets its shortest
+    sample instead: its time on one rank is the transfer plus the wait for the last rank to arrive, a wait the
+    simulator makes itself from the other ranks' graphs, and the least-waited sample is the nearest to the
+    transfer alone. The raw durations stay in the `traced_micros` attribute of each node."""
     steps = linked.traced_steps
     if len(steps) < 2:
         return
@@ -547,7 +549,7 @@ def use_median_durations(linked: LinkedTrace, kexcl: list[float]) -> None:
     linked.traced_excl = list(linked.excl)
     replaced = 0
     for i, kind in enumerate(linked.kind):
-        if i in linked.comm or (kind != GPU_OP and dev.cpu_names[linked.src[i]].startswith(STEP_PREFIX)):
+        if kind != GPU_OP and dev.cpu_names[linked.src[i]].startswith(STEP_PREFIX):
             continue
         key = (key_of_gpu if kind == GPU_OP else key_of_cpu).get(linked.src[i])
         if key is None:
@@ -555,8 +557,11 @@ def use_median_durations(linked: LinkedTrace, kexcl: list[float]) -> None:
         values = sorted(v[0] for v in samples[key] if v)
         if 2 * len(values) <= len(steps):  # the op is not part of most steps: keep what was traced
             continue
-        middle = values[len(values) // 2] if len(values) % 2 else (values[len(values) // 2 - 1] + values[len(values) // 2]) / 2
-        linked.excl[i] = middle
+        if i in linked.comm:
+            linked.excl[i] = values[0]
+        else:
+            linked.excl[i] = values[len(values) // 2] if len(values) % 2 else \
+                (values[len(values) // 2 - 1] + values[len(values) // 2]) / 2
         replaced += 1
     # The step annotation's own time (the thread between operators) as the median over the steps too.
     for i, kind in enumerate(linked.kind):

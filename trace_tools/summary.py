@@ -59,7 +59,7 @@ def durations_text(rank: RankResult) -> str:
         text += (f"; profiler cost removed: {rank.recording_overhead_us / 1000:.1f} ms per step "
                  f"({rank.overhead_per_op_us:.1f} µs per op; untraced step {rank.untraced_step_us / 1000:.1f} ms, "
                  f"run.json); critical path of the .et as written {rank.critical_path_us / 1000:.1f} ms (its "
-                 "collectives at their traced durations, waits for the slower rank included)")
+                 "collectives at their least-waited traced duration)")
     else:
         text += "; profiler cost not removed (no untraced step times in run.json)"
     return text
