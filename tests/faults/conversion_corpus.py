@@ -192,6 +192,17 @@ def shift_capture(folder: Path, rank: int, hours: float, pid_offset: int) -> Non
     dump(device_path, device)
 
 
+def swap_in_host_of_second_capture(folder: Path, rank: int = 0) -> None:
+    """host.<rank>.json as the same program wrote it in a second capture in the same container: same pid, same
+    operators and rf_ids (so it links perfectly), only the observer's start time and clock readings differ (taken
+    from bert_tiny_2r_ours, a second capture of bert_tiny_2r's config 2 h 9 min later)."""
+    host = load(folder / f"host.{rank}.json")
+    second = load(CPU / "bert_tiny_2r_ours" / f"host.{rank}.json.gz")
+    for key in ("time", "start_ts", "finish_ts"):
+        host[key] = second[key]
+    dump(folder / f"host.{rank}.json", host)
+
+
 def interleave(a: bytes, b: bytes, block: int = 8192) -> bytes:
     """Two processes writing one path, each from offset 0 with its own buffered writes: the file holds blocks of
     both, whichever was written last at each offset (here: alternating), as long as the longer one."""
@@ -460,6 +471,17 @@ def host_of_another_process(work: Path):
     folder = copy_run(GPT2_1R, work / "run")
     (folder / "host.0.json").write_bytes(unzip(BERT_2R / "host.0.json.gz"))
     return expect_error(convert(folder), "not the same run")
+
+
+@case
+def host_of_another_capture_same_pid(work: Path):
+    folder = copy_run(BERT_2R, work / "run")
+    swap_in_host_of_second_capture(folder)
+    proc = convert(folder)
+    outcome = expect_error(proc, "host.0.json", "another capture")
+    if outcome[0] == "clear" and (folder / "run.0.et").exists():
+        return "wrong_ok", "refused, but run.0.et left"
+    return outcome
 
 
 @case
