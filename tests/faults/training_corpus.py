@@ -620,7 +620,7 @@ def case_tensorboard_on_a_full_log_disk(ws):
     done = run(train_command("gpt2", folder / "ckpt", log_dir, "--max-steps", "150", "--save-steps", "0",
                              "--no-save-initial", "--eval-steps", "0", "--report-to", "tensorboard"),
                prefix=small_disk_prefix(log_dir, "20k"))
-    return judge(done, expect=0, mention=("cannot write TensorBoard events", "done: 150 steps"))
+    return judge(done, expect=0, mention=("cannot write TensorBoard events",))
 
 
 @case
