@@ -87,6 +87,29 @@ def test_second_capture_of_the_same_config_names_the_rank_and_the_gap(tmp_path, 
     assert "rank 1's traced step ran 3 h 0 min after rank 0's: two captures" in errors(output)[0]
 
 
+def test_host_trace_of_another_capture_with_the_same_pid_is_refused_by_its_start_time(tmp_path, capsys):
+    folder = corpus.copy_run(BERT, tmp_path / "bert")
+    corpus.swap_in_host_of_second_capture(folder, rank=0)
+    code, output = convert(folder, capsys)
+    assert code == 1
+    assert errors(output)[0] == (
+        f"error: {folder / 'host.0.json'}: its capture started at 2026-11-22 12:27:44 (the tracing machine's clock), "
+        "but the device trace's window at 2026-11-22 10:18:20 UTC, which no time zone explains: the host trace comes "
+        "from another capture (same process id, other run); copy the host and device trace of one capture "
+        f"({folder / 'device.0.json'})")
+    assert et_names(folder) == ["bert.1.et"]
+
+
+def test_start_time_check_allows_any_time_zone_and_a_late_profiler_window():
+    from trace_tools.identity import host_device_time_problem
+    utc_start = 1_795_342_700.4  # 2026-11-22 10:18:20.4 UTC
+    for clock in ("2026-11-22 10:18:20", "2026-11-22 02:18:20", "2026-11-22 15:03:20",
+                  "2026-11-22 10:17:46"):  # UTC, UTC-8, UTC+4:45, the observer started 34 s early
+        assert host_device_time_problem(clock, utc_start) is None, clock
+    assert host_device_time_problem("2026-11-22 12:27:44", utc_start).startswith("its capture started at")
+    assert host_device_time_problem("2026-11-22 10:18:20", 4485.6) is None  # not a wall clock: no judgement
+
+
 def test_start_times_of_ranks_of_one_run_pass():
     base = {"run_id": None, "host_name": "n1", "host_time": None, "dist_rank": None, "world_size": 2,
             "process_groups": {}, "step_us": 250_000.0}

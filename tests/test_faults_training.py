@@ -8,6 +8,7 @@ import os
 import shutil
 import signal
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -339,6 +340,53 @@ def test_log_file_that_cannot_be_written_warns_once_and_training_goes_on(tmp_pat
     assert captured.err.count(f"{tmp_path / 'training_rank_0.log'}: cannot write the log file "
                               "(No space left on device); logging to the console only") == 1
     assert "step 2/10" in captured.out
+
+
+def test_tensorboard_on_a_disk_that_fills_mid_run_warns_once_and_training_goes_on(tmp_path, capfd, caplog):
+    """TensorBoard's writer thread re-raises the failed write (Python prints that thread's traceback), and the next
+    add_scalar raises it again: one warning instead, and no more events."""
+    pytest.importorskip("tensorboard")
+    from utils.metrics import MetricSinks
+    sinks = MetricSinks("tensorboard", tmp_path, "run", {}, enabled=True)
+    sinks.log({"train/loss": 7.0}, step=1)
+    sinks.tensorboard.file_writer.event_writer._async_writer._writer._writer = FullDisk()  # the events file
+    with caplog.at_level(logging.WARNING):
+        for step in range(2, 6):
+            sinks.log({"train/loss": 7.0}, step=step)
+            time.sleep(0.2)  # the writer thread takes the event off its queue and fails
+        sinks.close()
+    captured = capfd.readouterr()
+    assert "Traceback" not in captured.err and "Exception in thread" not in captured.err
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings == [f"{tmp_path / 'tensorboard' / 'run'}: cannot write TensorBoard events (No space left on "
+                        "device); TensorBoard logging stopped, training goes on"]
+
+
+def test_tensorboard_folder_that_cannot_be_made_costs_the_curves_not_the_run(tmp_path, caplog):
+    pytest.importorskip("tensorboard")
+    from utils.metrics import MetricSinks
+    (tmp_path / "tensorboard").write_text("a file where the folder should be\n")
+    with caplog.at_level(logging.WARNING):
+        sinks = MetricSinks("tensorboard", tmp_path, "run", {}, enabled=True)
+    sinks.log({"train/loss": 7.0}, step=1)
+    sinks.close()
+    assert sinks.tensorboard is None
+    assert any("cannot write TensorBoard events" in r.getMessage() for r in caplog.records)
+
+
+def test_tokenizer_cache_half_written_by_a_killed_run_is_removed(tmp_path, caplog):
+    from utils.tokenization import TokenizerRequest, trained_tokenizer
+    partial = tmp_path / f".gpt2-byte-level-bpe-300-0123456789ab-tok0.0.tmp-{dead_pid()}"
+    partial.mkdir()
+    (partial / "vocab.json").write_text("{")
+    live = tmp_path / f".gpt2-byte-level-bpe-300-0123456789ab-tok0.0.tmp-{os.getpid()}"  # a run saving now
+    live.mkdir()
+    request = TokenizerRequest("gpt2", "byte-level-bpe", "tiny", None, 300)
+    with caplog.at_level(logging.INFO):
+        tokenizer, cache_dir = trained_tokenizer(request, ["the cat sat on the mat"] * 20, cache_root=tmp_path)
+    assert not partial.exists() and live.is_dir()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([cache_dir.name, live.name])
+    assert f"removed {partial} (a tokenizer cache left half-written by a stopped run)" in caplog.text
 
 
 # ---- signals ----------------------------------------------------------------------------------------------------

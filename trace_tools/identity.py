@@ -202,3 +202,37 @@ def _host_time(text: Any) -> float | None:
         return datetime.datetime.strptime(text, "%Y-%m-%d %H:%M:%S").timestamp()
     except ValueError:
         return None
+
+
+# The host trace's "time" is the observer's start in the tracing machine's local time, to the second, without a
+# zone; the device trace's window starts at baseTimeNanoseconds + its first timestamp (UTC). Zones are whole
+# quarter hours from UTC-12 to UTC+14; the observer starts with the profiler's active window (ours) or, in
+# hand-made captures, up to a few minutes before it.
+ZONE_STEP_S = 900
+ZONES_S = range(-12 * 3600, 14 * 3600 + 1, ZONE_STEP_S)
+OBSERVER_LEAD_S = (-2.0, 300.0)
+PLAUSIBLE_UNIX_S = (1.42e9, 4.1e9)  # 2015 .. 2100: outside it the device clock is not a wall clock
+
+
+def host_device_time_problem(host_time: Any, device_start_unix_s: float | None) -> str | None:
+    """Why a host trace cannot have been captured with this device trace, judged by their start times (None when
+    they fit, or when either time is missing): a host file of another capture with the same pid passes every
+    other check."""
+    if not isinstance(host_time, str) or device_start_unix_s is None:
+        return None
+    try:
+        clock = datetime.datetime.strptime(host_time, "%Y-%m-%d %H:%M:%S")
+    except ValueError:
+        return None
+    host_s = clock.replace(tzinfo=datetime.timezone.utc).timestamp()
+    if not PLAUSIBLE_UNIX_S[0] < device_start_unix_s < PLAUSIBLE_UNIX_S[1]:
+        return None
+    # host_s reads the local clock as UTC: host_s = utc_start + zone, so lead = device start - (host_s - zone).
+    lead = device_start_unix_s - host_s
+    low, high = OBSERVER_LEAD_S
+    if any(low <= lead + zone <= high for zone in ZONES_S):
+        return None
+    device_utc = datetime.datetime.fromtimestamp(device_start_unix_s, datetime.timezone.utc)
+    return (f"its capture started at {host_time} (the tracing machine's clock), but the device trace's window at "
+            f"{device_utc:%Y-%m-%d %H:%M:%S} UTC, which no time zone explains: the host trace comes from another "
+            "capture (same process id, other run); copy the host and device trace of one capture")

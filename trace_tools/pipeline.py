@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 from .convert import write_et, write_merged_json
 from .discover import Run
-from .identity import device_header_identity, one_run_problems, rank_identity
+from .identity import device_header_identity, host_device_time_problem, one_run_problems, rank_identity
 from .link import (COMM_TYPE_NAMES, NODE_TYPE_NAMES, STEP_PREFIX, link_host_and_device,
                    remove_recording_overhead)
 from .load import PROCESS_GROUP_INIT, TraceError, is_structural, load_device_trace, load_host_trace, read_trace_bytes
@@ -249,6 +249,7 @@ def _convert_rank(host_path, device_path, out_path, rank, merged_path, validate,
         merged_path = None
     timings["load_host_s"] = time.perf_counter() - mark
     _check_steps(host, device, result)
+    _check_same_capture(host, device)
     mark = time.perf_counter()
     linked = link_host_and_device(host, device, rank)
     _correct_for_profiler(linked, result, Path(host_path).parent, rank)
@@ -336,6 +337,19 @@ def _check_steps(host, device, result: RankResult) -> None:
             f"{len(device_steps)} ({', '.join(sorted(device_steps, key=lambda n: (len(n), n)))}): the operators of "
             f"{', '.join(extra)} have no Kineto event and are left out of the .et (the profiler window and the "
             "observer did not cover the same steps)")
+
+
+def _check_same_capture(host, device) -> None:
+    """A host trace of another capture of the same process id links (often perfectly, for an identical program):
+    refuse it by the two files' start times."""
+    if host.pid is not None and device.pids and host.pid not in device.pids:
+        return  # link_host_and_device names the other process
+    start = None
+    if device.cpu_ts:
+        start = (device.base_time_ns or 0) / 1e9 + min(device.cpu_ts) / 1e6
+    problem = host_device_time_problem(host.time, start)
+    if problem:
+        raise TraceError(host.path, f"{problem} ({device.path})")
 
 
 def _os_problem(error: OSError, folder: Path) -> str:

@@ -823,10 +823,39 @@ def _backup_path(path: Path) -> Path:
     return candidate
 
 
+def _temp_prefix(target: Path) -> str:
+    """Hidden temp files carry the writer's pid, so a later repair can tell a dead writer's leftovers."""
+    return f".{target.name}.{os.getpid()}."
+
+
+def _remove_dead_writers_temp_files(path: Path) -> None:
+    """Remove the temp files (a repaired copy, or a copy of the original) that a killed repair of `path` left."""
+    pattern = re.compile(rf"^\.{re.escape(path.name)}(\.orig(\.\d+)?)?\.(?P<pid>\d+)\.\w+\.tmp$")
+    try:
+        entries = list(path.parent.iterdir())
+    except OSError:
+        return
+    for entry in entries:
+        match = pattern.match(entry.name)
+        if match and not _process_is_alive(int(match["pid"])):
+            with contextlib.suppress(OSError):
+                entry.unlink()
+
+
+def _process_is_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
 def _write_replacement(path: Path, payload: bytes, gzipped: bool) -> Path:
     """Write the repaired trace beside the original, keep the original as <file>.orig, then rename into place."""
     mode = stat.S_IMODE(path.stat().st_mode)
-    handle, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    handle, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=_temp_prefix(path), suffix=".tmp")
     tmp = Path(tmp_name)
     try:
         with os.fdopen(handle, "wb") as out:
@@ -851,7 +880,7 @@ def _write_replacement(path: Path, payload: bytes, gzipped: bool) -> Path:
 
 
 def _copy_file(src: Path, dst: Path) -> None:
-    handle, tmp_name = tempfile.mkstemp(dir=dst.parent, prefix=f".{dst.name}.", suffix=".tmp")
+    handle, tmp_name = tempfile.mkstemp(dir=dst.parent, prefix=_temp_prefix(dst), suffix=".tmp")
     with os.fdopen(handle, "wb") as out, open(src, "rb") as source:
         while chunk := source.read(1 << 20):
             out.write(chunk)
@@ -869,6 +898,8 @@ def repair_host_trace(path, *, keep_original: bool = True, check_only: bool = Fa
         min_nodes: a truncated trace keeping fewer complete nodes is refused.
     """
     path = Path(path)
+    if not check_only:
+        _remove_dead_writers_temp_files(path)
     analysis = _analyse(path, min_nodes=min_nodes, need_plan=not check_only)
     diagnosis = analysis.diagnosis
     if diagnosis.ok:

@@ -1,6 +1,7 @@
 """Throughput and model FLOPs utilisation (MFU), the machine's load while tracing, and the metric sinks."""
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -184,6 +185,7 @@ class MetricSinks:
 
     def __init__(self, report_to: str, log_dir: Path, run_name: str, config: dict, enabled: bool):
         self.tensorboard = None
+        self.tensorboard_dir: Optional[Path] = None
         self.wandb_run = None
         if not enabled or report_to == "none":
             return
@@ -193,7 +195,13 @@ class MetricSinks:
             except ImportError:
                 logger.warning("--report-to tensorboard but the tensorboard package is missing; pip install tensorboard")
                 return
-            self.tensorboard = SummaryWriter(log_dir=str(Path(log_dir) / "tensorboard" / run_name))
+            self.tensorboard_dir = Path(log_dir) / "tensorboard" / run_name
+            _quiet_tensorboard_writer_thread()
+            try:
+                self.tensorboard = SummaryWriter(log_dir=str(self.tensorboard_dir))
+            except OSError as exc:
+                self._tensorboard_failed(exc)
+                return
             logger.info("TensorBoard: tensorboard --logdir %s", Path(log_dir) / "tensorboard")
         elif report_to == "wandb":
             try:
@@ -211,15 +219,51 @@ class MetricSinks:
 
     def log(self, scalars: dict, step: int) -> None:
         if self.tensorboard is not None:
-            for key, value in scalars.items():
-                self.tensorboard.add_scalar(key, value, step)
+            try:
+                for key, value in scalars.items():
+                    self.tensorboard.add_scalar(key, value, step)
+            except OSError as exc:
+                self._tensorboard_failed(exc)
         if self.wandb_run is not None:
             self.wandb_run.log(scalars, step=step)
 
     def close(self) -> None:
         if self.tensorboard is not None:
-            self.tensorboard.close()
+            try:
+                self.tensorboard.close()
+            except OSError as exc:
+                self._tensorboard_failed(exc)
             self.tensorboard = None
         if self.wandb_run is not None:
             self.wandb_run.finish()
             self.wandb_run = None
+
+    def _tensorboard_failed(self, exc: OSError) -> None:
+        """A full or read-only log disk costs the TensorBoard curves, not the run (as for the log file)."""
+        logger.warning("%s: cannot write TensorBoard events (%s); TensorBoard logging stopped, training goes on",
+                       self.tensorboard_dir, exc.strerror or exc)
+        writer, self.tensorboard = self.tensorboard, None
+        if writer is not None:
+            try:
+                writer.close()
+            except OSError:
+                pass
+
+
+_TENSORBOARD_THREAD = "_AsyncWriterThread"
+
+
+def _quiet_tensorboard_writer_thread() -> None:
+    """TensorBoard's writer thread re-raises a failed write, so Python prints its traceback; MetricSinks reports
+    the same error in one line when the writer hands it on, so that thread's OSError is not printed again."""
+    previous = threading.excepthook
+    if getattr(previous, "quiets_tensorboard", False):
+        return
+
+    def hook(args) -> None:
+        if isinstance(args.exc_value, OSError) and type(args.thread).__name__ == _TENSORBOARD_THREAD:
+            return
+        previous(args)
+
+    hook.quiets_tensorboard = True
+    threading.excepthook = hook

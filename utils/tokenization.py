@@ -2,6 +2,7 @@
 import hashlib
 import logging
 import os
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -83,6 +84,32 @@ def _load_pretrained(location: str, **kwargs):
     return AutoTokenizer.from_pretrained(location, **kwargs)
 
 
+# What trained_tokenizer() writes before its rename: .<cache name>.tmp-<pid>
+_PARTIAL_CACHE = re.compile(r"^\..+\.tmp-(?P<pid>\d+)$")
+
+
+def _remove_partial_caches(cache_root: Path) -> None:
+    """Remove the half-written tokenizer folders that killed runs left in the cache (their pid is gone)."""
+    if not cache_root.is_dir():
+        return
+    for entry in cache_root.iterdir():
+        match = _PARTIAL_CACHE.match(entry.name)
+        if not match or _process_is_alive(int(match["pid"])):
+            continue
+        shutil.rmtree(entry, ignore_errors=True) if entry.is_dir() else entry.unlink(missing_ok=True)
+        logger.info("removed %s (a tokenizer cache left half-written by a stopped run)", entry)
+
+
+def _process_is_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
 def trained_tokenizer(request: TokenizerRequest, texts: Iterable[str], cache_root: Path = TRAINED_TOKENIZER_CACHE):
     """Train (or reuse from the cache) a tokenizer of the family's kind on these texts: (tokenizer, cache dir).
 
@@ -94,6 +121,7 @@ def trained_tokenizer(request: TokenizerRequest, texts: Iterable[str], cache_roo
     # tokenizer.json's format changes between tokenizers releases (an older one cannot read a newer file).
     version = ".".join(tokenizers.__version__.split(".")[:2])
     cache_dir = cache_root / f"{request.family}-{request.kind}-{request.vocab_size}-{fingerprint}-tok{version}"
+    _remove_partial_caches(cache_root)
     if not (cache_dir / "tokenizer.json").is_file():
         if request.kind == "byte-level-bpe":
             tokenizer = train_byte_level_bpe(texts, request.vocab_size)

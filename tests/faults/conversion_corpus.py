@@ -72,16 +72,17 @@ def fix(*args, **kw) -> Proc:
     return run("fix_host_traces.py", *args, **kw)
 
 
-def interrupt_when(script: str, args: list, ready: Callable[[], bool], timeout: float = 120) -> Proc:
-    """Run script in its own process group and press Ctrl-C (SIGINT to the group, as a terminal does) once
-    ready() is true."""
+def interrupt_when(script: str, args: list, ready: Callable[[], bool], timeout: float = 120,
+                   signum: int = signal.SIGINT) -> Proc:
+    """Run script in its own process group and press Ctrl-C (SIGINT to the group, as a terminal does; or send
+    `signum`) once ready() is true."""
     proc = subprocess.Popen([sys.executable, str(REPO / script), *map(str, args)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, cwd=REPO, start_new_session=True)
     deadline = time.monotonic() + timeout
     while proc.poll() is None and not ready() and time.monotonic() < deadline:
         time.sleep(0.02)
     if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGINT)
+        os.killpg(proc.pid, signum)
     out, err = proc.communicate(timeout=timeout)
     return Proc(proc.returncode, out, err)
 
@@ -190,6 +191,17 @@ def shift_capture(folder: Path, rank: int, hours: float, pid_offset: int) -> Non
             event["pid"] = old_pid + pid_offset
     dump(host_path, host)
     dump(device_path, device)
+
+
+def swap_in_host_of_second_capture(folder: Path, rank: int = 0) -> None:
+    """host.<rank>.json as the same program wrote it in a second capture in the same container: same pid, same
+    operators and rf_ids (so it links perfectly), only the observer's start time and clock readings differ (taken
+    from bert_tiny_2r_ours, a second capture of bert_tiny_2r's config 2 h 9 min later)."""
+    host = load(folder / f"host.{rank}.json")
+    second = load(CPU / "bert_tiny_2r_ours" / f"host.{rank}.json.gz")
+    for key in ("time", "start_ts", "finish_ts"):
+        host[key] = second[key]
+    dump(folder / f"host.{rank}.json", host)
 
 
 def interleave(a: bytes, b: bytes, block: int = 8192) -> bytes:
@@ -463,6 +475,17 @@ def host_of_another_process(work: Path):
 
 
 @case
+def host_of_another_capture_same_pid(work: Path):
+    folder = copy_run(BERT_2R, work / "run")
+    swap_in_host_of_second_capture(folder)
+    proc = convert(folder)
+    outcome = expect_error(proc, "host.0.json", "another capture")
+    if outcome[0] == "clear" and (folder / "run.0.et").exists():
+        return "wrong_ok", "refused, but run.0.et left"
+    return outcome
+
+
+@case
 def host_more_steps_than_device(work: Path):
     return expect_warning(convert(host_with_more_steps(work / "run")), "steps")
 
@@ -669,6 +692,40 @@ def ctrl_c_parallel_conversion(work: Path):
         return "lost", f"hidden partial files left: {leftovers}"
     lines = [line for line in proc.text.splitlines() if "interrupted" in line]
     return ("clear", lines[0]) if lines and proc.rc != 0 else ("misleading", proc.text.strip()[-120:])
+
+
+@case
+def killed_conversion_partials_removed_next_run(work: Path):
+    """SIGKILL (the OOM killer, `kill -9`) while a rank's .et is written: its hidden partial files stay until the
+    next conversion of that rank, which removes them."""
+    folder = copy_run(BERT_2R, work / "run")
+    interrupt_when("convert_to_et.py", [folder, "--no-progress", "--jobs", "1"],
+                   lambda: any(folder.glob(".*unvalidated*")), signum=signal.SIGKILL)
+    outcome = expect_ok(remaining(folder))
+    leftovers = sorted(p.name for p in folder.glob(".*et*"))
+    if outcome[0] == "clear" and leftovers:
+        return "lost", f"hidden partial files left: {leftovers}"
+    return outcome
+
+
+def dead_pid() -> int:
+    """The pid of a process that has exited (and been reaped)."""
+    process = subprocess.Popen(["true"])
+    process.wait()
+    return process.pid
+
+
+@case
+def killed_repair_temp_file_removed_next_run(work: Path):
+    """fix_host_traces.py killed while it wrote the repaired copy (for a real trace, tens of MB): the next run
+    removes the temp file of the dead process."""
+    folder = copy_run(GPT2_1R, work / "run")
+    left = folder / f".host.0.json.{dead_pid()}.k3x9q2ab.tmp"
+    left.write_bytes((folder / "host.0.json").read_bytes()[:1 << 20])
+    outcome = expect_ok(fix(folder))
+    if outcome[0] == "clear" and left.exists():
+        return "lost", f"{left.name} left"
+    return outcome
 
 
 # Where the outputs go

@@ -46,6 +46,7 @@ TINY = ["--model-name", "tiny", "--max-seq-length", "64", "--batch-size", "4", "
         "--eval-batches", "2", "--logging-steps", "1"]
 LONG_RUN = ["--max-steps", "400", "--save-steps", "0", "--eval-steps", "0", "--no-save-initial"]
 LOCK_FILE = ".training.lock"  # utils/checkpointing.py's name for the --save-dir lock
+TOKENIZER_CACHE = REPO_ROOT / "data" / "tokenizers"  # utils/tokenization.py's TRAINED_TOKENIZER_CACHE
 
 OUTCOMES = ("code executed", "lost data", "wrong-ok", "traceback", "unclear", "partial files left",
             "clear message", "handled")
@@ -91,6 +92,17 @@ def torchrun_command(launcher: list, family: str, save_dir: Path, log_dir: Path,
     """`launcher` is [python, -m, torch.distributed.run] (what users type) or [python, -m, utils.torchrun]."""
     return [*launcher, "--nproc_per_node=2", "--nnodes=1", f"--master_port={free_port()}",
             *train_command(family, save_dir, log_dir, *flags)[1:]]
+
+
+def launcher_command(family: str, folder: Path, *train_flags, ranks: int = 2, max_steps: int = 400) -> list:
+    """./run_<family>.sh in the foreground on `ranks` CPU ranks (through `python -m utils.torchrun`, as users start
+    multi-rank runs): checkpoints in folder/ckpt/<run name>/, logs in folder/logs/<run name>/; `train_flags` go to
+    train.py."""
+    return ["env", f"PYTHON={sys.executable}", str(REPO_ROOT / f"run_{family}.sh"), "--cpu", "--foreground",
+            "--num-gpus", str(ranks), "--model-name", "tiny", "--max-seq-length", "64", "--batch-size", "4",
+            "--max-steps", str(max_steps), "--no-save-initial", "--save-dir", str(folder / "ckpt"),
+            "--logs-dir", str(folder / "logs"), "--", "--report-to", "none", "--eval-batches", "2",
+            "--logging-steps", "1", *map(str, train_flags)]
 
 
 def run(command: list, *, prefix: tuple = (), timeout: float = 600, signals: tuple = (),
@@ -554,40 +566,38 @@ def case_sigterm_during_training(ws):
     return judge(done, expect=143, mention=("--resume-from",), lost=None if saved else "no checkpoint saved")
 
 
-def _torchrun_sigterm(ws, name: str, launcher: list) -> Verdict:
+def _sigterm_at_step_2(ws, name: str, command: Callable[[Path], list], expect: int) -> Verdict:
     folder = ws.case_dir(name)
-    done = run(torchrun_command(launcher, "gpt2", folder / "ckpt", folder / "logs", *LONG_RUN),
-               signals=(signal.SIGTERM,), when=r"^step 2/")
-    # Only torchrun gets the signal (as from a job scheduler); it forwards SIGTERM to every rank.
-    saved = list((folder / "ckpt").glob("checkpoint-*"))
-    return judge(done, expect=143, mention=("--resume-from",), lost=None if saved else "no checkpoint saved")
+    done = run(command(folder), signals=(signal.SIGTERM,), when=r"^step 2/")
+    # SIGTERM to the whole process group (as a job scheduler or a terminal sends it); every rank saves and stops.
+    saved = list((folder / "ckpt").rglob("checkpoint-*"))
+    return judge(done, expect=expect, mention=("--resume-from",), lost=None if saved else "no checkpoint saved")
 
 
 @case
-def case_torchrun_sigterm(ws):
-    """Plain torchrun, as users type it: its launcher process (not the trainer) prints SignalException's traceback;
-    `python -m utils.torchrun` (next case) is the same launcher ending in one line."""
-    verdict = _torchrun_sigterm(ws, "torchrun_sigterm", [sys.executable, "-m", "torch.distributed.run"])
-    if verdict.outcome == "traceback":
-        verdict.message = f"torchrun's own launcher: {verdict.message}"
-    return verdict
+def case_launcher_sigterm(ws):
+    """./run_gpt2.sh on 2 CPU ranks, as users start a multi-rank run: exit status 130 (the launcher's "stopped")."""
+    return _sigterm_at_step_2(ws, "launcher_sigterm",
+                              lambda folder: launcher_command("gpt2", folder, "--save-steps", "0", "--eval-steps", "0"),
+                              expect=130)
 
 
 @case
 def case_utils_torchrun_sigterm(ws):
-    return _torchrun_sigterm(ws, "utils_torchrun_sigterm", [sys.executable, "-m", "utils.torchrun"])
+    """`python -m utils.torchrun`, the launcher's torchrun (plain torchrun prints its own SignalException traceback:
+    docs/TRAINING.md says to start ranks through utils.torchrun)."""
+    return _sigterm_at_step_2(ws, "utils_torchrun_sigterm",
+                              lambda folder: torchrun_command([sys.executable, "-m", "utils.torchrun"], "gpt2",
+                                                              folder / "ckpt", folder / "logs", *LONG_RUN),
+                              expect=143)
 
 
 @case
-def case_torchrun_bad_flag(ws):
-    """Plain torchrun: the rank's own error line, then torchrun's ChildFailedError traceback and report."""
-    folder = ws.case_dir("torchrun_bad_flag")
-    done = run(torchrun_command([sys.executable, "-m", "torch.distributed.run"], "gpt2", folder / "ckpt",
-                                folder / "logs", "--max-steps", "2", "--dataset-path", folder / "missing.jsonl"))
-    verdict = judge(done, expect="error", mention=("missing.jsonl",))
-    if verdict.outcome == "traceback":
-        verdict.message = f"torchrun's own launcher: {verdict.message}"
-    return verdict
+def case_launcher_failing_rank(ws):
+    """A rank that fails (here: a --resume-from that does not exist) under ./run_gpt2.sh: the rank's line first."""
+    folder = ws.case_dir("launcher_failing_rank")
+    done = run(launcher_command("gpt2", folder, "--resume-from", folder / "no-such-checkpoint", max_steps=2))
+    return judge(done, expect="error", mention=("no-such-checkpoint", "--resume-from"), must_not_train=True)
 
 
 @case
@@ -596,6 +606,36 @@ def case_utils_torchrun_bad_flag(ws):
     done = run(torchrun_command([sys.executable, "-m", "utils.torchrun"], "gpt2", folder / "ckpt", folder / "logs",
                                 "--max-steps", "2", "--dataset-path", folder / "missing.jsonl"))
     return judge(done, expect="error", mention=("missing.jsonl",))
+
+
+@case
+def case_tensorboard_on_a_full_log_disk(ws):
+    """--report-to tensorboard with a log disk that fills mid-run: TensorBoard's writer thread fails (a traceback
+    from that thread, then one from add_scalar) unless the sink stops with a warning, as the log file does."""
+    folder = ws.case_dir("tensorboard_on_a_full_log_disk")
+    log_dir = folder / "logs"
+    log_dir.mkdir()
+    if not can_mount():
+        return Verdict("handled", "skipped: needs root and unshare for a small tmpfs")
+    done = run(train_command("gpt2", folder / "ckpt", log_dir, "--max-steps", "150", "--save-steps", "0",
+                             "--no-save-initial", "--eval-steps", "0", "--report-to", "tensorboard"),
+               prefix=small_disk_prefix(log_dir, "20k"))
+    return judge(done, expect=0, mention=("cannot write TensorBoard events",))
+
+
+@case
+def case_tokenizer_cache_left_half_written(ws):
+    """A run killed while it saved its trained tokenizer leaves data/tokenizers/.<name>.tmp-<pid>: the next run
+    that trains or reuses a tokenizer removes it."""
+    folder = ws.case_dir("tokenizer_cache_left_half_written")
+    TOKENIZER_CACHE.mkdir(parents=True, exist_ok=True)
+    partial = TOKENIZER_CACHE / f".gpt2-byte-level-bpe-2048-000000000000-tok0.0.tmp-{dead_pid()}"
+    partial.mkdir()
+    (partial / "vocab.json").write_text("{")
+    done = run(train_command("gpt2", folder / "ckpt", folder / "logs", "--max-steps", "2", "--no-save-initial"))
+    left = str(partial) if partial.exists() else None
+    shutil.rmtree(partial, ignore_errors=True)
+    return judge(done, expect=0, mention=() if left else (f"removed {partial}",), left=left)
 
 
 # ---- running the corpus -------------------------------------------------------------------------------------------
