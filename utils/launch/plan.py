@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -125,8 +125,15 @@ def dataset_arguments(path: Optional[str], device: str) -> list:
     return ["--squad-file" if squad else "--dataset-path", path]
 
 
+def run_name(family: FamilyInfo, world: int, device: str, quick: bool) -> str:
+    """<model>_<world size><gpu|cpu>[_quick_trace]: the trace, checkpoint and log folders' name."""
+    return f"{family.name}_{world}{device}{'_quick_trace' if quick else ''}"
+
+
 @dataclass(frozen=True)
 class Run:
+    """One torchrun: a family on nproc GPUs (or CPU ranks) per node."""
+
     family: FamilyInfo
     nproc: int
     name: str
@@ -155,14 +162,10 @@ class Plan:
     def model_name(self, family: FamilyInfo) -> str:
         return self.opts.model_name or (CPU_MODEL if self.device == "cpu" else family.default_model)
 
-    def run_name(self, family: FamilyInfo, count: int) -> str:
-        """<model>_<world size><gpu|cpu>[_quick_trace]"""
-        world = count * self.opts.nnodes
-        return f"{family.name}_{world}{self.device}{'_quick_trace' if self.launcher.quick else ''}"
-
     def runs(self) -> list:
-        return [Run(f, n, self.run_name(f, n), torchrun_command(self, f, n, self.run_name(f, n)))
-                for f in self.families for n in self.counts]
+        names = [(f, n, run_name(f, n * self.opts.nnodes, self.device, self.launcher.quick))
+                 for f in self.families for n in self.counts]
+        return [Run(f, n, name, torchrun_command(self, f, n, name)) for f, n, name in names]
 
 
 def make_plan(launcher: Launcher, opts: Options, machine: Machine, device: str, dataset_args: list) -> Plan:
@@ -173,8 +176,7 @@ def make_plan(launcher: Launcher, opts: Options, machine: Machine, device: str, 
     # run: compile only untraced training on GPUs.
     compile_ = opts.compile if opts.compile is not None else (not cpu and opts.mode == "train" and not opts.trace)
     seq = opts.max_seq_length or (CPU_SEQ_LENGTH if cpu else None)
-    plan = Plan(launcher, opts, machine, device, precision, compile_, seq, (), (), dataset_args)
-    counts, skipped = [], []  # filled below, then the plan is made once more with them
+    counts, skipped = [], []
     requested = opts.num_gpus or launcher.counts
     capacity = machine.cores if cpu else machine.gpus
     for count in requested:
@@ -190,10 +192,11 @@ def make_plan(launcher: Launcher, opts: Options, machine: Machine, device: str, 
         else:
             counts.append(count)
             continue
-        for family in plan.families:
+        for name in opts.models:
+            family = family_info(name)
             print(f"⏭️  Skipping {family.label} at {count} {'CPU ranks' if cpu else 'GPUs'}: {why}")
-            skipped.append((plan.run_name(family, count), why))
-    return replace(plan, counts=tuple(counts), skipped=tuple(skipped))
+            skipped.append((run_name(family, count * opts.nnodes, device, launcher.quick), why))
+    return Plan(launcher, opts, machine, device, precision, compile_, seq, tuple(counts), tuple(skipped), dataset_args)
 
 
 def torchrun_command(plan: Plan, family: FamilyInfo, nproc: int, run_name: str) -> list:

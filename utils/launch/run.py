@@ -20,6 +20,7 @@ from utils.launch.plan import (ROOT, LaunchError, Plan, Run, dataset_arguments, 
 
 PEEK_SECONDS = 5  # how long a background start shows the run's first lines
 
+
 class Foreground:
     """Runs one command at a time; SIGINT or SIGTERM (a `kill` of a background launcher, Ctrl-C) is passed to it as
     SIGTERM (torchrun hands it to every rank, which saves a checkpoint) and stops the plan."""
@@ -53,12 +54,12 @@ def check_traces(plan: Plan, run: Run, started: float) -> bool:
     for rank in range(first, first + run.nproc):
         for name in (layout.host_trace_name(rank), layout.device_trace_name(rank)):
             path = folder / name
-            if not path.is_file() or path.stat().st_size == 0:
+            if not _non_empty(path):
                 missing.append(name)
-            elif path.stat().st_mtime < started - 1:
+            elif path.stat().st_mtime < started - 1:  # a second of slack for coarse file-system clocks
                 missing.append(f"{name}(stale)")
     rank0 = plan.opts.node_rank == 0
-    if rank0 and not (folder / layout.RUN_INFO).is_file():
+    if rank0 and not _non_empty(folder / layout.RUN_INFO):
         missing.append(layout.RUN_INFO)
     if missing:
         print(f"❌ Trace folder {folder_text} is incomplete: missing {' '.join(missing)}")
@@ -66,6 +67,10 @@ def check_traces(plan: Plan, run: Run, started: float) -> bool:
     print(f"✅ Traces: {folder_text} (ranks {first}-{first + run.nproc - 1}: host, device, stacks"
           f"{', ' + layout.RUN_INFO if rank0 else ''}; {size_text(folder)})")
     return True
+
+
+def _non_empty(path: Path) -> bool:
+    return path.is_file() and path.stat().st_size > 0
 
 
 def start_background(launcher: Launcher, plan: Plan) -> int:
@@ -118,8 +123,8 @@ def _alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
-        return True
+    except PermissionError:  # another user's process
+        pass
     return True
 
 
@@ -238,7 +243,3 @@ def main(argv: Optional[list] = None) -> int:
     if opts.background and (not opts.dry_run or "--background" in opts.own_args):
         return start_background(launcher, plan)
     return run_plan(plan)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
