@@ -115,7 +115,6 @@ Exit status: 0 when no run failed (skipped counts are not failures), 1 when a ru
 2 for a bad option."""
 
 
-
 @dataclass
 class Options:
     """What the user asked for; None where the launcher's kind or the machine decides."""
