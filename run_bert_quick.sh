@@ -1,14 +1,5 @@
 #!/usr/bin/env bash
 # BERT profiling: traced 10-step runs at 1, 2 and 4 GPUs (1 and 2 CPU ranks without a GPU); see --help.
+# The launcher is utils/launch/: any Python 3 runs it, and it finds or makes the training environment itself.
 set -euo pipefail
-# shellcheck source=scripts/launcher_common.sh
-source "$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/scripts/launcher_common.sh"
-
-LC_TITLE="BERT quick profiling: traced 10-step runs at 1, 2 and 4 GPUs"
-LC_SYNOPSIS="  ./run_bert_quick.sh [options]     traces in outputs/bert_<N>gpu_quick_trace/ (bert_<N>cpu_quick_trace/ on the CPU)"
-LC_MODELS="bert"
-LC_COUNTS="1 2 4"
-LC_KIND=quick
-LC_POSITIONAL=0
-LC_CONVERT=0
-lc_main "$@"
+exec "${PYTHON:-python3}" "$(dirname "$0")/utils/launch" "$(basename "$0")" "$@"

@@ -1,14 +1,5 @@
 #!/usr/bin/env bash
 # Full GPT-2 training under torchrun (background by default): ./run_gpt2.sh [NUM_GPUS] [BATCH_SIZE] [options]; see --help.
+# The launcher is utils/launch/: any Python 3 runs it, and it finds or makes the training environment itself.
 set -euo pipefail
-# shellcheck source=scripts/launcher_common.sh
-source "$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/scripts/launcher_common.sh"
-
-LC_TITLE="GPT-2 training launcher (full training, background by default)"
-LC_SYNOPSIS="  ./run_gpt2.sh [NUM_GPUS] [BATCH_SIZE] [options]     e.g. ./run_gpt2.sh 8 4"
-LC_MODELS="gpt2"
-LC_COUNTS="1"
-LC_KIND=full
-LC_POSITIONAL=1
-LC_CONVERT=0
-lc_main "$@"
+exec "${PYTHON:-python3}" "$(dirname "$0")/utils/launch" "$(basename "$0")" "$@"

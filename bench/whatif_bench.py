@@ -58,7 +58,7 @@ class ModelSetup:
 
 
 MODELS = {
-    # The CPU quick runs' configuration (scripts/launcher_common.sh: tiny, batch 4, 128 tokens, one thread a rank).
+    # The CPU quick runs' configuration (utils/launch/: tiny, batch 4, 128 tokens, one thread a rank).
     "tiny": ModelSetup("tiny", "GPT-2 tiny", "tiny", 4, 128, skip=10, block=10, settle=2, cycles=4,
                        warmup_cycles=1,
                        rates=("unthrottled", "1gbit", "400mbit", "100mbit"), burst_slack_s=250e-6, repeats=1,

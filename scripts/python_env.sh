@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Sourced by run_tests.sh and the launchers: pick a Python that has what the
-# project needs, or create .venv with it. Sets PYTHON.
+# Pick a Python that has what the project needs, or create .venv with it.
+# Sourced by run_tests.sh (sets PYTHON); run by the launcher (utils/launch/)
+# as `bash scripts/python_env.sh train`, which prints the interpreter's path.
 #
 # torch is installed as torch==2.13.0 *before* requirements.txt: a bare
 # "torch>=2.4" on a machine without torch would pull a multi-GB CUDA build.
@@ -86,3 +87,9 @@ ensure_python_env() {
     PYTHON="$venv_python"
     export PYTHON
 }
+
+if [ "${BASH_SOURCE[0]}" = "$0" ]; then
+    set -euo pipefail
+    ensure_python_env "${1:-train}" >&2
+    printf '%s\n' "$PYTHON"
+fi

@@ -105,6 +105,13 @@ def test_help_lists_the_shared_options(script):
         assert option in result.stdout, f"{script} --help lacks {option}"
 
 
+def test_the_launcher_imports_no_torch_so_help_and_option_errors_are_instant():
+    result = subprocess.run([sys.executable, "-c", "import sys, utils.launch.run; print(sorted(m for m in sys.modules "
+                             "if m.split('.')[0] in ('torch', 'transformers', 'numpy')))"], cwd=REPO,
+                            capture_output=True, text=True)
+    assert result.stdout.strip() == "[]", result.stderr
+
+
 @pytest.mark.parametrize("script", LAUNCHERS)
 def test_unknown_option_prints_usage_and_exits_2(script):
     result = launch(script, "--bogus-option")
@@ -126,6 +133,7 @@ def test_unknown_option_prints_usage_and_exits_2(script):
     (["--test=yes"], "--test takes no value"),
     (["1", "2", "3"], "too many arguments"),
     (["eight"], "NUM_GPUS: 'eight' is not a positive integer"),
+    (["--models", "gpt2,llama"], "--models: 'gpt2,llama' is not a list of registered model families (known: gpt2, bert"),
 ])
 def test_bad_values_give_a_one_line_error_and_exit_2(args, message):
     result = launch("run_gpt2.sh", *args)
@@ -331,6 +339,26 @@ def test_multi_node_options_become_torchrun_rendezvous_arguments():
     assert "--standalone" not in argv
     assert flag(argv, "--num-gpus") == "16"  # the world size
     assert flag(argv, "--trace-name") == "gpt2_16gpu_quick_trace"
+
+
+def test_a_family_registered_in_one_line_is_planned_by_the_launchers(monkeypatch, capsys):
+    """Adding a model = a folder with a train.py + one registry line: the launcher plans its runs from the registry's
+    name, label, default model and train script (the folder need not exist for a dry run)."""
+    from utils import families
+    from utils.launch.run import main
+    monkeypatch.setitem(families.FAMILIES, "toy", families.FamilyInfo("toy", "Toy", "toy-small", "causal"))
+    for name, value in machine(gpus=2).items():
+        monkeypatch.setenv(name, value)
+    assert main(["run_all_profiling.sh", "--dry-run", "--models", "toy"]) == 0
+    out = capsys.readouterr().out
+    commands = torchrun_commands(out)
+    assert [flag(c, "--trace-name") for c in commands] == ["toy_1gpu_quick_trace", "toy_2gpu_quick_trace"]
+    for argv in commands:
+        assert "toy/train.py" in argv and flag(argv, "--model-name") == "toy-small"
+    assert "▶ Toy on 2 GPU(s): toy_2gpu_quick_trace" in out and "models: Toy=toy-small" in out
+    assert "⏭️  Skipping Toy at 4 GPUs: this machine has 2 GPU(s)" in out
+    convert = [shlex.split(l[2:]) for l in out.splitlines() if l.startswith("$ ") and "convert_to_et.py" in l]
+    assert convert[0][-2:] == ["outputs/toy_1gpu_quick_trace", "outputs/toy_2gpu_quick_trace"]
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -1,0 +1,257 @@
+"""The machine (the training Python, torch, GPUs, cores), the dataset, and the plan: one torchrun per model family and
+GPU count, with the settings the machine decides."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from utils.families import FamilyInfo, family_info
+from utils.launch.options import BUNDLED_DATASET, CPU_MODEL, CPU_SEQ_LENGTH, TEST_STEPS, Launcher, Options
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+# CPU mode runs at most this many ranks unless the user names the counts (--num-gpus): more CPU ranks add minutes on
+# a laptop and no new structure to the trace (the collectives are the same from two ranks on).
+CPU_DEFAULT_MAX_RANKS = 2
+# The probe's results travel to a background child in these variables; the tests describe machines with them.
+PROBE_VARIABLES = ("LC_PROBE_TORCH", "LC_PROBE_GPUS", "LC_PROBE_CUDA", "LC_PROBE_BF16", "LC_PROBE_CORES",
+                   "LC_PROBE_GPU_NAMES")
+PROBE = """
+import os, torch
+cuda = torch.cuda.is_available()
+count = torch.cuda.device_count() if cuda else 0
+try:
+    cores = len(os.sched_getaffinity(0))
+except AttributeError:  # macOS
+    cores = os.cpu_count() or 1
+print(torch.__version__, count, torch.version.cuda or "none", int(bool(cuda and torch.cuda.is_bf16_supported())),
+      cores, ";".join(torch.cuda.get_device_name(i) for i in range(count)), sep="\\n")
+"""
+
+
+class LaunchError(Exception):
+    """A check that failed before anything ran; its message is already a full line (❌ ...)."""
+
+
+@dataclass(frozen=True)
+class Machine:
+    python: str
+    torch: str
+    gpus: int
+    cuda: str
+    bf16: bool
+    cores: int
+    gpu_names: tuple
+
+    def variables(self) -> dict:
+        """The probe's results for a background child (LC_PROBED=1 skips its probe)."""
+        values = (self.torch, self.gpus, self.cuda, int(self.bf16), self.cores, ";".join(self.gpu_names))
+        return {"LC_PROBED": "1", "PYTHON": self.python, **dict(zip(PROBE_VARIABLES, map(str, values)))}
+
+
+def probe_machine() -> Machine:
+    """The machine as described by LC_PROBE_* (LC_PROBED=1), else the training Python's own report."""
+    if os.environ.get("LC_PROBED") == "1":
+        python, lines = os.environ.get("PYTHON", sys.executable), [os.environ.get(v, "") for v in PROBE_VARIABLES]
+    else:
+        found = subprocess.run(["bash", str(ROOT / "scripts" / "python_env.sh"), "train"], stdout=subprocess.PIPE,
+                               text=True)
+        if found.returncode != 0 or not found.stdout.strip():
+            raise LaunchError("❌ PyTorch: no usable Python environment (see the messages above)")
+        python = found.stdout.strip().splitlines()[-1]
+        # stderr apart: warnings printed while importing torch must not shift the lines read here
+        probe = subprocess.run([python, "-c", PROBE], capture_output=True, text=True)
+        if probe.returncode != 0:
+            raise LaunchError("\n".join([f"❌ PyTorch: '{python}' cannot import torch:",
+                                         *probe.stderr.strip().splitlines()[-3:]]))
+        lines = probe.stdout.split("\n")
+    torch, gpus, cuda, bf16, cores, names = (lines + [""] * 6)[:6]
+    return Machine(python, torch, int(gpus or 0), cuda or "none", bf16 == "1", int(cores or 1),
+                   tuple(n for n in names.split(";") if n))
+
+
+def report_machine(machine: Machine, opts: Options) -> str:
+    """Prints one line per check; returns the device the runs use: gpu or cpu."""
+    print(f"✅ PyTorch {machine.torch} importable ({machine.python})")
+    if opts.cpu:
+        print(f"ℹ️  CPU mode (--cpu): gloo, {machine.cores} CPU cores, {machine.gpus} GPUs left unused")
+        return "cpu"
+    if machine.gpus == 0:
+        print(f"⚠️  CUDA: no GPU found: CPU mode (gloo, {machine.cores} CPU cores, {CPU_MODEL} model, fp32, no compile)")
+        return "cpu"
+    first = machine.gpu_names[0] if machine.gpu_names else "unknown"
+    print(f"✅ CUDA {machine.cuda}: {machine.gpus} GPU(s) available ({first})")
+    if opts.verbose:
+        for i, name in enumerate(machine.gpu_names):
+            print(f"   GPU {i}: {name}")
+    return "gpu"
+
+
+def size_text(path: Path) -> str:
+    total = path.stat().st_size if path.is_file() else sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+    return f"{total // (1 << 20)} MB" if total >= 1 << 20 else f"{(total + 1023) // 1024} KB"
+
+
+def dataset_arguments(path: Optional[str], device: str) -> list:
+    """train.py's data flags for --dataset-path (or the default), after one line saying where the data comes from."""
+    if path is None:
+        bundled = ROOT / BUNDLED_DATASET
+        if device == "cpu":
+            if not bundled.is_file():
+                raise LaunchError(f"❌ Dataset: the bundled {BUNDLED_DATASET} is missing; restore it (git checkout) "
+                                  "or pass --dataset-path")
+            print(f"✅ Dataset: {BUNDLED_DATASET} (bundled SQuAD sample, {size_text(bundled)})")
+            return ["--squad-file", BUNDLED_DATASET]
+        # Reaching the hub cannot be checked without waiting on the network; train.py falls back by itself.
+        print(f"✅ Dataset: SQuAD from the HuggingFace hub or its cache; offline fallback {BUNDLED_DATASET} present"
+              if bundled.is_file() else
+              f"⚠️  Dataset: SQuAD from the HuggingFace hub or its cache; no offline fallback ({BUNDLED_DATASET} missing)")
+        return []
+    if os.path.isdir(path):
+        corpus = sorted(Path(path).glob("*.jsonl"))
+        if not corpus:
+            raise LaunchError(f"❌ Dataset: {path} holds no *.jsonl file (--dataset-path)")
+        print(f"✅ Dataset: {path} (folder of {len(corpus)} JSONL files)")
+        return ["--dataset-path", path]
+    if not os.path.isfile(path):
+        raise LaunchError(f"❌ Dataset: {path} not found (--dataset-path)")
+    if not os.access(path, os.R_OK):
+        raise LaunchError(f"❌ Dataset: {path} is not readable (--dataset-path)")
+    squad = path.endswith(".json")
+    print(f"✅ Dataset: {path} ({'SQuAD JSON' if squad else 'JSONL corpus'}, {size_text(Path(path))})")
+    return ["--squad-file" if squad else "--dataset-path", path]
+
+
+def run_name(family: FamilyInfo, world: int, device: str, quick: bool) -> str:
+    """<model>_<world size><gpu|cpu>[_quick_trace]: the trace, checkpoint and log folders' name."""
+    return f"{family.name}_{world}{device}{'_quick_trace' if quick else ''}"
+
+
+@dataclass(frozen=True)
+class Run:
+    """One torchrun: a family on nproc GPUs (or CPU ranks) per node."""
+
+    family: FamilyInfo
+    nproc: int
+    name: str
+    argv: list
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Everything derived from the options and the machine; nothing here changes once made."""
+
+    launcher: Launcher
+    opts: Options
+    machine: Machine
+    device: str  # gpu | cpu
+    precision: str
+    compile: bool
+    max_seq_length: Optional[int]
+    counts: tuple
+    skipped: tuple  # (run name, why)
+    dataset_args: list
+
+    @property
+    def families(self) -> list:
+        return [family_info(name) for name in self.opts.models]
+
+    def model_name(self, family: FamilyInfo) -> str:
+        return self.opts.model_name or (CPU_MODEL if self.device == "cpu" else family.default_model)
+
+    def runs(self) -> list:
+        names = [(f, n, run_name(f, n * self.opts.nnodes, self.device, self.launcher.quick))
+                 for f in self.families for n in self.counts]
+        return [Run(f, n, name, torchrun_command(self, f, n, name)) for f, n, name in names]
+
+
+def make_plan(launcher: Launcher, opts: Options, machine: Machine, device: str, dataset_args: list) -> Plan:
+    """Settings for this device, and the counts to run; prints a line per family for each count skipped."""
+    cpu = device == "cpu"
+    precision = opts.precision or ("fp32" if cpu else "bf16" if machine.bf16 else "fp16")
+    # Compiled graphs hide the eager operators a Chakra trace is made of, and compiling takes longer than a 10-step
+    # run: compile only untraced training on GPUs.
+    compile_ = opts.compile if opts.compile is not None else (not cpu and opts.mode == "train" and not opts.trace)
+    seq = opts.max_seq_length or (CPU_SEQ_LENGTH if cpu else None)
+    counts, skipped = [], []
+    requested = opts.num_gpus or launcher.counts
+    capacity = machine.cores if cpu else machine.gpus
+    for count in requested:
+        if cpu and not opts.num_gpus and count > CPU_DEFAULT_MAX_RANKS:
+            why = f"CPU mode runs 1 and {CPU_DEFAULT_MAX_RANKS} ranks unless asked (--num-gpus " \
+                  f"{','.join(map(str, requested))})"
+        elif count > capacity and not cpu:
+            why = f"this machine has {capacity} GPU(s)"
+        elif count > capacity and machine.gpus == 0:
+            why = f"this machine has no GPU, and {capacity} CPU cores for CPU ranks (one rank per core)"
+        elif count > capacity:
+            why = f"CPU mode runs one rank per core and this machine has {capacity}"
+        else:
+            counts.append(count)
+            continue
+        for name in opts.models:
+            family = family_info(name)
+            print(f"⏭️  Skipping {family.label} at {count} {'CPU ranks' if cpu else 'GPUs'}: {why}")
+            skipped.append((run_name(family, count * opts.nnodes, device, launcher.quick), why))
+    return Plan(launcher, opts, machine, device, precision, compile_, seq, tuple(counts), tuple(skipped), dataset_args)
+
+
+def torchrun_command(plan: Plan, family: FamilyInfo, nproc: int, run_name: str) -> list:
+    """env ... python -m utils.torchrun ... <family>/train.py <flags>: one run, as printed and as run."""
+    opts = plan.opts
+    argv = ["env", "PYTHONUNBUFFERED=1"]
+    if plan.device == "cpu":
+        # One rank per core; torchrun would otherwise force 1 thread only for nproc > 1.
+        argv.append(f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS') or max(1, plan.machine.cores // nproc)}")
+    if opts.verbose:
+        argv.append("LOGLEVEL=INFO")
+    # utils.torchrun: torchrun ending in one line instead of a traceback when stopped or when a rank fails
+    argv += [plan.machine.python, "-m", "utils.torchrun"]
+    if opts.nnodes > 1 or opts.master_addr or opts.master_port:
+        argv += [f"--nnodes={opts.nnodes}", f"--node_rank={opts.node_rank}",
+                 f"--master_addr={opts.master_addr or 'localhost'}", f"--master_port={opts.master_port or 29500}"]
+    else:
+        argv.append("--standalone")  # a free port, so two launches on one machine never collide
+    argv += [f"--nproc_per_node={nproc}", family.train_script, "--model-name", plan.model_name(family),
+             "--num-gpus", str(nproc * opts.nnodes), "--batch-size", str(opts.batch_size)]
+    if opts.mode == "test":
+        # A quick run is an experiment run again and again: it replaces its own earlier checkpoints.
+        argv += ["--max-steps", str(opts.max_steps or TEST_STEPS), "--overwrite-output-dir"]
+    else:
+        argv += ["--num-epochs", str(opts.num_epochs)] + (["--max-steps", str(opts.max_steps)] if opts.max_steps else [])
+    for flag, value in (("--learning-rate", opts.learning_rate), ("--max-seq-length", plan.max_seq_length),
+                        ("--save-steps", opts.save_steps)):
+        if value is not None:
+            argv += [flag, str(value)]
+    argv += ["--precision", plan.precision, "--compile" if plan.compile else "--no-compile"]
+    argv += [] if opts.save_initial else ["--no-save-initial"]
+    argv += ["--save-dir", f"{opts.save_dir}/{run_name}", "--log-dir", f"{opts.logs_dir}/{run_name}",
+             *plan.dataset_args]
+    if opts.trace:
+        argv += ["--enable-tracing", "--trace-output-dir", opts.output_dir, "--trace-name", run_name]
+    return argv + (["--logging-steps", "1"] if opts.verbose else []) + opts.extra
+
+
+def print_settings(plan: Plan) -> None:
+    opts = plan.opts
+    mode = f"test ({opts.max_steps or TEST_STEPS} steps)" if opts.mode == "test" else \
+        f"train ({opts.num_epochs} epochs{f', at most {opts.max_steps} steps' if opts.max_steps else ''})"
+    nodes = f" · nodes: {opts.nnodes} (this is node {opts.node_rank})" if opts.nnodes > 1 else ""
+    default = "train.py default"
+    print(f"""
+📋 Run settings
+   • mode: {mode}
+   • models: {' '.join(f'{f.label}={plan.model_name(f)}' for f in plan.families)}
+   • {'CPU ranks (gloo)' if plan.device == 'cpu' else 'GPUs'} per node: {' '.join(map(str, plan.counts)) or 'none'}{nodes}
+   • batch size per rank: {opts.batch_size} · learning rate: {opts.learning_rate or default} · max sequence length: \
+{plan.max_seq_length or default}
+   • precision: {plan.precision} · torch.compile: {'on' if plan.compile else 'off'} · save every: \
+{opts.save_steps or default} steps · initial model saved: {'yes' if opts.save_initial else 'no'}
+   • tracing: {f'on, traces in {opts.output_dir}/<run name>/' if opts.trace else 'off'}
+   • checkpoints: {opts.save_dir}/<run name>/ · logs: {opts.logs_dir}/<run name>/
+   • execution: {'background (nohup)' if opts.background else 'foreground'}{', dry run' if opts.dry_run else ''}""")
+    if opts.extra:
+        print(f"   • passed to train.py: {' '.join(opts.extra)}")

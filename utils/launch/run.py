@@ -1,0 +1,245 @@
+"""Running the plan: foreground runs with signal forwarding, the background child, trace checks, the conversion to
+.et, the summary and the next steps."""
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+from trace_tools import layout
+from trace_tools.atomic import write_text_atomic
+from utils.errors import UsageError
+from utils.launch.options import CONSOLE_LOG, LAUNCHERS, PID_FILE, Launcher, ShowHelp, parse_options, usage
+from utils.launch.plan import (ROOT, LaunchError, Plan, Run, dataset_arguments, make_plan, print_settings,
+                               probe_machine, report_machine, size_text)
+
+PEEK_SECONDS = 5  # how long a background start shows the run's first lines
+
+
+class Foreground:
+    """Runs one command at a time; SIGINT or SIGTERM (a `kill` of a background launcher, Ctrl-C) is passed to it as
+    SIGTERM (torchrun hands it to every rank, which saves a checkpoint) and stops the plan."""
+
+    def __init__(self):
+        self.child: Optional[subprocess.Popen] = None
+        self.stopped = False
+
+    def _on_signal(self, signum, frame) -> None:
+        self.stopped = True
+        if self.child is not None and self.child.poll() is None:
+            print(f"🛑 Stopping: SIGTERM to torchrun (PID {self.child.pid}); the trainer saves a checkpoint and exits")
+            self.child.send_signal(signal.SIGTERM)
+
+    def run(self, argv: list) -> int:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._on_signal)
+        self.child = subprocess.Popen(argv, cwd=ROOT)
+        try:
+            return self.child.wait()  # a signal handler runs during the wait, which then goes on (PEP 475)
+        finally:
+            self.child = None
+
+
+def check_traces(plan: Plan, run: Run, started: float) -> bool:
+    """Every rank of this node wrote its host and device trace during this run (and rank 0 run.json)."""
+    folder_text = f"{plan.opts.output_dir}/{run.name}"
+    folder = ROOT / folder_text
+    first = plan.opts.node_rank * run.nproc
+    missing = []
+    for rank in range(first, first + run.nproc):
+        for name in (layout.host_trace_name(rank), layout.device_trace_name(rank)):
+            path = folder / name
+            if not _non_empty(path):
+                missing.append(name)
+            elif path.stat().st_mtime < started - 1:  # a second of slack for coarse file-system clocks
+                missing.append(f"{name}(stale)")
+    rank0 = plan.opts.node_rank == 0
+    if rank0 and not _non_empty(folder / layout.RUN_INFO):
+        missing.append(layout.RUN_INFO)
+    if missing:
+        print(f"❌ Trace folder {folder_text} is incomplete: missing {' '.join(missing)}")
+        return False
+    print(f"✅ Traces: {folder_text} (ranks {first}-{first + run.nproc - 1}: host, device, stacks"
+          f"{', ' + layout.RUN_INFO if rank0 else ''}; {size_text(folder)})")
+    return True
+
+
+def _non_empty(path: Path) -> bool:
+    return path.is_file() and path.stat().st_size > 0
+
+
+def start_background(launcher: Launcher, plan: Plan) -> int:
+    """This launcher again, detached, in the foreground with the probe's results; prints how to follow it."""
+    logs = plan.opts.logs_dir
+    pid_file, console = ROOT / logs / PID_FILE, f"{logs}/{CONSOLE_LOG}"
+    old = pid_file.read_text().strip() if pid_file.is_file() else ""
+    if old.isdigit() and _alive(int(old)):
+        print(f"error: a background run is still going (PID {old}, {logs}/{PID_FILE}); stop it (kill {old}) or use "
+              "another --logs-dir", file=sys.stderr)
+        return 1
+    (ROOT / logs).mkdir(parents=True, exist_ok=True)
+    print(f"\n🎯 Starting in the background\n📋 Console log: {console}")
+    extra = ["--", *plan.opts.extra] if plan.opts.extra else []
+    with open(ROOT / console, "wb") as log:
+        # nohup and a session of its own: neither closing the terminal nor Ctrl-C there reaches it, only a kill
+        child = subprocess.Popen(["nohup", sys.executable, str(ROOT / "utils" / "launch"), launcher.script,
+                                  *plan.opts.own_args, "--foreground", *extra], stdin=subprocess.DEVNULL, stdout=log,
+                                 stderr=subprocess.STDOUT, env={**os.environ, **plan.machine.variables()},
+                                 start_new_session=True)
+    write_text_atomic(pid_file, f"{child.pid}\n")
+    print(f"""✅ Background run started
+🔢 Process ID: {child.pid}
+📄 PID file: {logs}/{PID_FILE}
+
+🔍 Follow it with:
+  tail -f {console}     # live log
+  ps -p {child.pid}                             # still running?
+  kill {child.pid}                              # stop it (a checkpoint is saved)
+
+📋 First log lines (up to {PEEK_SECONDS}s):
+----------------------------------------""")
+    deadline = time.time() + PEEK_SECONDS
+    while time.time() < deadline and child.poll() is None:
+        time.sleep(0.5)
+    print("\n".join((ROOT / console).read_text(errors="replace").splitlines()[-20:]))
+    print("----------------------------------------")
+    if child.poll() is None:
+        print("Still running in the background...")
+        return 0
+    if child.returncode == 0:
+        print(f"✅ The background run already finished (exit 0); full output in {console}")
+    else:
+        print(f"❌ The background run already ended with exit code {child.returncode}; see {console}")
+    return child.returncode
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        pass
+    return True
+
+
+def convert(plan: Plan, folders: list, runner: Foreground) -> tuple:
+    """convert_to_et.py on the trace folders, when this checkout and environment have it: (status, failed)."""
+    print("\n🔄 Conversion to Chakra .et")
+    python = plan.machine.python
+    if not folders:
+        print("⏭️  Nothing to convert: no trace folder was written")
+        return "skipped", False
+    if not (ROOT / "convert_to_et.py").is_file():
+        print("⏭️  Conversion skipped: convert_to_et.py is not in this checkout")
+        return "skipped", False
+    if subprocess.run([python, "-c", "import chakra.schema.protobuf.et_def_pb2, orjson"], capture_output=True,
+                      cwd=ROOT).returncode != 0:
+        print(f"⏭️  Conversion skipped: {python} cannot import chakra and orjson; convert later with "
+              f"./setup_and_convert.sh {plan.opts.output_dir}")
+        return "skipped", False
+    argv = [python, "convert_to_et.py", *folders]
+    print(f"$ {shlex.join(argv)}")
+    if plan.opts.dry_run:
+        return "dry run", False
+    rc = runner.run(argv)
+    if rc == 0:
+        print("✅ Converted: <run name>.<rank>.et and CONVERSION_SUMMARY.md in each trace folder")
+        return "ok", False
+    print(f"❌ Conversion failed (exit {rc}); the traces are kept, retry with: {python} convert_remaining.py "
+          f"{' '.join(folders)}")
+    return f"failed (exit {rc})", True
+
+
+def run_plan(plan: Plan) -> int:
+    """Each run in turn, then the conversion and the summary; the exit status (0, 1, or 130 when stopped)."""
+    opts, runner = plan.opts, Foreground()
+    results, traced, failed = [], [], False
+    for run in plan.runs():
+        if runner.stopped:
+            break
+        unit = "GPU(s)" if plan.device == "gpu" else "CPU rank(s)"
+        nodes = f" per node × {opts.nnodes} nodes" if opts.nnodes > 1 else ""
+        print(f"\n▶ {run.family.label} on {run.nproc} {unit}{nodes}: {run.name}\n$ {shlex.join(run.argv)}")
+        where = f"{opts.output_dir if opts.trace else opts.save_dir}/{run.name}/"
+        if opts.dry_run:
+            results.append((run.name, "dry run", "-", where))
+            continue
+        started = time.time()
+        rc = runner.run(run.argv)
+        if rc == 0 and opts.trace and not check_traces(plan, run, started):
+            rc = 1
+        took = f"{round(time.time() - started)}s"
+        if runner.stopped:
+            print(f"🛑 {run.name} stopped by a signal after {took} (exit {rc}); checkpoints in {opts.save_dir}/{run.name}/")
+            results.append((run.name, "stopped", took, f"{opts.save_dir}/{run.name}/"))
+        elif rc == 0:
+            print(f"✅ {run.name} finished in {took}")
+            results.append((run.name, "ok", took, where))
+            traced += [f"{opts.output_dir}/{run.name}"] if opts.trace else []
+        else:
+            print(f"❌ {run.name} failed (exit {rc}) after {took}; per-rank logs in {opts.logs_dir}/{run.name}/")
+            results.append((run.name, f"failed (exit {rc})", took, f"{opts.logs_dir}/{run.name}/"))
+            failed = True
+    conversion, next_run = None, None
+    if opts.convert and opts.trace and not runner.stopped:
+        if opts.dry_run:  # nothing was written yet: the command on the folders the runs would write
+            traced = [f"{opts.output_dir}/{run.name}" for run in plan.runs()]
+        conversion, convert_failed = convert(plan, traced, runner)
+        failed = failed or convert_failed
+        next_run = traced[-1] if conversion == "ok" else None  # the largest run: ASTRA-sim needs two NPUs or more
+    print_summary(plan, results, conversion, next_run)
+    if runner.stopped:
+        print("🛑 Stopped by a signal")
+        return 130
+    return int(failed)
+
+
+def print_summary(plan: Plan, results: list, conversion: Optional[str], next_run: Optional[str]) -> None:
+    print("\n📊 Summary")
+    rows = results + [(name, "skipped", "-", why) for name, why in plan.skipped]
+    for name, status, took, where in rows:
+        print(f"   {name:<28} {status:<16} {took:<7} {where}")
+    if plan.opts.convert and plan.opts.trace:
+        print(f"   {'conversion to .et':<28} {conversion or 'not run'}")
+    if next_run:
+        python = plan.machine.python
+        print(f"""
+👉 Next steps: the report: {python} trace_report.py {next_run}
+   ASTRA-sim (built by ./install_astra_sim.sh): {python} simulate.py {next_run} --bandwidth 100Gbit/s
+   or its workload path: --workload-configuration={next_run}/{Path(next_run).name} (docs/CHAKRA_SETUP.md)""")
+
+
+def main(argv: Optional[list] = None) -> int:
+    """argv: the launcher script's name (run_gpt2.sh), then the user's arguments."""
+    script, *args = sys.argv[1:] if argv is None else argv
+    launcher = LAUNCHERS[script]
+    if hasattr(sys.stdout, "reconfigure"):
+        sys.stdout.reconfigure(line_buffering=True)  # our lines and the children's stay in order in a log
+    try:
+        opts = parse_options(launcher, args)
+    except ShowHelp:
+        print(usage(launcher))
+        return 0
+    except UsageError as exc:
+        print(f"error: {exc}\n\n{usage(launcher)}", file=sys.stderr)
+        return 2
+    print(f"{'=' * 56}\n  MOSIM LLMs · {launcher.title}\n  torchrun + DDP · Chakra execution traces\n{'=' * 56}\n")
+    print("🔍 Checking the environment")
+    try:
+        machine = probe_machine()
+        device = report_machine(machine, opts)
+        plan = make_plan(launcher, opts, machine, device, dataset_arguments(opts.dataset_path, device))
+    except LaunchError as exc:
+        print(exc)
+        return 1
+    print_settings(plan)
+    # A plain --dry-run only prints; with an explicit --background it rehearses the background start.
+    if opts.background and (not opts.dry_run or "--background" in opts.own_args):
+        return start_background(launcher, plan)
+    return run_plan(plan)
