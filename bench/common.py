@@ -150,10 +150,7 @@ def child_env(threads: int | None = None, **extra: str) -> dict:
 
 def train_script(family: str) -> Path:
     """<family>/train.py of a registered family (utils/families.py), wherever its folder is importable from."""
-    spec = importlib.util.find_spec(family_info(family).train_module)
-    if spec is None or not spec.origin:
-        raise BenchError(f"model family {family!r}: no {family_info(family).train_module} to run")
-    return Path(spec.origin)
+    return Path(importlib.util.find_spec(family_info(family).train_module).origin)
 
 
 def full_vocab_tokenizer(model: str, model_name: str, env: dict) -> "tuple[Path, int, str]":

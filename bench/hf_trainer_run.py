@@ -10,11 +10,12 @@ if __package__ in (None, ""):
 
 import torch
 
-from utils.data_utils import ResumableDistributedSampler, load_text_splits, tokenize_examples
+from utils.data_utils import ResumableDistributedSampler
+from utils.distributed import distributed_context
 from utils.families import FAMILIES, load_family
 from utils.metrics import count_parameters, flops_per_token, peak_flops_per_gpu
 from utils.run_config import RunConfig, parse_run_config
-from utils.tokenization import load_tokenizer
+from utils.trainer import Trainer as OurTrainer, settle_run
 
 
 def parse_args(argv=None) -> "tuple[argparse.Namespace, RunConfig]":
@@ -33,9 +34,9 @@ def parse_args(argv=None) -> "tuple[argparse.Namespace, RunConfig]":
 
 def main(argv=None) -> int:
     args, config = parse_args(argv)
-    model, data, optim = config.model, config.data, config.optim
+    optim = config.optim
     try:
-        from transformers import Trainer, TrainerCallback, TrainingArguments, set_seed
+        from transformers import Trainer, TrainerCallback, TrainingArguments
         import accelerate  # noqa: F401  (Trainer needs it; say so plainly instead of deep inside TrainingArguments)
     except ImportError as exc:
         print(f"error: transformers.Trainer cannot run: {exc} (pip install accelerate)", file=sys.stderr)
@@ -43,21 +44,13 @@ def main(argv=None) -> int:
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     family = load_family(args.family)
-    set_seed(optim.seed)
-
-    # The same data, tokenizer and model as gpt2/train.py or bert/train.py build with the same flags.
-    splits = load_text_splits(squad_file=data.squad_file, dataset_path=None, cache_dir=None,
-                              validation_fraction=data.validation_fraction, seed=optim.seed)
-    request = family.tokenizer_request(model.model_name, family.resolve_config(model.model_name))
-    tokenizer, _ = load_tokenizer(request, tokenizer_path=model.tokenizer_path, cache_dir=None,
-                                  training_texts=splits.all_texts)
-    tokenizer = family.prepare_tokenizer(tokenizer)
-    model_config = family.resolve_config(model.model_name)
-    family.finalize_config(model_config, tokenizer)
-    network = family.build_model(model_config, model.attn_implementation)
-    seq = min(data.max_seq_length, getattr(model_config, "max_position_embeddings", data.max_seq_length))
-    train_data = tokenize_examples(lambda examples: family.encode(tokenizer, examples, seq), splits.train)
-    collator = family.make_collator(tokenizer, seq)
+    # Our trainer's own setup builds the data, tokenizer and initial model, as gpt2/train.py or bert/train.py do.
+    with distributed_context() as ctx:
+        ours = OurTrainer(config, settle_run(config, family), family, ctx)
+        ours.setup()
+    network, model_config, train_data = ours.model, ours.model_config, ours.train_data
+    seq = ours.settings.max_seq_length
+    collator = family.make_collator(ours.tokenizer, seq)
 
     class StepTimer(TrainerCallback):
         """Wall time between consecutive optimizer-step ends, synchronised like our trainer's loss.item()."""

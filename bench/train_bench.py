@@ -79,7 +79,7 @@ def trainer_command(case: Case, work: Path, tokenizer: Path) -> list:
                "--tokenizer-path", tokenizer, "--model-name", case.model_name, "--squad-file", str(BUNDLED_SQUAD),
                "--batch-size", case.batch_size,
                "--max-seq-length", case.seq, "--max-steps", case.max_steps, "--precision", case.precision,
-               "--output-dir", work / "hf_output", "--result", work / "hf_result.json"]
+               "--output-dir", work / "hf_output", "--result", work / "hf_result.json", "--report-to", "none"]
     return command + (["--compile"] if case.compile else [])
 
 

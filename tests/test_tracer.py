@@ -272,7 +272,7 @@ def test_default_trace_name_counts_ranks_and_device_kind(tmp_path):
 @pytest.mark.parametrize("flags, message", [
     (["--max-steps", "2", "--trace-wait-steps", "5"], "--max-steps 2 is shorter than the trace window of 6 steps"),
     (["--trace-active-steps", "0"], "--trace-active-steps must be at least 1, got 0"),
-    (["--trace-wait-steps", "-1"], "--trace-wait-steps must be 0 or more, got -1"),
+    (["--trace-wait-steps", "-1"], "--trace-wait-steps must be at least 0, got -1"),
 ])
 def test_a_window_that_cannot_be_traced_is_refused_when_the_flags_are_parsed(flags, message, capsys):
     with pytest.raises(SystemExit) as stopped:

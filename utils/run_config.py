@@ -11,9 +11,11 @@ from utils.families import family_info
 TEST_MODE_STEPS = 10
 # Untraced steps before the trace window are timed (the first one, with its one-time start-up costs, is not used by
 # the conversion); several active steps give per-operator medians instead of one sample.
-DEFAULT_WAIT_STEPS = 3
-DEFAULT_WARMUP_STEPS = 1
-DEFAULT_ACTIVE_STEPS = 3
+DEFAULT_WAIT_STEPS, DEFAULT_WARMUP_STEPS, DEFAULT_ACTIVE_STEPS = 3, 1, 3
+# The least value of each numeric flag (a flag left out, None, is not checked).
+MINIMUM = dict(seed=0, max_seq_length=16, eval_batches=0, batch_size=1, num_epochs=1, max_steps=1, warmup_steps=0,
+               gradient_accumulation_steps=1, save_steps=0, logging_steps=1, eval_steps=0, num_gpus=1,
+               trace_wait_steps=0, trace_warmup_steps=0, trace_active_steps=1)
 
 
 class ConfigError(ValueError):
@@ -24,19 +26,10 @@ def flag(default: Any, help: str) -> Any:
     return field(default=default, metadata={"help": help})
 
 
-def _check_minimum(group: Any, minimum: int, *names: str) -> None:
-    for name in names:
-        value = getattr(group, name)
-        if value is not None and value < minimum:
-            bound = "at least 1" if minimum == 1 else "0 or more"
-            raise ConfigError(f"--{name.replace('_', '-')} must be {bound}, got {value}")
-
-
 @dataclass(frozen=True)
 class ModelArguments:
     _argument_group_name = "model"
-    model_name: Optional[str] = flag(None, "a named size or a directory with a config.json (trained from scratch; "
-                                           "default: %(default)s)")
+    model_name: Optional[str] = flag(None, "a named size or a directory with a config.json (default: %(default)s)")
     tokenizer_path: Optional[str] = flag(None, "tokenizer directory; default: /workspace/pretrained_models/"
                                                "<model-name>, then the hub, then a tokenizer trained on the training text")
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = flag(
@@ -47,20 +40,12 @@ class ModelArguments:
 class DataArguments:
     _argument_group_name = "data"
     squad_file: Optional[str] = flag(None, "a local SQuAD v1.1/v2.0 JSON file instead of the hub's SQuAD")
-    dataset_path: Optional[str] = flag(None, "a JSONL corpus of {\"text\": ...} lines (UTF-8), or a directory of "
-                                             "*.jsonl files")
+    dataset_path: Optional[str] = flag(None, "a JSONL corpus of {\"text\": ...} lines, or a directory of *.jsonl files")
     cache_dir: Optional[str] = flag(None, "Hugging Face datasets/tokenizer cache directory")
     max_seq_length: int = flag(512, "tokens per sequence: GPT-2 packs text into blocks of it, BERT pads every batch "
                                     "to it (default: %(default)s)")
     validation_fraction: float = flag(0.1, "share of a local dataset held out for validation (default: %(default)s)")
     eval_batches: int = flag(50, "validation batches per evaluation and rank, 0 for all (default: %(default)s)")
-
-    def __post_init__(self):
-        if self.max_seq_length < 16:
-            raise ConfigError(f"--max-seq-length must be at least 16, got {self.max_seq_length}")
-        if not 0 < self.validation_fraction < 1:
-            raise ConfigError(f"--validation-fraction must be between 0 and 1, got {self.validation_fraction}")
-        _check_minimum(self, 0, "eval_batches")
 
 
 @dataclass(frozen=True)
@@ -71,23 +56,14 @@ class OptimizationArguments:
     weight_decay: float = flag(0.01, "AdamW weight decay of matrices; biases and norms get none (default: %(default)s)")
     num_epochs: int = flag(3, "epochs when --max-steps is not given (default: %(default)s)")
     max_steps: Optional[int] = flag(None, "optimizer steps; overrides --num-epochs")
-    warmup_steps: Optional[int] = flag(None, "linear warm-up steps, then decay to 0 (default: 10%% of the optimizer "
-                                             "steps)")
+    warmup_steps: Optional[int] = flag(None, "linear warm-up steps, then decay to 0 (default: 10%% of the steps)")
     lr_scheduler: Literal["linear", "cosine", "constant_with_warmup"] = flag(
         "linear", "transformers.get_scheduler type (default: %(default)s)")
     max_grad_norm: float = flag(1.0, "gradient clipping, 0 to disable (default: %(default)s)")
-    gradient_accumulation_steps: int = flag(1, "micro-batches per optimizer step; DDP all-reduces only on the last "
-                                               "(default: %(default)s)")
+    gradient_accumulation_steps: int = flag(1, "micro-batches per optimizer step; DDP all-reduces only on the last")
     seed: int = flag(42, "random seed (default: %(default)s)")
     test: bool = flag(False, f"quick check: stop after {TEST_MODE_STEPS} optimizer steps (or --max-steps)")
-    overfit_one_batch: bool = flag(False, "train on the first batch over and over: a model that cannot drive its "
-                                          "loss down has a bug")
-
-    def __post_init__(self):
-        _check_minimum(self, 1, "batch_size", "gradient_accumulation_steps", "num_epochs", "max_steps")
-        _check_minimum(self, 0, "warmup_steps")
-        if not self.learning_rate > 0:
-            raise ConfigError(f"--learning-rate must be positive, got {self.learning_rate}")
+    overfit_one_batch: bool = flag(False, "train on the first batch over and over: the loss must fall toward zero")
 
 
 @dataclass(frozen=True)
@@ -96,59 +72,40 @@ class CheckpointArguments:
     save_dir: Optional[str] = flag(None, "checkpoint directory (default: %(default)s)")
     save_steps: int = flag(500, "checkpoint-<step>/ every N steps, 0 for none (default: %(default)s)")
     no_save_initial: bool = flag(False, "do not save initial_model/ before the first step")
-    resume_from: Optional[str] = flag(None, "continue from a checkpoint directory: weights, optimizer, scheduler, "
-                                            "RNG and data position")
-    overwrite_output_dir: bool = flag(False, "train into a --save-dir that holds an earlier run's checkpoints (they "
-                                             "are written over); without it such a --save-dir is refused, unless "
-                                             "--resume-from is one of its checkpoints")
+    resume_from: Optional[str] = flag(None, "continue from a checkpoint: weights, optimizer, RNG and data position")
+    overwrite_output_dir: bool = flag(False, "train into a --save-dir that holds an earlier run's checkpoints "
+                                             "(refused without it, unless --resume-from is one of them)")
     logging_steps: int = flag(10, "log line every N steps (default: %(default)s)")
     eval_steps: int = flag(500, "validate every N steps (and at the end), 0 for only at the end (default: %(default)s)")
     log_dir: str = flag("./logs", "training_rank_<r>.log and TensorBoard runs (default: %(default)s)")
     report_to: Literal["tensorboard", "wandb", "none"] = flag(
         "tensorboard", "metric sink (default: %(default)s; wandb logs offline without WANDB_API_KEY)")
 
-    def __post_init__(self):
-        _check_minimum(self, 1, "logging_steps")
-        _check_minimum(self, 0, "save_steps", "eval_steps")
-
 
 @dataclass(frozen=True)
 class DeviceArguments:
     _argument_group_name = "devices and speed"
-    num_gpus: Optional[int] = flag(None, "expected number of processes (GPUs, or CPU ranks); checked against "
-                                         "torchrun's WORLD_SIZE")
+    num_gpus: Optional[int] = flag(None, "expected number of processes, checked against torchrun's WORLD_SIZE")
     precision: Optional[Literal["bf16", "fp16", "fp32"]] = flag(
         None, "autocast precision; fp16 uses a gradient scaler (default: bf16 on GPUs that support it, else fp16; "
               "fp32 on the CPU)")
-    compile: bool = flag(False, "torch.compile the model (default: off; --no-compile to say so)")
-    peak_tflops: Optional[float] = flag(None, "peak TFLOP/s of one GPU for MFU, for GPUs not in utils/metrics.py's "
-                                              "table")
-
-    def __post_init__(self):
-        _check_minimum(self, 1, "num_gpus")
+    compile: bool = flag(False, "torch.compile the model (default: off)")
+    peak_tflops: Optional[float] = flag(None, "peak TFLOP/s of one GPU for MFU, for GPUs not in utils/metrics.py")
 
 
 @dataclass(frozen=True)
 class TracingArguments:
     _argument_group_name = "Chakra tracing"
-    enable_tracing: bool = flag(False, "capture host (execution trace) and device (Kineto) traces of the same steps "
-                                       "on every rank; the run stops after the trace window unless --max-steps asks "
-                                       "for more")
+    enable_tracing: bool = flag(False, "capture host and device traces of the same steps on every rank; the run "
+                                       "stops after the trace window unless --max-steps asks for more")
     trace_output_dir: str = flag("./outputs", "traces go to <trace-output-dir>/<trace-name>/ (default: %(default)s)")
-    trace_name: Optional[str] = flag(None, "folder name of this run's traces (default: <model>_<N>gpu, or "
-                                           "<model>_<N>cpu without CUDA)")
-    trace_wait_steps: Optional[int] = flag(None, "optimizer steps run untraced before warm-up; all but the first are "
-                                                 "timed, so the conversion can take the profiler's own cost out of "
-                                                 f"the durations (default: {DEFAULT_WAIT_STEPS})")
-    trace_warmup_steps: Optional[int] = flag(None, "optimizer steps profiled but discarded, so start-up costs stay "
-                                                   f"out of the trace (default: {DEFAULT_WARMUP_STEPS})")
-    trace_active_steps: Optional[int] = flag(None, "optimizer steps recorded; the .et holds the median step with "
-                                                   "per-operator medians over all of them (default: "
+    trace_name: Optional[str] = flag(None, "this run's trace folder (default: <model>_<N>gpu, or <model>_<N>cpu)")
+    trace_wait_steps: Optional[int] = flag(None, "steps run untraced before warm-up; all but the first are timed, "
+                                                 f"to take the profiler's cost out (default: {DEFAULT_WAIT_STEPS})")
+    trace_warmup_steps: Optional[int] = flag(None, "steps profiled but discarded, so start-up costs stay out of the "
+                                                   f"trace (default: {DEFAULT_WARMUP_STEPS})")
+    trace_active_steps: Optional[int] = flag(None, "steps recorded; the .et holds their median step (default: "
                                                    f"{DEFAULT_ACTIVE_STEPS})")
-
-    def __post_init__(self):
-        _check_minimum(self, 0, "trace_wait_steps", "trace_warmup_steps")
-        _check_minimum(self, 1, "trace_active_steps")
 
     def window(self, max_steps: Optional[int]) -> "tuple[int, int, int]":
         """(wait, warmup, active) steps: the flags given, the defaults for the others; a --max-steps shorter than the
@@ -167,13 +124,9 @@ class TracingArguments:
         return wait, warmup, active
 
 
-ARGUMENT_GROUPS = (ModelArguments, DataArguments, OptimizationArguments, CheckpointArguments, DeviceArguments,
-                   TracingArguments)
-
-
 @dataclass(frozen=True)
 class RunConfig:
-    """Every flag of a training run, grouped as in --help; checked as a whole once parsed, never changed after."""
+    """Every flag of a training run, grouped as in --help; checked once when built, never changed after."""
 
     model: ModelArguments
     data: DataArguments
@@ -183,6 +136,13 @@ class RunConfig:
     tracing: TracingArguments
 
     def __post_init__(self):
+        for name, value in self.flags().items():
+            if name in MINIMUM and value is not None and value < MINIMUM[name]:
+                raise ConfigError(f"--{name.replace('_', '-')} must be at least {MINIMUM[name]}, got {value}")
+        if not 0 < self.data.validation_fraction < 1:
+            raise ConfigError(f"--validation-fraction must be between 0 and 1, got {self.data.validation_fraction}")
+        if not self.optim.learning_rate > 0:
+            raise ConfigError(f"--learning-rate must be positive, got {self.optim.learning_rate}")
         max_steps, window = self.optim.max_steps, self.trace_window
         if self.tracing.enable_tracing and max_steps is not None and max_steps < sum(window):
             raise ConfigError(f"--max-steps {max_steps} is shorter than the trace window of {sum(window)} steps (wait "
@@ -198,9 +158,7 @@ class RunConfig:
         if self.optim.max_steps is not None:
             return self.optim.max_steps
         window = sum(self.trace_window) if self.tracing.enable_tracing else 0
-        if self.optim.test:
-            return max(TEST_MODE_STEPS, window)
-        return window or self.optim.num_epochs * steps_per_epoch
+        return max(TEST_MODE_STEPS, window) if self.optim.test else window or self.optim.num_epochs * steps_per_epoch
 
     def flags(self) -> "dict[str, Any]":
         """{flag name with underscores: value} of every flag, as given or defaulted."""
@@ -210,16 +168,19 @@ class RunConfig:
 
 @dataclass(frozen=True)
 class RunSettings:
-    """What the flags leave open, settled once before training (utils/trainer.py's settle_run): the model actually
-    trained (a checkpoint's own with --resume-from), the name its runs and traces go by, the precision and the
-    sequence length (capped at the model's positions). Device, rank and world size: utils/distributed.py's
-    DistributedContext."""
+    """What the flags leave open, settled once before training (utils/trainer.py's settle_run): the model trained (a
+    checkpoint's own with --resume-from), the name of its runs and traces, the precision, the sequence length (at most
+    the model's positions). Device, rank and world size: DistributedContext (utils/distributed.py)."""
 
     model_name: str
     run_name: str
     precision: str
     max_seq_length: int
     resume_from: Optional[Path]
+
+
+ARGUMENT_GROUPS = (ModelArguments, DataArguments, OptimizationArguments, CheckpointArguments, DeviceArguments,
+                   TracingArguments)
 
 
 class RunArgumentParser(HfArgumentParser):
@@ -245,7 +206,7 @@ def build_parser(family: str, description: str = "", size_names: Sequence[str] =
     parser.set_defaults(model_name=info.default_model, save_dir=f"./checkpoints/{info.name}")
     if size_names:
         parser._option_string_actions["--model-name"].help = (
-            f"{', '.join(size_names)}, or a directory with a config.json (trained from scratch; default: %(default)s)")
+            f"{', '.join(size_names)}, or a directory with a config.json (default: %(default)s)")
     return parser
 
 

@@ -7,7 +7,6 @@ import logging
 import math
 import os
 import platform
-import random
 import signal
 import sys
 import threading
@@ -16,10 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, List, Optional
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
+from transformers import set_seed
 
 from utils.chakra_tracer import TraceError, build_tracer
 from utils.checkpointing import (BEST_MODEL, FINAL_MODEL, INITIAL_MODEL, SaveDirLock, capture_rng_state,
@@ -221,12 +220,6 @@ def teardown_logging(handlers: list) -> None:
         handler.close()
 
 
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)  # seeds every CUDA device too
-
-
 # ------------------------------------------------------------------------------------------- output folders
 def check_output_folders(config: RunConfig, ctx: DistributedContext) -> None:
     """Every folder this rank writes (rank 0's --save-dir, each rank's --log-dir and --trace-output-dir) exists and
@@ -326,13 +319,13 @@ class Trainer:
     def setup(self) -> None:
         """Data and tokenizer, the model (sized to the tokenizer), loaders, optimizer, then the wrapped model."""
         seed = self.config.optim.seed
-        seed_everything(seed)  # identical model initialisation on every rank
+        set_seed(seed)  # Python, NumPy and torch: identical model initialisation on every rank
         self.splits = self._load_text()
         self.tokenizer, self.tokenizer_source = self._load_tokenizer()
         self.model = self._build_model()
         self.model_config = self.model.config
         self.train_data, self.val_data = self._tokenize()
-        seed_everything(seed + self.ctx.rank)  # from here on: per-rank dropout and masking streams
+        set_seed(seed + self.ctx.rank)  # from here on: per-rank dropout and masking streams
         enable_tf32_matmuls(self.device)
         self.model.to(self.device)
         steps_per_epoch = self._build_loaders()
