@@ -1,5 +1,6 @@
 """The flags of gpt2/train.py and bert/train.py as frozen dataclasses, parsed by HfArgumentParser and checked once."""
 import argparse
+import os
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal, Optional, Sequence
@@ -184,10 +185,11 @@ ARGUMENT_GROUPS = (ModelArguments, DataArguments, OptimizationArguments, Checkpo
 
 
 class RunArgumentParser(HfArgumentParser):
-    """HfArgumentParser whose refusals are one `error:` line (exit status 2), like every error of this project."""
+    """HfArgumentParser whose refusals are one `error:` line (exit status 2), like every error of this project; under
+    torchrun every rank parses the same flags, and rank 0 alone says what is wrong."""
 
     def error(self, message: str):
-        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
+        self.exit(2, f"error: {message} (see {self.prog} --help)\n" if os.environ.get("RANK", "0") == "0" else None)
 
 
 def build_parser(family: str, description: str = "", size_names: Sequence[str] = ()) -> RunArgumentParser:
