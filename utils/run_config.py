@@ -32,7 +32,7 @@ class ModelArguments:
     _argument_group_name = "model"
     model_name: Optional[str] = flag(None, "a named size or a directory with a config.json (default: %(default)s)")
     tokenizer_path: Optional[str] = flag(None, "tokenizer directory; default: /workspace/pretrained_models/"
-                                               "<model-name>, then the hub, then a tokenizer trained on the training text")
+                                               "<model-name>, then the hub, then one trained on the training text")
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = flag(
         "sdpa", "attention kernel (default: %(default)s; flash_attention_2 needs a GPU and flash-attn)")
 

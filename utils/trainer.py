@@ -1,4 +1,4 @@
-"""The one training loop behind gpt2/train.py and bert/train.py: arguments, setup, steps, evaluation, checkpoints."""
+"""The one training loop behind gpt2/train.py and bert/train.py: settled flags, setup, steps, evaluation, saving."""
 import contextlib
 import datetime
 import gc
@@ -435,7 +435,8 @@ class Trainer:
         request: TokenizerRequest = self.family.tokenizer_request(model_name, self.family.resolve_config(model_name))
         with self.ctx.main_process_first():  # rank 0 trains and caches a stand-in; the others load it
             tokenizer, source = load_tokenizer(request, tokenizer_path=flags.tokenizer_path,
-                                               cache_dir=self.config.data.cache_dir, training_texts=self.splits.all_texts)
+                                               cache_dir=self.config.data.cache_dir,
+                                               training_texts=self.splits.all_texts)
         return self.family.prepare_tokenizer(tokenizer), source
 
     def _tokenize(self):
@@ -833,8 +834,9 @@ class Trainer:
             "val_loss": self.last_val_loss, "best_val_loss": self.best_val_loss if self.best_step is not None else None,
             "best_step": self.best_step, "world_size": self.ctx.world_size,
             "global_batch_size": optim.batch_size * optim.gradient_accumulation_steps * self.ctx.world_size,
-            "sequence_length": s.max_seq_length, "tokens_seen": self.tokens_seen, "elapsed_seconds": round(self.elapsed(), 3),
-            "model_name": s.model_name, "model_type": self.model_config.model_type,
+            "sequence_length": s.max_seq_length, "tokens_seen": self.tokens_seen,
+            "elapsed_seconds": round(self.elapsed(), 3), "model_name": s.model_name,
+            "model_type": self.model_config.model_type,
             "num_parameters": self.n_params, "data_source": self.splits.source, "tokenizer_source": self.tokenizer_source,
             "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "versions": {"python": platform.python_version(), "torch": torch.__version__,
