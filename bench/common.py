@@ -1,6 +1,7 @@
 """Shared by the benchmarks: child processes with wall time and peak memory, step-time logs, tables, versions."""
 from __future__ import annotations
 
+import importlib.util
 import os
 import platform
 import re
@@ -15,6 +16,8 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 from typing import Iterable, Sequence
+
+from utils.families import family_info
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BUNDLED_SQUAD = REPO_ROOT / "data" / "squad_sample.json"
@@ -143,6 +146,11 @@ def child_env(threads: int | None = None, **extra: str) -> dict:
             env[name] = str(threads)
     env.update(extra)
     return env
+
+
+def train_script(family: str) -> Path:
+    """<family>/train.py of a registered family (utils/families.py), wherever its folder is importable from."""
+    return Path(importlib.util.find_spec(family_info(family).train_module).origin)
 
 
 def full_vocab_tokenizer(model: str, model_name: str, env: dict) -> "tuple[Path, int, str]":

@@ -13,7 +13,8 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import (BUNDLED_SQUAD, REPO_ROOT, BenchError, child_env, exit_on_sigterm, fail, format_table,
-                          full_vocab_tokenizer, machine_description, median, one_core, ratio, run_child)
+                          full_vocab_tokenizer, machine_description, median, one_core, ratio, run_child, train_script)
+from utils.families import FAMILIES
 
 DEFAULT_CACHE = REPO_ROOT / "bench" / ".cache" / "traces"  # git-ignored (bench/.gitignore)
 GENERATE_TIMEOUT_S = 3600
@@ -93,7 +94,7 @@ def generate_traces(args, steps: int, cache: Path, tokenizer: Path, vocab: int) 
     # half-written trace set behind that a later run would take for a cached one.
     scratch = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=cache))
     try:
-        script = str(REPO_ROOT / args.model / "train.py")
+        script = str(train_script(args.model))
         launcher = [sys.executable, script] if args.ranks == 1 else [
             sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.ranks}", script]
         command = launcher + [
@@ -278,7 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
         "two CPU ranks by default) and are cached; each rank is then converted by ours and by chakra_converter in its "
         "own process on one core. Exits 1 when either side could not be measured.")
     parser.add_argument("--steps", default="1,2,4,8", help="traced step counts, comma-separated (default: %(default)s)")
-    parser.add_argument("--model", choices=["gpt2", "bert"], default="gpt2", help="(default: %(default)s)")
+    parser.add_argument("--model", choices=list(FAMILIES), default="gpt2", help="(default: %(default)s)")
     parser.add_argument("--model-name", default="gpt2", help="(default: %(default)s, the 124M size)")
     parser.add_argument("--ranks", type=int, default=2, help="CPU ranks of the traced run (default: %(default)s)")
     parser.add_argument("--batch-size", type=int, default=2,

@@ -15,17 +15,10 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import BUNDLED_SQUAD, REPO_ROOT
+from utils.families import FAMILIES, load_family
 
 DEFAULT_CACHE = REPO_ROOT / "bench" / ".cache" / "tokenizers"
 UNUSED_TOKEN = "<|bench_unused_{}|>"
-
-
-def family_of(name: str):
-    if name == "gpt2":
-        from gpt2.train import GPT2_FAMILY
-        return GPT2_FAMILY
-    from bert.train import BERT_FAMILY
-    return BERT_FAMILY
 
 
 def full_vocab_tokenizer(family_name: str, model_name: str,
@@ -34,7 +27,7 @@ def full_vocab_tokenizer(family_name: str, model_name: str,
     from utils.data_utils import load_text_splits
     from utils.tokenization import load_tokenizer
 
-    family = family_of(family_name)
+    family = load_family(family_name)
     config = family.resolve_config(model_name)
     target = config.vocab_size
     splits = load_text_splits(squad_file=str(BUNDLED_SQUAD), dataset_path=None, cache_dir=None,
@@ -61,7 +54,7 @@ def full_vocab_tokenizer(family_name: str, model_name: str,
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", choices=["gpt2", "bert"], required=True)
+    parser.add_argument("--model", choices=list(FAMILIES), required=True)
     parser.add_argument("--model-name", required=True)
     parser.add_argument("--cache-dir", default=str(DEFAULT_CACHE))
     args = parser.parse_args(argv)

@@ -10,8 +10,10 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import (BUNDLED_SQUAD, REPO_ROOT, BenchError, child_env, exit_on_sigterm, fail, format_table,
-                          full_vocab_tokenizer, machine_description, median, our_step_times, run_child, steps_between)
+from bench.common import (BUNDLED_SQUAD, BenchError, child_env, exit_on_sigterm, fail, format_table,
+                          full_vocab_tokenizer, machine_description, median, our_step_times, run_child, steps_between,
+                          train_script)
+from utils.families import FAMILIES
 
 CHILD_TIMEOUT_S = 3600
 DEFAULT_REPEATS = 3  # alternating off/on runs; one pair is at the mercy of whatever else the machine does
@@ -57,7 +59,7 @@ class Samples:
 
 
 def train_command(model: str, model_name: str, tokenizer: Path, args, plan: Plan, work: Path, tracing: bool) -> list:
-    command = [sys.executable, str(REPO_ROOT / model / "train.py"), "--model-name", model_name,
+    command = [sys.executable, str(train_script(model)), "--model-name", model_name,
                "--tokenizer-path", tokenizer, "--squad-file", str(BUNDLED_SQUAD), "--batch-size", args.batch_size,
                "--max-seq-length", args.max_seq_length, "--max-steps", plan.max_steps, "--logging-steps", "1",
                "--eval-steps", "0", "--eval-batches", "1", "--save-steps", "0", "--no-save-initial",
@@ -153,7 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--enable-tracing with a window in the middle of the run) with the same model, data and steps, reads each "
         "step's time from the trainer's log (--logging-steps 1) and compares medians. Exits 1 when a condition "
         "could not be measured.")
-    parser.add_argument("--model", choices=["gpt2", "bert"], default="gpt2",
+    parser.add_argument("--model", choices=list(FAMILIES), default="gpt2",
                         help="which train.py (default: %(default)s)")
     parser.add_argument("--model-names", default="tiny,gpt2",
                         help="comma-separated --model-name values, one table block each (default: %(default)s)")

@@ -12,18 +12,21 @@ if __package__ in (None, ""):
 
 from bench.common import (BUNDLED_SQUAD, REPO_ROOT, BenchError, child_env, exit_on_sigterm, fail, format_table,
                           full_vocab_tokenizer, machine_description, median, our_step_times, ratio, run_child,
-                          steps_between)
+                          steps_between, train_script)
+from utils.families import FAMILIES, family_info
 
 CHILD_TIMEOUT_S = 3600
 DEFAULT_REPEATS = 2
+SIZES = ("tiny", "base")  # base: each family's default model (GPT-2 124M, BERT-base 110M)
+GPU_TOKENS_PER_STEP = 16384  # the base cases on a GPU: batch x its context length (GPT-2 16 x 1024, BERT 32 x 512)
 
 
 @dataclass(frozen=True)
 class Case:
     """One comparison: the same model, batch, sequence length and precision for both trainers."""
 
-    family: str        # gpt2 or bert
-    size: str          # tiny or base (GPT-2 124M / BERT-base 110M)
+    family: str        # a registered family (utils/families.py)
+    size: str          # tiny or base (the family's default model)
     model_name: str    # --model-name of our train.py
     batch_size: int
     seq: int
@@ -37,24 +40,23 @@ class Case:
         return self.skip_steps + self.measure_steps
 
 
-MODEL_NAMES = {("gpt2", "tiny"): "tiny", ("gpt2", "base"): "gpt2",
-               ("bert", "tiny"): "tiny", ("bert", "base"): "bert-base-uncased"}
-SIZE_LABELS = {("gpt2", "tiny"): "tiny", ("gpt2", "base"): "124M", ("bert", "tiny"): "tiny", ("bert", "base"): "110M"}
+def size_label(case: Case) -> str:
+    return case.size if case.size == "tiny" else family_info(case.family).default_size or case.model_name
 
 
 def default_cases(cuda: bool, quick: bool) -> list:
     """CPU: tiny and base at a shortened sequence in fp32. GPU: base in bf16 with torch.compile (and MFU)."""
     cases = []
-    for family in ("gpt2", "bert"):
-        for size in ("tiny", "base"):
-            name = MODEL_NAMES[(family, size)]
+    for family, info in FAMILIES.items():
+        for size in SIZES:
+            name = "tiny" if size == "tiny" else info.default_model
             if quick:
                 if size == "tiny":
                     cases.append(Case(family, size, name, 4, 64, "bf16" if cuda else "fp32", False, 2, 4))
             elif cuda:
                 if size == "base":
-                    batch, seq = (16, 1024) if family == "gpt2" else (32, 512)
-                    cases.append(Case(family, size, name, batch, seq, "bf16", True, 10, 30))
+                    seq = info.context_length
+                    cases.append(Case(family, size, name, GPU_TOKENS_PER_STEP // seq, seq, "bf16", True, 10, 30))
             elif size == "tiny":
                 cases.append(Case(family, size, name, 8, 128, "fp32", False, 5, 20))
             else:
@@ -63,7 +65,7 @@ def default_cases(cuda: bool, quick: bool) -> list:
 
 
 def our_command(case: Case, work: Path, tokenizer: Path) -> list:
-    command = [sys.executable, str(REPO_ROOT / case.family / "train.py"), "--model-name", case.model_name,
+    command = [sys.executable, str(train_script(case.family)), "--model-name", case.model_name,
                "--tokenizer-path", tokenizer, "--squad-file", str(BUNDLED_SQUAD), "--batch-size", case.batch_size,
                "--max-seq-length", case.seq, "--max-steps", case.max_steps, "--precision", case.precision,
                "--logging-steps", "1",
@@ -77,7 +79,7 @@ def trainer_command(case: Case, work: Path, tokenizer: Path) -> list:
                "--tokenizer-path", tokenizer, "--model-name", case.model_name, "--squad-file", str(BUNDLED_SQUAD),
                "--batch-size", case.batch_size,
                "--max-seq-length", case.seq, "--max-steps", case.max_steps, "--precision", case.precision,
-               "--output-dir", work / "hf_output", "--result", work / "hf_result.json"]
+               "--output-dir", work / "hf_output", "--result", work / "hf_result.json", "--report-to", "none"]
     return command + (["--compile"] if case.compile else [])
 
 
@@ -128,10 +130,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="bench/train_bench.py", description=__doc__ + " Each trainer runs in its own process; tokens/s come "
         "from the median step time after the warm-up steps. Exits 1 when a side could not be measured.")
-    parser.add_argument("--models", default="gpt2,bert", help="comma-separated: gpt2, bert (default: %(default)s)")
-    parser.add_argument("--sizes", default="tiny,base",
-                        help="comma-separated: tiny, base (GPT-2 124M / BERT-base); on a GPU only base runs "
-                             "(default: %(default)s)")
+    parser.add_argument("--models", default=",".join(FAMILIES),
+                        help=f"comma-separated: {', '.join(FAMILIES)} (default: %(default)s)")
+    parser.add_argument("--sizes", default=",".join(SIZES),
+                        help="comma-separated: tiny, base (each model's default size: GPT-2 124M / BERT-base); on a "
+                             "GPU only base runs (default: %(default)s)")
     parser.add_argument("--quick", action="store_true", help="tiny models, a few steps: a smoke test of the benchmark")
     parser.add_argument("--batch-size", type=int, default=None, help="override every case's batch size")
     parser.add_argument("--max-seq-length", type=int, default=None, help="override every case's sequence length")
@@ -146,31 +149,39 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
-    exit_on_sigterm()
-    if args.repeats is None:
-        args.repeats = 1 if args.quick else DEFAULT_REPEATS
-    import torch
-    cuda = torch.cuda.is_available()
+def plan_cases(args: argparse.Namespace, cuda: bool) -> list:
+    """The cases the flags ask for (BenchError for an unknown model or size, a bad override, or none left)."""
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
-    unknown = [m for m in models if m not in ("gpt2", "bert")] + [s for s in sizes if s not in ("tiny", "base")]
+    unknown = [m for m in models if m not in FAMILIES] + [s for s in sizes if s not in SIZES]
     if unknown:
-        return fail(f"unknown model or size {unknown[0]!r} (--models gpt2,bert; --sizes tiny,base)")
+        raise BenchError(f"unknown model or size {unknown[0]!r} (--models {','.join(FAMILIES)}; --sizes "
+                         f"{','.join(SIZES)})")
     for flag in ("batch_size", "max_seq_length", "measure_steps", "repeats"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
-            return fail(f"--{flag.replace('_', '-')} must be at least 1")
+            raise BenchError(f"--{flag.replace('_', '-')} must be at least 1")
     if args.skip_steps is not None and args.skip_steps < 0:
-        return fail("--skip-steps must be 0 or more")
+        raise BenchError("--skip-steps must be 0 or more")
     cases = [c for c in default_cases(cuda, args.quick) if c.family in models and c.size in sizes]
     if not cases:
-        return fail(f"no case for --models {args.models} --sizes {args.sizes}"
-                    + (" on a GPU (only base sizes run there)" if cuda and not args.quick else ""))
+        raise BenchError(f"no case for --models {args.models} --sizes {args.sizes}"
+                         + (" on a GPU (only base sizes run there)" if cuda and not args.quick else ""))
     overrides = {k: getattr(args, a) for k, a in (("batch_size", "batch_size"), ("seq", "max_seq_length"),
                                                   ("skip_steps", "skip_steps"), ("measure_steps", "measure_steps"))
                  if getattr(args, a) is not None}
-    cases = [replace(c, **overrides) for c in cases]
+    return [replace(c, **overrides) for c in cases]
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    exit_on_sigterm()
+    repeats = args.repeats if args.repeats is not None else 1 if args.quick else DEFAULT_REPEATS
+    import torch
+    cuda = torch.cuda.is_available()
+    try:
+        cases = plan_cases(args, cuda)
+    except BenchError as exc:
+        return fail(str(exc))
     try:
         import accelerate  # noqa: F401  (transformers.Trainer cannot run without it)
     except ImportError as exc:
@@ -185,7 +196,7 @@ def main(argv=None) -> int:
     root = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="train_bench-"))
     try:
         for case in cases:
-            label = f"{case.family} {SIZE_LABELS[(case.family, case.size)]}"
+            label = f"{case.family} {size_label(case)}"
             print(f"... {label}: {case.batch_size} x {case.seq} tokens, {case.precision}"
                   f"{', compile' if case.compile else ''}, {case.skip_steps} + {case.measure_steps} steps", flush=True)
             try:
@@ -194,7 +205,7 @@ def main(argv=None) -> int:
                 errors.append(str(exc))
                 continue
             print(f"    {note}", flush=True)
-            pooled, info, case_errors = measure_case(case, root / f"{case.family}-{case.size}", env, args.repeats,
+            pooled, info, case_errors = measure_case(case, root / f"{case.family}-{case.size}", env, repeats,
                                                      tokenizer)
             errors += [message for _, message in case_errors]
             failed = {side for side, _ in case_errors}
@@ -203,7 +214,7 @@ def main(argv=None) -> int:
             tokens = info.get("tokens_per_step", case.batch_size * case.seq)
             rate = {side: tokens / s if s else None for side, s in step.items()}
             row = [label, f"{case.precision}{' + compile' if case.compile else ''}", f"{case.batch_size} x {case.seq}",
-                   f"{case.skip_steps} + {case.measure_steps}" + (f" (x{args.repeats})" if args.repeats > 1 else "")]
+                   f"{case.skip_steps} + {case.measure_steps}" + (f" (x{repeats})" if repeats > 1 else "")]
             row += [f"{1000 * step[side]:.1f}" if step[side] else "failed" for side in ("ours", "trainer")]
             row += [f"{rate[side]:,.0f}" if rate[side] else "failed" for side in ("ours", "trainer")]
             row.append(ratio(rate["ours"], rate["trainer"]))

@@ -20,7 +20,7 @@ require("training")  # one line naming the environment to use, not a ModuleNotFo
 import torch
 from transformers import DataCollatorForLanguageModeling
 
-from bert.config import BERT_SIZES, DEFAULT_MODEL_NAME
+from bert.config import BERT_SIZES
 from bert.model import (BertForMaskedLM, bert_tokenizer_request, build_bert_model, finalize_bert_config,
                         prepare_bert_tokenizer, resolve_bert_config)
 from utils.errors import UsageError
@@ -67,7 +67,6 @@ BERT_FAMILY = ModelFamily(
     name="bert",
     title="Masked-LM pretraining of BERT (from its config) on SQuAD, a SQuAD JSON file or a JSONL corpus.",
     model_class=BertForMaskedLM,
-    default_model_name=DEFAULT_MODEL_NAME,
     size_names=tuple(BERT_SIZES),
     resolve_config=resolve_bert_config,
     tokenizer_request=bert_tokenizer_request,

@@ -11,5 +11,4 @@ GPT2_SIZES = {
     # ids are placeholders inside the small vocabulary; the tokenizer's real ids replace them before building.
     "tiny": dict(n_layer=2, n_head=2, n_embd=64, n_positions=512, vocab_size=2048, bos_token_id=0, eos_token_id=0),
 }
-DEFAULT_MODEL_NAME = "gpt2"
 HUB_TOKENIZER_ID = "openai-community/gpt2"  # the four sizes share one tokenizer

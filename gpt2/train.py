@@ -19,7 +19,7 @@ require("training")  # one line naming the environment to use, not a ModuleNotFo
 
 from transformers import default_data_collator
 
-from gpt2.config import DEFAULT_MODEL_NAME, GPT2_SIZES
+from gpt2.config import GPT2_SIZES
 from gpt2.model import (GPT2LMHeadModel, build_gpt2_model, finalize_gpt2_config, gpt2_tokenizer_request,
                         prepare_gpt2_tokenizer, resolve_gpt2_config)
 from utils.data_utils import group_texts
@@ -49,7 +49,6 @@ GPT2_FAMILY = ModelFamily(
     name="gpt2",
     title="Causal-LM pretraining of GPT-2 (from its config) on SQuAD, a SQuAD JSON file or a JSONL corpus.",
     model_class=GPT2LMHeadModel,
-    default_model_name=DEFAULT_MODEL_NAME,
     size_names=tuple(GPT2_SIZES),
     resolve_config=resolve_gpt2_config,
     tokenizer_request=gpt2_tokenizer_request,

@@ -53,3 +53,15 @@ def pytest_collection_modifyitems(config, items):
         name = getattr(item, "originalname", item.name)
         if item.path.name in SLOW_MODULES or name in SLOW_TESTS or SLOW_FIXTURES.keys() & set(item.fixturenames):
             item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture
+def toy_family(tmp_path):
+    """A third model family, `toy`, registered for one test: a folder (GPT-2's code under another name) and one
+    registry line (tests/toy_family.py). Yields its FamilyInfo; the registry and sys.path are restored after."""
+    from toy_family import add_toy_family, remove_toy_family
+    root = tmp_path / "families"
+    try:
+        yield add_toy_family(root)
+    finally:
+        remove_toy_family(root)

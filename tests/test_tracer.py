@@ -1,5 +1,4 @@
 """Tests of the Chakra trace capture (utils/chakra_tracer.py) on tiny models, one and two ranks."""
-import argparse
 import gc
 import json
 import os
@@ -14,8 +13,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from utils import chakra_tracer
-from utils.chakra_tracer import (ChakraTracer, NullTracer, TraceError, add_tracing_arguments, build_tracer,
-                                 check_trace_file, tracing_window_steps)
+from utils.chakra_tracer import ChakraTracer, NullTracer, TraceError, build_tracer, check_trace_file
+from utils.run_config import parse_run_config
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PG_INIT = "## process_group:init ##"
@@ -57,10 +56,8 @@ def train(model, tracer, steps, batch=None, fail_at=None):
 
 
 def parse_tracing_args(*argv):
-    parser = argparse.ArgumentParser()
-    add_tracing_arguments(parser)
-    parser.add_argument("--max-steps", type=int, default=None)
-    return parser.parse_args(list(argv))
+    """The trainer's own flags parser (utils/run_config.py), as gpt2/train.py parses them."""
+    return parse_run_config("gpt2", list(argv))
 
 
 def load(path):
@@ -255,11 +252,10 @@ def test_tracing_off_creates_no_profiler_no_observer_and_no_files(tmp_path, monk
 
 # ---- arguments and naming ------------------------------------------------------------------------------------
 def test_tracing_flags_default_to_timed_untraced_steps_and_three_recorded_ones():
-    args = parse_tracing_args()
-    assert not args.enable_tracing and args.trace_output_dir == "./outputs" and args.trace_name is None
-    assert chakra_tracer.trace_window(args) == (5, 1, 3)
-    assert tracing_window_steps(args) == 9
-    assert tracing_window_steps(parse_tracing_args("--trace-wait-steps", "5", "--trace-active-steps", "10")) == 16
+    tracing = parse_tracing_args().tracing
+    assert not tracing.enable_tracing and tracing.trace_output_dir == "./outputs" and tracing.trace_name is None
+    assert parse_tracing_args().trace_window == (5, 1, 3)
+    assert sum(parse_tracing_args("--trace-wait-steps", "5", "--trace-active-steps", "10").trace_window) == 16
 
 
 def test_default_trace_name_counts_ranks_and_device_kind(tmp_path):
@@ -273,22 +269,22 @@ def test_default_trace_name_counts_ranks_and_device_kind(tmp_path):
     assert named.trace_dir.name == "mine" and named.host_path.name == "host.1.json"
 
 
-def test_max_steps_shorter_than_the_window_is_refused():
-    args = parse_tracing_args("--enable-tracing", "--max-steps", "2", "--trace-wait-steps", "5")
-    with pytest.raises(ValueError, match="--max-steps 2 is shorter than the trace window of 6 steps"):
-        build_tracer(args, rank=0, world_size=1, local_rank=0, device="cpu", run_info={"model": "gpt2"})
+@pytest.mark.parametrize("flags, message", [
+    (["--max-steps", "2", "--trace-wait-steps", "5"], "--max-steps 2 is shorter than the trace window of 6 steps"),
+    (["--trace-active-steps", "0"], "--trace-active-steps must be at least 1, got 0"),
+    (["--trace-wait-steps", "-1"], "--trace-wait-steps must be at least 0, got -1"),
+])
+def test_a_window_that_cannot_be_traced_is_refused_when_the_flags_are_parsed(flags, message, capsys):
+    with pytest.raises(SystemExit) as stopped:
+        parse_tracing_args("--enable-tracing", *flags)
+    [line] = capsys.readouterr().err.splitlines()
+    assert stopped.value.code == 2 and line.startswith(f"error: {message}"), line
 
 
 def test_a_short_run_shrinks_the_default_window_to_fit():
-    assert chakra_tracer.trace_window(parse_tracing_args("--max-steps", "3")) == (1, 1, 1)
-    assert chakra_tracer.trace_window(parse_tracing_args("--max-steps", "5")) == (1, 1, 3)
-    assert chakra_tracer.trace_window(parse_tracing_args("--max-steps", "3", "--trace-active-steps", "2")) == (0, 1, 2)
-
-
-def test_zero_active_steps_is_refused():
-    args = parse_tracing_args("--enable-tracing", "--trace-active-steps", "0")
-    with pytest.raises(ValueError, match="--trace-active-steps must be at least 1"):
-        build_tracer(args, rank=0, world_size=1, local_rank=0, device="cpu", run_info={"model": "gpt2"})
+    assert parse_tracing_args("--max-steps", "3").trace_window == (1, 1, 1)
+    assert parse_tracing_args("--max-steps", "5").trace_window == (1, 1, 3)
+    assert parse_tracing_args("--max-steps", "3", "--trace-active-steps", "2").trace_window == (0, 1, 2)
 
 
 # ---- early ends and reruns -----------------------------------------------------------------------------------

@@ -297,6 +297,20 @@ def test_bad_input_gives_one_error_line_and_a_nonzero_status(flags, message, tmp
     assert not save_dir.exists() or not any(save_dir.iterdir())
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--enable-tracing", "--trace-active-steps", "0"], "--trace-active-steps must be at least 1, got 0"),
+    (["--batch-size", "0"], "--batch-size must be at least 1, got 0"),
+    (["--precision", "fp8"], "argument --precision: invalid choice: 'fp8'"),
+])
+def test_a_flag_value_that_can_never_work_is_refused_while_parsing_before_anything_starts(flags, message, tmp_path,
+                                                                                            capsys):
+    with pytest.raises(SystemExit) as stopped:
+        train("gpt2", tmp_path, *QUICK, *flags)
+    [line] = capsys.readouterr().err.splitlines()
+    assert stopped.value.code == 2 and line.startswith(f"error: {message}") and "gpt2/train.py --help" in line, line
+    assert not (tmp_path / "ckpt").exists() and not (tmp_path / "logs").exists()
+
+
 def test_bad_model_name_exits_nonzero_from_the_command_line():
     result = subprocess.run([sys.executable, "bert/train.py", "--model-name", "bert-huge"], cwd=REPO_ROOT,
                             env=subprocess_env(), capture_output=True, text=True, timeout=300)

@@ -1,7 +1,6 @@
 """Chakra trace capture: one host (ExecutionTraceObserver) and one device (Kineto) trace per rank, same steps."""
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import logging
@@ -20,6 +19,7 @@ import torch.distributed as dist
 from torch.profiler import ExecutionTraceObserver, ProfilerActivity, profile, schedule
 
 from utils.metrics import busy_machine_warning, machine_load_between, sample_machine_load
+from utils.run_config import RunConfig
 
 logger = logging.getLogger(__name__)
 
@@ -47,95 +47,32 @@ class TraceError(RuntimeError):
     """A trace could not be captured or is not one valid JSON document."""
 
 
-# Untraced steps before the window are timed (the first one, with its one-time start-up costs, is not used by the
-# conversion); several active steps give per-operator medians instead of one sample.
-DEFAULT_WAIT_STEPS = 5
-DEFAULT_WARMUP_STEPS = 1
-DEFAULT_ACTIVE_STEPS = 3
-
-
-def add_tracing_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the tracing flags shared by gpt2/train.py and bert/train.py."""
-    group = parser.add_argument_group("Chakra tracing")
-    group.add_argument("--enable-tracing", action="store_true",
-                       help="capture host (execution trace) and device (Kineto) traces of the same steps on every "
-                            "rank; the run stops after the trace window unless --max-steps asks for more")
-    group.add_argument("--trace-output-dir", default="./outputs",
-                       help="traces go to <trace-output-dir>/<trace-name>/ (default: ./outputs)")
-    group.add_argument("--trace-name", default=None,
-                       help="folder name of this run's traces (default: <model>_<N>gpu, or <model>_<N>cpu "
-                            "without CUDA)")
-    group.add_argument("--trace-wait-steps", type=int, default=None,
-                       help="optimizer steps run untraced before warm-up; all but the first are timed, so the "
-                            "conversion can take the profiler's own cost out of the durations (default: "
-                            f"{DEFAULT_WAIT_STEPS})")
-    group.add_argument("--trace-warmup-steps", type=int, default=None,
-                       help="optimizer steps profiled but discarded, so start-up costs stay out of the trace "
-                            f"(default: {DEFAULT_WARMUP_STEPS})")
-    group.add_argument("--trace-active-steps", type=int, default=None,
-                       help="optimizer steps recorded; the .et holds the median step with per-operator medians "
-                            f"over all of them (default: {DEFAULT_ACTIVE_STEPS})")
-
-
-def trace_window(args: argparse.Namespace) -> tuple[int, int, int]:
-    """(wait, warmup, active) steps: the flags given, the defaults for the others; a --max-steps shorter than the
-    default window shrinks the defaults to fit it (a short run still gets a trace, with fewer timed steps)."""
-    given = [getattr(args, f"trace_{flag}_steps", None) for flag in ("wait", "warmup", "active")]
-    wait, warmup, active = (value if value is not None else default for value, default in
-                            zip(given, (DEFAULT_WAIT_STEPS, DEFAULT_WARMUP_STEPS, DEFAULT_ACTIVE_STEPS)))
-    max_steps = getattr(args, "max_steps", None)
-    if max_steps is not None and 0 < max_steps < wait + warmup + active:
-        if given[2] is None:
-            active = max(1, min(active, max_steps - (given[0] if given[0] is not None else 1)
-                                - (given[1] if given[1] is not None else 1)))
-        if given[0] is None:
-            wait = max(0, min(wait, max_steps - active - (given[1] if given[1] is not None else 1)))
-        if given[1] is None:
-            warmup = max(0, min(warmup, max_steps - active - wait))
-    return wait, warmup, active
-
-
-def tracing_window_steps(args: argparse.Namespace) -> int:
-    """Optimizer steps the trace window needs: wait + warmup + active."""
-    return sum(trace_window(args))
-
-
 def default_trace_name(model: str, world_size: int, device_type: str) -> str:
     """<model>_<N>gpu on CUDA, <model>_<N>cpu otherwise (a model given as a path keeps one folder level)."""
     model = model.strip("/\\").replace("/", "-").replace("\\", "-") or "model"
     return f"{model}_{world_size}{'gpu' if device_type == 'cuda' else 'cpu'}"
 
 
-def build_tracer(args: argparse.Namespace, *, rank: int, world_size: int, local_rank: int,
+def build_tracer(config: RunConfig, *, rank: int, world_size: int, local_rank: int,
                  device: torch.device | str, run_info: dict[str, Any]) -> ChakraTracer | NullTracer:
     """ChakraTracer when --enable-tracing is given, else a NullTracer that does nothing.
 
     Args:
-        args: parsed arguments holding the flags of add_tracing_arguments (and optionally max_steps).
+        config: the run's flags; its trace window was checked when they were parsed (utils/run_config.py).
         rank, world_size, local_rank: this process's place in the job.
         device: the device the model trains on; CUDA activity is recorded when it is a CUDA device.
         run_info: what the trainer knows, written to run.json: "model" (name, used for the default trace name),
             "model_config", "batch_size_per_rank", "sequence_length", "precision", "compile", "attention",
             "gradient_accumulation_steps", and anything else worth keeping.
     """
-    if not getattr(args, "enable_tracing", False):
+    if not config.tracing.enable_tracing:
         return NullTracer()
     device = torch.device(device)
-    wait, warmup, active = trace_window(args)
-    for flag, value in (("wait", wait), ("warmup", warmup), ("active", active)):
-        minimum = 1 if flag == "active" else 0
-        if value < minimum:
-            raise ValueError(f"--trace-{flag}-steps must be at least {minimum}, got {value}")
-    window = wait + warmup + active
-    max_steps = getattr(args, "max_steps", None)
-    if max_steps is not None and 0 < max_steps < window:
-        raise ValueError(f"--max-steps {max_steps} is shorter than the trace window of {window} steps "
-                         f"(wait {wait} + warmup {warmup} + active {active}); raise --max-steps or lower the "
-                         "--trace-*-steps")
-    model = run_info.get("model") or run_info.get("model_name") or getattr(args, "model", None) or "model"
-    trace_name = args.trace_name or default_trace_name(str(model), world_size, device.type)
+    wait, warmup, active = config.trace_window
+    trace_name = config.tracing.trace_name or default_trace_name(str(run_info.get("model") or "model"), world_size,
+                                                                 device.type)
     return ChakraTracer(
-        output_dir=args.trace_output_dir, trace_name=trace_name, wait_steps=wait,
+        output_dir=config.tracing.trace_output_dir, trace_name=trace_name, wait_steps=wait,
         warmup_steps=warmup, active_steps=active, rank=rank,
         world_size=world_size, local_rank=local_rank, device=device, run_info=run_info)
 
@@ -274,7 +211,7 @@ class ChakraTracer:
         if completed:
             errors = self._publish_traces()
         else:
-            # build_tracer refuses a --max-steps shorter than the window, so this is a run stopped early (a signal,
+            # the flags parser refuses a --max-steps shorter than the window, so this is a run stopped early (a signal,
             # an error): say so, but leave the run's own exit status alone.
             self._discard_traces()
             logger.warning("%s: no trace written: the run ended after %d optimizer steps, before trace step %d "

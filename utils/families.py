@@ -18,12 +18,16 @@ class FamilyInfo:
     label: how people write it (`GPT-2`).
     default_model: --model-name on GPUs (a named size of the family, or a hub id).
     objective: `causal` or `masked` language modelling.
+    default_size: default_model's parameter count as tables write it (`124M`).
+    context_length: default_model's positions: the sequence length the benchmarks run it at on GPUs.
     """
 
     name: str
     label: str
     default_model: str
     objective: str
+    default_size: str = ""
+    context_length: int = 512
 
     @property
     def train_module(self) -> str:
@@ -45,8 +49,8 @@ def register(info: FamilyInfo) -> FamilyInfo:
     return info
 
 
-register(FamilyInfo("gpt2", "GPT-2", default_model="gpt2", objective="causal"))
-register(FamilyInfo("bert", "BERT", default_model="bert-base-uncased", objective="masked"))
+register(FamilyInfo("gpt2", "GPT-2", default_model="gpt2", objective="causal", default_size="124M", context_length=1024))
+register(FamilyInfo("bert", "BERT", default_model="bert-base-uncased", objective="masked", default_size="110M"))
 
 
 def family_info(name: str) -> FamilyInfo:

@@ -1,5 +1,4 @@
-"""The one training loop behind gpt2/train.py and bert/train.py: arguments, setup, steps, evaluation, checkpoints."""
-import argparse
+"""The one training loop behind gpt2/train.py and bert/train.py: settled flags, setup, steps, evaluation, saving."""
 import contextlib
 import datetime
 import gc
@@ -8,7 +7,6 @@ import logging
 import math
 import os
 import platform
-import random
 import signal
 import sys
 import threading
@@ -17,12 +15,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, List, Optional
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
+from transformers import set_seed
 
-from utils.chakra_tracer import TraceError, add_tracing_arguments, build_tracer, trace_window, tracing_window_steps
+from utils.chakra_tracer import TraceError, build_tracer
 from utils.checkpointing import (BEST_MODEL, FINAL_MODEL, INITIAL_MODEL, SaveDirLock, capture_rng_state,
                                  check_resumable, check_writable_folder, checkpoint_name, clean_partial_checkpoints,
                                  earlier_checkpoints, load_resume_state, read_training_info, restore_rng_state,
@@ -33,11 +31,11 @@ from utils.distributed import DistributedContext, distributed_context, wrap_data
 from utils.errors import CheckpointError, NonFiniteLossError, StopRequested, UsageError
 from utils.metrics import MetricSinks, count_parameters, flops_per_token, peak_flops_per_gpu
 from utils.precision import bf16_refusal, default_precision, enable_tf32_matmuls
+from utils.run_config import CheckpointArguments, RunConfig, RunSettings, parse_run_config
 from utils.tokenization import TokenizerRequest, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
-TEST_MODE_STEPS = 10
 EVAL_SEED_OFFSET = 1_000_003  # eval masks/dropout come from their own seed: same masks at every evaluation
 LOG_FILE = "training_rank_{rank}.log"
 # torchrun passes the user's Ctrl-C on to every rank, which the terminal already sent it: a second SIGINT this soon
@@ -52,10 +50,9 @@ class ModelFamily:
     """What differs between GPT-2 and BERT. Everything else (loop, DDP, logs, checkpoints, tracing) is shared.
 
     Args:
-        name: "gpt2" or "bert": default save dir, trace name prefix, tokenizer cache prefix.
+        name: the family's name in utils/families.py, which gives its default --model-name and --save-dir.
         title: one line for --help.
         model_class: GPT2LMHeadModel or BertForMaskedLM (from_pretrained on --resume-from).
-        default_model_name: --model-name default.
         size_names: the accepted --model-name sizes (besides a local directory).
         resolve_config: --model-name -> config before the tokenizer is known (raises UsageError when unknown).
         tokenizer_request: (model name, config) -> where to look for a tokenizer and how to train a stand-in.
@@ -71,7 +68,6 @@ class ModelFamily:
     name: str
     title: str
     model_class: type
-    default_model_name: str
     size_names: tuple
     resolve_config: Callable
     tokenizer_request: Callable
@@ -83,138 +79,43 @@ class ModelFamily:
     random_collator: bool = True
 
 
-# ------------------------------------------------------------------------------------------------- arguments
-def build_arg_parser(family: ModelFamily) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=f"{family.name}/train.py", description=family.title,
-                                     epilog="One process: python {0}/train.py ...; N processes: torchrun "
-                                            "--nproc_per_node=N {0}/train.py ... (see docs/TRAINING.md)"
-                                            .format(family.name))
-    model = parser.add_argument_group("model")
-    model.add_argument("--model-name", default=family.default_model_name,
-                       help=f"{', '.join(family.size_names)}, or a directory with a config.json "
-                            "(trained from scratch; default: %(default)s)")
-    model.add_argument("--tokenizer-path", default=None,
-                       help="tokenizer directory; default: /workspace/pretrained_models/<model-name>, then the hub, "
-                            "then a tokenizer trained on the training text")
-    model.add_argument("--attn-implementation", choices=["sdpa", "eager", "flash_attention_2"], default="sdpa",
-                       help="attention kernel (default: %(default)s; flash_attention_2 needs a GPU and flash-attn)")
-
-    data = parser.add_argument_group("data")
-    data.add_argument("--squad-file", default=None, help="a local SQuAD v1.1/v2.0 JSON file instead of the hub's SQuAD")
-    data.add_argument("--dataset-path", default=None,
-                      help="a JSONL corpus of {\"text\": ...} lines (UTF-8), or a directory of *.jsonl files")
-    data.add_argument("--cache-dir", default=None, help="Hugging Face datasets/tokenizer cache directory")
-    data.add_argument("--max-seq-length", type=int, default=512,
-                      help="tokens per sequence: GPT-2 packs text into blocks of it, BERT pads every batch to it "
-                           "(default: %(default)s)")
-    data.add_argument("--validation-fraction", type=float, default=0.1,
-                      help="share of a local dataset held out for validation (default: %(default)s)")
-    data.add_argument("--eval-batches", type=int, default=50,
-                      help="validation batches per evaluation and rank, 0 for all (default: %(default)s)")
-
-    train = parser.add_argument_group("training")
-    train.add_argument("--batch-size", type=int, default=4, help="sequences per rank and micro-step (default: %(default)s)")
-    train.add_argument("--learning-rate", type=float, default=5e-5, help="peak learning rate (default: %(default)s)")
-    train.add_argument("--weight-decay", type=float, default=0.01,
-                       help="AdamW weight decay of matrices; biases and norms get none (default: %(default)s)")
-    train.add_argument("--num-epochs", type=int, default=3, help="epochs when --max-steps is not given (default: %(default)s)")
-    train.add_argument("--max-steps", type=int, default=None, help="optimizer steps; overrides --num-epochs")
-    train.add_argument("--warmup-steps", type=int, default=None,
-                       help="linear warm-up steps, then decay to 0 (default: 10%% of the optimizer steps)")
-    train.add_argument("--lr-scheduler", default="linear", choices=["linear", "cosine", "constant_with_warmup"],
-                       help="transformers.get_scheduler type (default: %(default)s)")
-    train.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping, 0 to disable (default: %(default)s)")
-    train.add_argument("--gradient-accumulation-steps", type=int, default=1,
-                       help="micro-batches per optimizer step; DDP all-reduces only on the last (default: %(default)s)")
-    train.add_argument("--seed", type=int, default=42, help="random seed (default: %(default)s)")
-    train.add_argument("--test", action="store_true",
-                       help=f"quick check: stop after {TEST_MODE_STEPS} optimizer steps (or --max-steps)")
-    train.add_argument("--overfit-one-batch", action="store_true",
-                       help="train on the first batch over and over: a model that cannot drive its loss down has a bug")
-
-    out = parser.add_argument_group("checkpoints and logs")
-    out.add_argument("--save-dir", default=f"./checkpoints/{family.name}", help="checkpoint directory (default: %(default)s)")
-    out.add_argument("--save-steps", type=int, default=500, help="checkpoint-<step>/ every N steps, 0 for none (default: %(default)s)")
-    out.add_argument("--no-save-initial", action="store_true", help="do not save initial_model/ before the first step")
-    out.add_argument("--resume-from", default=None, metavar="DIR",
-                     help="continue from a checkpoint directory: weights, optimizer, scheduler, RNG and data position")
-    out.add_argument("--overwrite-output-dir", action="store_true",
-                     help="train into a --save-dir that holds an earlier run's checkpoints (they are written over); "
-                          "without it such a --save-dir is refused, unless --resume-from is one of its checkpoints")
-    out.add_argument("--logging-steps", type=int, default=10, help="log line every N steps (default: %(default)s)")
-    out.add_argument("--eval-steps", type=int, default=500,
-                     help="validate every N steps (and at the end), 0 for only at the end (default: %(default)s)")
-    out.add_argument("--log-dir", default="./logs", help="training_rank_<r>.log and TensorBoard runs (default: %(default)s)")
-    out.add_argument("--report-to", choices=["tensorboard", "wandb", "none"], default="tensorboard",
-                     help="metric sink (default: %(default)s; wandb logs offline without WANDB_API_KEY)")
-
-    dev = parser.add_argument_group("devices and speed")
-    dev.add_argument("--num-gpus", type=int, default=None,
-                     help="expected number of processes (GPUs, or CPU ranks); checked against torchrun's WORLD_SIZE")
-    dev.add_argument("--precision", choices=["bf16", "fp16", "fp32"], default=None,
-                     help="autocast precision; fp16 uses a gradient scaler (default: bf16 on GPUs that support it, "
-                          "else fp16; fp32 on the CPU)")
-    dev.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,
-                     help="torch.compile the model (default: off)")
-    dev.add_argument("--peak-tflops", type=float, default=None,
-                     help="peak TFLOP/s of one GPU for MFU, for GPUs not in utils/metrics.py's table")
-    add_tracing_arguments(parser)
-    return parser
-
-
-def validate_args(args: argparse.Namespace, family: ModelFamily) -> None:
-    """Every check that needs no process group, so a bad flag fails at once with one line."""
-    for flag in ("batch_size", "gradient_accumulation_steps", "logging_steps", "num_epochs"):
-        if getattr(args, flag) < 1:
-            raise UsageError(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
-    for flag in ("save_steps", "eval_steps", "eval_batches"):
-        if getattr(args, flag) < 0:
-            raise UsageError(f"--{flag.replace('_', '-')} must be 0 or more, got {getattr(args, flag)}")
-    if args.max_steps is not None and args.max_steps < 1:
-        raise UsageError(f"--max-steps must be at least 1, got {args.max_steps}")
-    if args.warmup_steps is not None and args.warmup_steps < 0:
-        raise UsageError(f"--warmup-steps must be 0 or more, got {args.warmup_steps}")
-    if args.max_seq_length < 16:
-        raise UsageError(f"--max-seq-length must be at least 16, got {args.max_seq_length}")
-    if not 0 < args.validation_fraction < 1:
-        raise UsageError(f"--validation-fraction must be between 0 and 1, got {args.validation_fraction}")
-    if not args.learning_rate > 0:
-        raise UsageError(f"--learning-rate must be positive, got {args.learning_rate}")
-    if args.enable_tracing and args.max_steps is not None and args.max_steps < tracing_window_steps(args):
-        raise UsageError(f"--max-steps {args.max_steps} is shorter than the trace window of "
-                         f"{tracing_window_steps(args)} steps; raise --max-steps or lower the --trace-*-steps")
-    if args.resume_from:
-        check_resumable(Path(args.resume_from), model_type=family.model_class.config_class.model_type,
-                        script=f"{family.name}/train.py", needs_tokenizer=not args.tokenizer_path)
+# ---------------------------------------------------------------------------------------------- run settings
+def settle_run(config: RunConfig, family: ModelFamily) -> RunSettings:
+    """What the flags leave open, settled and checked against this machine and the files named, before any process
+    group: a bad value fails at once with one line."""
+    resume_dir = Path(config.checkpoint.resume_from) if config.checkpoint.resume_from else None
+    model_name = config.model.model_name
+    if resume_dir:
+        check_resumable(resume_dir, model_type=family.model_class.config_class.model_type,
+                        script=f"{family.name}/train.py", needs_tokenizer=not config.model.tokenizer_path)
+        model_name = read_training_info(resume_dir).get("model_name") or model_name
+        from transformers import AutoConfig
+        model_config = AutoConfig.from_pretrained(str(resume_dir))
     else:
-        family.resolve_config(args.model_name)
-    check_data_flags(args.squad_file, args.dataset_path)
+        model_config = family.resolve_config(model_name)
+    check_data_flags(config.data.squad_file, config.data.dataset_path)
+    precision = config.devices.precision or default_precision()
+    check_precision_and_attention(precision, config.model.attn_implementation)
+    positions = getattr(model_config, "max_position_embeddings", None) or config.data.max_seq_length
+    run_name = Path(model_name).name if Path(model_name).is_dir() else model_name
+    if run_name == "tiny":
+        run_name = f"{family.name}-tiny"  # gpt2 and bert tiny runs must not share trace folders
+    return RunSettings(model_name=model_name, run_name=run_name, precision=precision,
+                       max_seq_length=min(config.data.max_seq_length, positions), resume_from=resume_dir)
 
+
+def check_precision_and_attention(precision: str, attn_implementation: str) -> None:
     cuda = torch.cuda.is_available()
-    if args.precision is None:
-        args.precision = default_precision()
-    if args.precision == "fp16" and not cuda:
+    if precision == "fp16" and not cuda:
         raise UsageError("--precision fp16 needs a CUDA GPU (it trains with a gradient scaler); use bf16 or fp32 on the CPU")
-    if args.precision == "bf16" and bf16_refusal():
+    if precision == "bf16" and bf16_refusal():
         raise UsageError(bf16_refusal())
-    if args.attn_implementation == "flash_attention_2":
-        if not cuda or args.precision == "fp32":
+    if attn_implementation == "flash_attention_2":
+        if not cuda or precision == "fp32":
             raise UsageError("--attn-implementation flash_attention_2 needs a CUDA GPU and --precision bf16 or fp16")
         if importlib.util.find_spec("flash_attn") is None:
             raise UsageError("--attn-implementation flash_attention_2 needs the flash-attn package "
                              "(pip install flash-attn --no-build-isolation); or use sdpa")
-
-
-def effective_max_steps(args: argparse.Namespace, steps_per_epoch: int) -> int:
-    """--max-steps, else --test's 10 (longer if the trace window needs it), else the trace window, else epochs."""
-    if args.max_steps is not None:
-        return args.max_steps
-    window = tracing_window_steps(args) if args.enable_tracing else 0
-    if args.test:
-        return max(TEST_MODE_STEPS, window)
-    if window:
-        return window
-    return args.num_epochs * steps_per_epoch
 
 
 # --------------------------------------------------------------------------------------------------- logging
@@ -319,21 +220,15 @@ def teardown_logging(handlers: list) -> None:
         handler.close()
 
 
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)  # seeds every CUDA device too
-
-
 # ------------------------------------------------------------------------------------------- output folders
-def check_output_folders(args: argparse.Namespace, ctx: DistributedContext) -> None:
+def check_output_folders(config: RunConfig, ctx: DistributedContext) -> None:
     """Every folder this rank writes (rank 0's --save-dir, each rank's --log-dir and --trace-output-dir) exists and
     takes a file, checked before the first step; a problem on any rank stops all of them with one line."""
-    folders = [("--log-dir", args.log_dir)]
+    folders = [("--log-dir", config.checkpoint.log_dir)]
     if ctx.is_main_process:
-        folders.insert(0, ("--save-dir", args.save_dir))
-    if args.enable_tracing:
-        folders.append(("--trace-output-dir", args.trace_output_dir))
+        folders.insert(0, ("--save-dir", config.checkpoint.save_dir))
+    if config.tracing.enable_tracing:
+        folders.append(("--trace-output-dir", config.tracing.trace_output_dir))
     problem = None
     for flag, folder in folders:
         try:
@@ -347,14 +242,14 @@ def check_output_folders(args: argparse.Namespace, ctx: DistributedContext) -> N
             raise UsageError(problem if rank == 0 else f"{problem} (on rank {rank})")
 
 
-def refuse_earlier_checkpoints(args: argparse.Namespace) -> None:
+def refuse_earlier_checkpoints(flags: CheckpointArguments) -> None:
     """A --save-dir that holds another run's checkpoints is refused (they would be silently replaced), unless
     --overwrite-output-dir says so or the run resumes from one of them."""
-    save_dir = Path(args.save_dir)
+    save_dir = Path(flags.save_dir)
     earlier = earlier_checkpoints(save_dir)
-    if not earlier or args.overwrite_output_dir:
+    if not earlier or flags.overwrite_output_dir:
         return
-    if args.resume_from and Path(args.resume_from).resolve().parent == save_dir.resolve():
+    if flags.resume_from and Path(flags.resume_from).resolve().parent == save_dir.resolve():
         return
     steps = [name for name in earlier if name.startswith("checkpoint-")]
     resume = f"resume with --resume-from {save_dir / steps[-1]}, " if steps else ""
@@ -363,19 +258,19 @@ def refuse_earlier_checkpoints(args: argparse.Namespace) -> None:
 
 
 @contextlib.contextmanager
-def claim_save_dir(args: argparse.Namespace, ctx: DistributedContext):
+def claim_save_dir(flags: CheckpointArguments, ctx: DistributedContext):
     """Rank 0 locks --save-dir for this run, refuses a folder another live run writes to or that holds an earlier
     run's checkpoints, and removes the half-written folders of dead processes; every rank gets its verdict."""
     lock, problem = None, None
     if ctx.is_main_process:
-        save_dir = Path(args.save_dir)
+        save_dir = Path(flags.save_dir)
         lock = SaveDirLock(save_dir)
         try:
             dead = lock.acquire()
             if dead:
                 logger.warning("%s: took over the lock of pid %s on %s (started %s), which is no longer running",
                                lock.path, dead.get("pid"), dead.get("host"), dead.get("started"))
-            refuse_earlier_checkpoints(args)
+            refuse_earlier_checkpoints(flags)
             for action in clean_partial_checkpoints(save_dir):
                 logger.info("%s: %s (left by a process that died while saving)", save_dir, action)
         except UsageError as exc:
@@ -395,10 +290,10 @@ def claim_save_dir(args: argparse.Namespace, ctx: DistributedContext):
 class Trainer:
     """Owns one rank's model, data, optimizer and checkpoints for a run; `setup()` then `train()`."""
 
-    def __init__(self, args: argparse.Namespace, family: ModelFamily, ctx: DistributedContext):
-        self.args, self.family, self.ctx = args, family, ctx
+    def __init__(self, config: RunConfig, settings: RunSettings, family: ModelFamily, ctx: DistributedContext):
+        self.config, self.settings, self.family, self.ctx = config, settings, family, ctx
         self.device = ctx.device
-        self.save_dir = Path(args.save_dir)
+        self.save_dir = Path(config.checkpoint.save_dir)
         self.step = 0
         self.tokens_seen = 0
         self.elapsed_before = 0.0       # seconds trained before a resume
@@ -422,85 +317,93 @@ class Trainer:
 
     # ---- setup -----------------------------------------------------------------------------------------------
     def setup(self) -> None:
-        args, ctx = self.args, self.ctx
-        seed_everything(args.seed)  # identical model initialisation on every rank
-        resume_dir = Path(args.resume_from) if args.resume_from else None
-        if resume_dir:
-            saved_name = read_training_info(resume_dir).get("model_name")
-            if saved_name and saved_name != args.model_name:
-                logger.info("--resume-from: continuing %s's model %s (not --model-name %s)", resume_dir, saved_name,
-                            args.model_name)
-                args.model_name = saved_name
+        """Data and tokenizer, the model (sized to the tokenizer), loaders, optimizer, then the wrapped model."""
+        seed = self.config.optim.seed
+        set_seed(seed)  # Python, NumPy and torch: identical model initialisation on every rank
         self.splits = self._load_text()
-        self.tokenizer, self.tokenizer_source = self._load_tokenizer(resume_dir)
-        if resume_dir:
-            self.model = self._load_checkpoint_model(resume_dir)
-        else:
-            config = self.family.resolve_config(args.model_name)
-            self.family.finalize_config(config, self.tokenizer)
-            try:
-                self.model = self.family.build_model(config, args.attn_implementation)
-            except (ValueError, ImportError) as exc:
-                raise UsageError(f"--attn-implementation {args.attn_implementation}: {str(exc).splitlines()[0]}") from None
-        self.config = self.model.config
-        max_positions = getattr(self.config, "max_position_embeddings", None)
-        if max_positions and args.max_seq_length > max_positions:
-            logger.warning("--max-seq-length %d exceeds the model's %d positions; using %d",
-                           args.max_seq_length, max_positions, max_positions)
-            args.max_seq_length = max_positions
+        self.tokenizer, self.tokenizer_source = self._load_tokenizer()
+        self.model = self._build_model()
+        self.model_config = self.model.config
         self.train_data, self.val_data = self._tokenize()
-        seed_everything(args.seed + ctx.rank)  # from here on: per-rank dropout and masking streams
+        set_seed(seed + self.ctx.rank)  # from here on: per-rank dropout and masking streams
         enable_tf32_matmuls(self.device)
         self.model.to(self.device)
-
-        collator = self.family.make_collator(self.tokenizer, args.max_seq_length)
-        pin = self.device.type == "cuda"
-        workers = GPU_LOADER_WORKERS if pin and not self.family.random_collator else 0
-        self.train_loader = build_dataloader(self.train_data, collator, batch_size=args.batch_size, rank=ctx.rank,
-                                             world_size=ctx.world_size, seed=args.seed, train=True, pin_memory=pin,
-                                             num_workers=workers)
-        self.val_loader = build_dataloader(self.val_data, collator, batch_size=args.batch_size, rank=ctx.rank,
-                                           world_size=ctx.world_size, seed=args.seed, train=False, pin_memory=pin,
-                                           num_workers=workers)
-        if len(self.train_loader) == 0:
-            raise UsageError(f"{self.splits.source}: {len(self.train_data)} training sequences are fewer than "
-                             f"--batch-size {args.batch_size} x {ctx.world_size} rank(s); use more data or a smaller batch")
-        steps_per_epoch = max(1, len(self.train_loader) // args.gradient_accumulation_steps)
-        self.max_steps = effective_max_steps(args, steps_per_epoch)
-        self.warmup_steps = args.warmup_steps if args.warmup_steps is not None else int(0.1 * self.max_steps)
-
-        self.optimizer = self._build_optimizer()
-        from transformers import get_scheduler
-        self.scheduler = get_scheduler(args.lr_scheduler, optimizer=self.optimizer,
-                                       num_warmup_steps=self.warmup_steps, num_training_steps=self.max_steps)
-        self.scaler = torch.amp.GradScaler(self.device.type, enabled=args.precision == "fp16")
-        self.stream = RepeatedBatch(self.train_loader) if args.overfit_one_batch else BatchStream(self.train_loader)
-        if resume_dir:
-            self._restore(resume_dir)
-
-        self.eval_model = torch.compile(self.model) if args.compile else self.model
-        self.train_model = self.eval_model
-        if ctx.is_distributed:
-            self.train_model = wrap_data_parallel(self.eval_model, self.device)
-        self.n_params, compute_params = count_parameters(self.model)
-        self.flops_per_token = flops_per_token(compute_params, self.config.num_hidden_layers,
-                                               self.config.hidden_size, args.max_seq_length)
-        self.peak_flops = peak_flops_per_gpu(self.device, args.precision, args.peak_tflops)
-        self.tokens_per_step = ctx.world_size * args.gradient_accumulation_steps * args.batch_size * args.max_seq_length
-        self.sinks = MetricSinks(args.report_to, Path(args.log_dir), self.run_name(), vars(args), ctx.is_main_process)
+        steps_per_epoch = self._build_loaders()
+        self._build_optimization(steps_per_epoch)
+        if self.settings.resume_from:
+            self._restore(self.settings.resume_from)
+        self._wrap_and_measure()
         self._log_setup(steps_per_epoch)
 
-    def run_name(self) -> str:
-        model = Path(self.args.model_name).name if Path(self.args.model_name).is_dir() else self.args.model_name
-        if model == "tiny":
-            model = f"{self.family.name}-tiny"  # gpt2 and bert tiny runs must not share trace folders
-        return model
+    def _build_model(self):
+        """The checkpoint's model with --resume-from, else a freshly initialised one with the tokenizer's vocabulary."""
+        flags, settings = self.config.model, self.settings
+        if settings.max_seq_length < self.config.data.max_seq_length:
+            logger.warning("--max-seq-length %d exceeds the model's %d positions; using %d",
+                           self.config.data.max_seq_length, settings.max_seq_length, settings.max_seq_length)
+        if settings.resume_from:
+            if settings.model_name != flags.model_name:
+                logger.info("--resume-from: continuing %s's model %s (not --model-name %s)", settings.resume_from,
+                            settings.model_name, flags.model_name)
+            return self._load_checkpoint_model(settings.resume_from)
+        config = self.family.resolve_config(settings.model_name)
+        self.family.finalize_config(config, self.tokenizer)
+        try:
+            return self.family.build_model(config, flags.attn_implementation)
+        except (ValueError, ImportError) as exc:
+            raise UsageError(f"--attn-implementation {flags.attn_implementation}: {str(exc).splitlines()[0]}") from None
+
+    def _build_loaders(self) -> int:
+        """This rank's training and validation loaders; returns the optimizer steps of one epoch."""
+        optim, ctx = self.config.optim, self.ctx
+        collator = self.family.make_collator(self.tokenizer, self.settings.max_seq_length)
+        pin = self.device.type == "cuda"
+        options = dict(batch_size=optim.batch_size, rank=ctx.rank, world_size=ctx.world_size, seed=optim.seed,
+                       pin_memory=pin, num_workers=GPU_LOADER_WORKERS if pin and not self.family.random_collator else 0)
+        self.train_loader = build_dataloader(self.train_data, collator, train=True, **options)
+        self.val_loader = build_dataloader(self.val_data, collator, train=False, **options)
+        if len(self.train_loader) == 0:
+            raise UsageError(f"{self.splits.source}: {len(self.train_data)} training sequences are fewer than "
+                             f"--batch-size {optim.batch_size} x {ctx.world_size} rank(s); use more data or a smaller batch")
+        return max(1, len(self.train_loader) // optim.gradient_accumulation_steps)
+
+    def _build_optimization(self, steps_per_epoch: int) -> None:
+        """Step count, AdamW, the learning-rate schedule, the fp16 gradient scaler and the batch stream."""
+        optim = self.config.optim
+        self.max_steps = self.config.planned_steps(steps_per_epoch)
+        self.warmup_steps = optim.warmup_steps if optim.warmup_steps is not None else int(0.1 * self.max_steps)
+        self.optimizer = self._build_optimizer()
+        from transformers import get_scheduler
+        self.scheduler = get_scheduler(optim.lr_scheduler, optimizer=self.optimizer,
+                                       num_warmup_steps=self.warmup_steps, num_training_steps=self.max_steps)
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.settings.precision == "fp16")
+        self.stream = RepeatedBatch(self.train_loader) if optim.overfit_one_batch else BatchStream(self.train_loader)
+
+    def _wrap_and_measure(self) -> None:
+        """torch.compile and DDP around the model; its FLOPs per token, the peak to compare with, the metric sinks."""
+        devices, ctx, seq = self.config.devices, self.ctx, self.settings.max_seq_length
+        self.eval_model = torch.compile(self.model) if devices.compile else self.model
+        self.train_model = wrap_data_parallel(self.eval_model, self.device) if ctx.is_distributed else self.eval_model
+        self.n_params, compute_params = count_parameters(self.model)
+        self.flops_per_token = flops_per_token(compute_params, self.model_config.num_hidden_layers,
+                                               self.model_config.hidden_size, seq)
+        self.peak_flops = peak_flops_per_gpu(self.device, self.settings.precision, devices.peak_tflops)
+        self.tokens_per_step = ctx.world_size * self.config.optim.gradient_accumulation_steps \
+            * self.config.optim.batch_size * seq
+        self.sinks = MetricSinks(self.config.checkpoint.report_to, Path(self.config.checkpoint.log_dir),
+                                 self.settings.run_name, self.arguments(), ctx.is_main_process)
+
+    def arguments(self) -> dict:
+        """Every flag as this run used it: the settled model name, precision and sequence length."""
+        s = self.settings
+        return {**self.config.flags(), "model_name": s.model_name, "precision": s.precision,
+                "max_seq_length": s.max_seq_length}
 
     def _load_text(self) -> TextSplits:
-        a, ctx = self.args, self.ctx
-        options = dict(squad_file=a.squad_file, dataset_path=a.dataset_path, cache_dir=a.cache_dir,
-                       validation_fraction=a.validation_fraction, seed=a.seed)
-        if a.squad_file or a.dataset_path or not ctx.is_distributed:
+        data, ctx = self.config.data, self.ctx
+        options = dict(squad_file=data.squad_file, dataset_path=data.dataset_path, cache_dir=data.cache_dir,
+                       validation_fraction=data.validation_fraction, seed=self.config.optim.seed)
+        if data.squad_file or data.dataset_path or not ctx.is_distributed:
             return load_text_splits(**options)
         # The hub: rank 0 downloads (or finds it missing) first; the others follow its decision.
         splits = None
@@ -513,14 +416,14 @@ class Trainer:
     def _load_checkpoint_model(self, resume_dir: Path):
         try:
             return self.family.model_class.from_pretrained(str(resume_dir),
-                                                           attn_implementation=self.args.attn_implementation)
+                                                           attn_implementation=self.config.model.attn_implementation)
         except Exception as exc:  # OSError, ValueError, safetensors' SafetensorError, shape mismatches
             raise CheckpointError(f"{resume_dir}: cannot load the model ({type(exc).__name__}: "
                                   f"{(str(exc).splitlines() or [''])[0][:300]})") from None
 
-    def _load_tokenizer(self, resume_dir: Optional[Path]):
-        a = self.args
-        if resume_dir and not a.tokenizer_path:
+    def _load_tokenizer(self):
+        resume_dir, flags = self.settings.resume_from, self.config.model
+        if resume_dir and not flags.tokenizer_path:
             from transformers import AutoTokenizer
             try:
                 tokenizer = AutoTokenizer.from_pretrained(str(resume_dir))
@@ -528,14 +431,16 @@ class Trainer:
                 raise CheckpointError(f"{resume_dir}: cannot load its tokenizer ({(str(exc).splitlines() or [''])[0]}); "
                                       "pass --tokenizer-path with the tokenizer this model was trained with") from None
             return self.family.prepare_tokenizer(tokenizer), str(resume_dir)
-        request: TokenizerRequest = self.family.tokenizer_request(a.model_name, self.family.resolve_config(a.model_name))
+        model_name = self.settings.model_name
+        request: TokenizerRequest = self.family.tokenizer_request(model_name, self.family.resolve_config(model_name))
         with self.ctx.main_process_first():  # rank 0 trains and caches a stand-in; the others load it
-            tokenizer, source = load_tokenizer(request, tokenizer_path=a.tokenizer_path, cache_dir=a.cache_dir,
+            tokenizer, source = load_tokenizer(request, tokenizer_path=flags.tokenizer_path,
+                                               cache_dir=self.config.data.cache_dir,
                                                training_texts=self.splits.all_texts)
         return self.family.prepare_tokenizer(tokenizer), source
 
     def _tokenize(self):
-        max_len = self.args.max_seq_length
+        max_len = self.settings.max_seq_length
 
         def encode(examples: List[TextExample]):
             return self.family.encode(self.tokenizer, examples, max_len)
@@ -552,13 +457,13 @@ class Trainer:
         for param in self.model.parameters():
             if param.requires_grad:
                 (decay if param.dim() >= 2 else no_decay).append(param)
-        groups = [{"params": decay, "weight_decay": self.args.weight_decay},
+        groups = [{"params": decay, "weight_decay": self.config.optim.weight_decay},
                   {"params": no_decay, "weight_decay": 0.0}]
-        return torch.optim.AdamW(groups, lr=self.args.learning_rate, fused=self.device.type == "cuda")
+        return torch.optim.AdamW(groups, lr=self.config.optim.learning_rate, fused=self.device.type == "cuda")
 
     def _restore(self, resume_dir: Path) -> None:
         """Optimizer, scheduler, scaler, counters, data position and this rank's RNG streams."""
-        args, ctx = self.args, self.ctx
+        ctx = self.ctx
         state, rng_states = load_resume_state(resume_dir)
         try:
             self.optimizer.load_state_dict(state["optimizer"])
@@ -585,30 +490,31 @@ class Trainer:
             logger.warning("%s holds RNG state for %d rank(s), this run has %d: dropout and masking will not "
                            "repeat the original run", resume_dir, saved, ctx.world_size)
         for key, flag in (("world_size", None), ("gradient_accumulation_steps", "--gradient-accumulation-steps")):
-            now = ctx.world_size if key == "world_size" else getattr(args, key)
+            now = ctx.world_size if key == "world_size" else self.config.optim.gradient_accumulation_steps
             if state.get(key) not in (None, now):
                 logger.warning("%s was trained with %s %s, this run uses %s", resume_dir, flag or "world size",
                                state.get(key), now)
         logger.info("resumed from %s at step %d (epoch %.2f)", resume_dir, self.step, self.stream.epochs_done)
 
     def _log_setup(self, steps_per_epoch: int) -> None:
-        a, ctx = self.args, self.ctx
+        c, s, ctx, optim = self.config, self.settings, self.ctx, self.config.optim
         logger.info("%s %s: %s parameters, %s attention, precision %s%s, device %s x %d (%s)",
-                    self.family.name, self.run_name(), f"{self.n_params:,}", a.attn_implementation, a.precision,
-                    ", torch.compile" if a.compile else "", self.device.type, ctx.world_size, ctx.backend or "1 process")
+                    self.family.name, s.run_name, f"{self.n_params:,}", c.model.attn_implementation, s.precision,
+                    ", torch.compile" if c.devices.compile else "", self.device.type, ctx.world_size,
+                    ctx.backend or "1 process")
         logger.info("data: %s; %d train / %d validation sequences of up to %d tokens; tokenizer: %s (vocabulary %d)",
-                    self.splits.source, len(self.train_data), len(self.val_data), a.max_seq_length,
+                    self.splits.source, len(self.train_data), len(self.val_data), s.max_seq_length,
                     self.tokenizer_source, len(self.tokenizer))
         logger.info("steps: %d (%d per epoch, %d warm-up); global batch %d sequences = %d per rank x %d micro-steps "
                     "x %d rank(s)", self.max_steps, steps_per_epoch, self.warmup_steps,
-                    a.batch_size * a.gradient_accumulation_steps * ctx.world_size, a.batch_size,
-                    a.gradient_accumulation_steps, ctx.world_size)
+                    optim.batch_size * optim.gradient_accumulation_steps * ctx.world_size, optim.batch_size,
+                    optim.gradient_accumulation_steps, ctx.world_size)
 
     # ---- training ----------------------------------------------------------------------------------------------
     def _autocast(self):
-        if self.args.precision == "fp32":
+        if self.settings.precision == "fp32":
             return contextlib.nullcontext()
-        dtype = torch.bfloat16 if self.args.precision == "bf16" else torch.float16
+        dtype = torch.bfloat16 if self.settings.precision == "bf16" else torch.float16
         return torch.autocast(device_type=self.device.type, dtype=dtype)
 
     def _to_device(self, batch: dict) -> dict:
@@ -622,8 +528,8 @@ class Trainer:
         Reading the loss, which waits for the device, and agreeing with the other ranks happen on sync steps only
         (_sync_due), so the traced step holds no collective and no host sync of the trainer's own.
         """
-        args, model = self.args, self.train_model
-        accumulation = args.gradient_accumulation_steps
+        optim, model = self.config.optim, self.train_model
+        accumulation = optim.gradient_accumulation_steps
         model.train()
         loss_sum = None
         for micro in range(accumulation):
@@ -639,9 +545,9 @@ class Trainer:
                 self.scaler.scale(loss / accumulation).backward()
             loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
         grad_norm = None
-        if args.max_grad_norm > 0:
+        if optim.max_grad_norm > 0:
             self.scaler.unscale_(self.optimizer)
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), args.max_grad_norm)
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), optim.max_grad_norm)
         self.last_lr = self.optimizer.param_groups[0]["lr"]
         self.scaler.step(self.optimizer)
         self.scaler.update()
@@ -651,14 +557,14 @@ class Trainer:
 
     # ---- sync steps: the loss read, agreed on and logged -------------------------------------------------------
     def _is_logging_step(self) -> bool:
-        return self.step % self.args.logging_steps == 0 or self.step in (1, self.max_steps)
+        return self.step % self.config.checkpoint.logging_steps == 0 or self.step in (1, self.max_steps)
 
     def _inside_trace_window(self) -> bool:
         """Whether the profiler records the coming step: what the loop does now lands in that step's trace."""
-        if not self.args.enable_tracing:
+        if not self.config.tracing.enable_tracing:
             return False
         coming = self.step - self._loop_first_step  # the tracer counts optimizer steps from the loop's start
-        wait, warmup, active = trace_window(self.args)
+        wait, warmup, active = self.config.trace_window
         return wait <= coming < wait + warmup + active
 
     def _sync_due(self) -> bool:
@@ -667,7 +573,7 @@ class Trainer:
         sync anyway, and must not save non-finite weights), the last step, and in a one-process run a stop
         request at once. Ranks decide from the step number alone, so they meet in the all-reduce together; a
         stop request or a non-finite loss is therefore acted on at the next sync step."""
-        a, step = self.args, self.step
+        a, step = self.config.checkpoint, self.step
         if step == self.max_steps or (a.eval_steps and step % a.eval_steps == 0) \
                 or (a.save_steps and step % a.save_steps == 0):
             return True
@@ -703,9 +609,9 @@ class Trainer:
         totals = torch.zeros(2, device=self.device)
         devices = [self.device] if self.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):
-            torch.manual_seed(self.args.seed + EVAL_SEED_OFFSET + self.ctx.rank)
+            torch.manual_seed(self.config.optim.seed + EVAL_SEED_OFFSET + self.ctx.rank)
             for index, batch in enumerate(self.val_loader):
-                if self.args.eval_batches and index >= self.args.eval_batches:
+                if self.config.data.eval_batches and index >= self.config.data.eval_batches:
                     break
                 with self._autocast():
                     loss = model(**self._to_device(batch)).loss.float()
@@ -755,11 +661,12 @@ class Trainer:
                 signal.signal(sig, handler)
 
     def _run_info(self) -> dict:
-        a = self.args
-        return {"model": self.run_name(), "family": self.family.name, "model_config": self.config.to_dict(),
-                "num_parameters": self.n_params, "batch_size_per_rank": a.batch_size,
-                "sequence_length": a.max_seq_length, "precision": a.precision, "compile": a.compile,
-                "attention": a.attn_implementation, "gradient_accumulation_steps": a.gradient_accumulation_steps,
+        c, s = self.config, self.settings
+        return {"model": s.run_name, "family": self.family.name, "model_config": self.model_config.to_dict(),
+                "num_parameters": self.n_params, "batch_size_per_rank": c.optim.batch_size,
+                "sequence_length": s.max_seq_length, "precision": s.precision, "compile": c.devices.compile,
+                "attention": c.model.attn_implementation,
+                "gradient_accumulation_steps": c.optim.gradient_accumulation_steps,
                 "world_size": self.ctx.world_size, "data_source": self.splits.source,
                 "tokenizer_source": self.tokenizer_source,
                 # every multi-rank run is DDP over one world group: what scale_et.py checks before scaling
@@ -774,8 +681,7 @@ class Trainer:
             return self._train_and_save()
 
     def _train_and_save(self) -> int:
-        args = self.args
-        if not self.resumed and not args.no_save_initial:
+        if not self.resumed and not self.config.checkpoint.no_save_initial:
             self.save(INITIAL_MODEL, kind="initial")
         try:
             stopped = self._loop()
@@ -800,7 +706,7 @@ class Trainer:
 
     def _loop(self) -> bool:
         """Optimizer steps up to max_steps; True when a signal asked to stop early."""
-        args, ctx = self.args, self.ctx
+        every, ctx = self.config.checkpoint, self.ctx
         if self.step >= self.max_steps:
             logger.info("already at step %d of %d: nothing to train", self.step, self.max_steps)
             return False
@@ -811,7 +717,7 @@ class Trainer:
         progress = tqdm(total=self.max_steps, initial=self.step, desc=f"{self.family.name} training",
                         unit="step", disable=None if ctx.is_main_process else True, dynamic_ncols=True)
         around_bar = contextlib.nullcontext() if progress.disable else console_logging_around_bar()
-        with build_tracer(args, rank=ctx.rank, world_size=ctx.world_size, local_rank=ctx.local_rank,
+        with build_tracer(self.config, rank=ctx.rank, world_size=ctx.world_size, local_rank=ctx.local_rank,
                           device=self.device, run_info=self._run_info()) as tracer, \
                 around_bar:
             try:
@@ -834,9 +740,9 @@ class Trainer:
                         now = time.perf_counter()
                         self._log_traced_step(window_steps, now - window_start)
                         window_start, window_steps = now, 0
-                    if args.eval_steps and self.step % args.eval_steps == 0:
+                    if every.eval_steps and self.step % every.eval_steps == 0:
                         self._evaluate_and_keep_best()
-                    if args.save_steps and self.step % args.save_steps == 0:
+                    if every.save_steps and self.step % every.save_steps == 0:
                         self.save(checkpoint_name(self.step), kind="checkpoint")
                     if stop:
                         return True
@@ -916,25 +822,26 @@ class Trainer:
                 "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
                 "tokens_seen": self.tokens_seen, "elapsed_seconds": self.elapsed(), "last_loss": self.last_loss,
                 "last_val_loss": self.last_val_loss, "best_val_loss": self.best_val_loss, "best_step": self.best_step,
-                "world_size": self.ctx.world_size, "batch_size": self.args.batch_size,
-                "gradient_accumulation_steps": self.args.gradient_accumulation_steps}
+                "world_size": self.ctx.world_size, "batch_size": self.config.optim.batch_size,
+                "gradient_accumulation_steps": self.config.optim.gradient_accumulation_steps}
 
     def _training_info(self, kind: str) -> dict:
         import transformers
-        a = self.args
+        optim, s = self.config.optim, self.settings
         return {
             "kind": kind, "step": self.step, "max_steps": self.max_steps, "epoch": round(self.stream.epochs_done, 4),
             "loss": self.last_loss, "learning_rate": self.scheduler.get_last_lr()[0],
             "val_loss": self.last_val_loss, "best_val_loss": self.best_val_loss if self.best_step is not None else None,
             "best_step": self.best_step, "world_size": self.ctx.world_size,
-            "global_batch_size": a.batch_size * a.gradient_accumulation_steps * self.ctx.world_size,
-            "sequence_length": a.max_seq_length, "tokens_seen": self.tokens_seen,
-            "elapsed_seconds": round(self.elapsed(), 3), "model_name": a.model_name, "model_type": self.config.model_type,
+            "global_batch_size": optim.batch_size * optim.gradient_accumulation_steps * self.ctx.world_size,
+            "sequence_length": s.max_seq_length, "tokens_seen": self.tokens_seen,
+            "elapsed_seconds": round(self.elapsed(), 3), "model_name": s.model_name,
+            "model_type": self.model_config.model_type,
             "num_parameters": self.n_params, "data_source": self.splits.source, "tokenizer_source": self.tokenizer_source,
             "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "versions": {"python": platform.python_version(), "torch": torch.__version__,
                          "transformers": transformers.__version__},
-            "arguments": vars(a),
+            "arguments": self.arguments(),
         }
 
     def _check_ranks_agree(self, fingerprint: str) -> None:
@@ -948,29 +855,30 @@ class Trainer:
 
 
 # ------------------------------------------------------------------------------------------------ entry point
-def out_of_memory_advice(args: argparse.Namespace, rank: int) -> str:
-    return (f"CUDA out of memory on rank {rank} (--model-name {args.model_name}, --batch-size {args.batch_size}, "
-            f"--max-seq-length {args.max_seq_length}, --precision {args.precision}). Lower --batch-size (raise "
+def out_of_memory_advice(arguments: dict, rank: int) -> str:
+    a = arguments
+    return (f"CUDA out of memory on rank {rank} (--model-name {a['model_name']}, --batch-size {a['batch_size']}, "
+            f"--max-seq-length {a['max_seq_length']}, --precision {a['precision']}). Lower --batch-size (raise "
             "--gradient-accumulation-steps to keep the global batch), lower --max-seq-length, use --precision bf16 "
             "or fp16, or choose a smaller --model-name")
 
 
 def main(family: ModelFamily, argv: Optional[list] = None) -> int:
     """Parse, check, train; the process exit status. Errors a user can fix print one `error:` line, no traceback."""
-    args = build_arg_parser(family).parse_args(argv)
+    config = parse_run_config(family.name, argv, description=family.title, size_names=family.size_names)
     handlers, root_level = [], logging.getLogger().level
     rank = int(os.environ.get("RANK", "0")) if os.environ.get("RANK", "0").isdigit() else 0
     trainer = None
     try:
         with signals_stop_setup():
-            validate_args(args, family)
-            with distributed_context(args.num_gpus) as ctx:
+            settings = settle_run(config, family)
+            with distributed_context(config.devices.num_gpus) as ctx:
                 rank = ctx.rank
-                check_output_folders(args, ctx)
-                handlers = setup_logging(Path(args.log_dir), ctx.rank, ctx.world_size)
+                check_output_folders(config, ctx)
+                handlers = setup_logging(Path(config.checkpoint.log_dir), ctx.rank, ctx.world_size)
                 _quiet_library_progress_bars()
-                with claim_save_dir(args, ctx):
-                    trainer = Trainer(args, family, ctx)
+                with claim_save_dir(config.checkpoint, ctx):
+                    trainer = Trainer(config, settings, family, ctx)
                     try:
                         trainer.setup()
                         return trainer.train()
@@ -983,7 +891,8 @@ def main(family: ModelFamily, argv: Optional[list] = None) -> int:
         _report_error(str(exc), handlers, rank, every_rank=False)
         return 1
     except torch.cuda.OutOfMemoryError:
-        _report_error(out_of_memory_advice(args, rank), handlers, rank, every_rank=True)
+        arguments = trainer.arguments() if trainer else config.flags()
+        _report_error(out_of_memory_advice(arguments, rank), handlers, rank, every_rank=True)
         return 1
     except (KeyboardInterrupt, StopRequested) as exc:
         signum = getattr(exc, "signum", signal.SIGINT)
