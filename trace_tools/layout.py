@@ -2,12 +2,16 @@
 tests (torch-free). One folder per run: <trace-output-dir>/<trace-name>/ holding, per rank, host.<r>.json (PyTorch's
 ExecutionTraceObserver), device.<r>.json (Kineto), stacks.<r>.txt, and run.json; the converter adds
 <trace-name>.<r>.et and CONVERSION_SUMMARY.md."""
+import re
 
 HOST_TRACE = "host.{rank}.json"
 DEVICE_TRACE = "device.{rank}.json"
+# host.0.json, device.1.json.gz: a rank's traces as discovery recognises them (gzipped by hand or by a copy)
+TRACE_FILE_RE = re.compile(r"^(?P<kind>host|device)\.(?P<rank>\d+)\.json(?:\.gz)?$")
 STACKS_TABLE = "stacks.{rank}.txt"
 RUN_INFO = "run.json"
 ET_FILE = "{prefix}.{rank}.et"  # the name ASTRA-sim reads: <workload prefix>.<rank>.et
+ET_FILE_RE = re.compile(r"^(?P<name>[^.].*)\.(?P<rank>\d+)\.et$")  # hidden files are partial ones
 CONVERSION_SUMMARY = "CONVERSION_SUMMARY.md"
 # Written here first and renamed once complete and valid, so a crash never leaves a half-written trace.
 PARTIAL_SUFFIX = ".partial"

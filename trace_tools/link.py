@@ -8,23 +8,22 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-from .load import DeviceTrace, HostTrace, TraceError, is_structural, PROCESS_GROUP_INIT
+from chakra.schema.protobuf.et_def_pb2 import (
+    ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, BROADCAST, COMM_COLL_NODE, COMM_RECV_NODE, COMM_SEND_NODE, COMP_NODE, GATHER,
+    REDUCE, REDUCE_SCATTER, SCATTER, CollectiveCommType, NodeType,
+)
+
+from .layout import PG_INIT_NODE, STEP_PREFIX
+from .load import DeviceTrace, HostTrace, TraceError, is_structural
 
 logger = logging.getLogger(__name__)
 
 # Node kinds in the linked graph
 HOST_OP, KINETO_OP, GPU_OP = 0, 1, 2
-# Node types (values of chakra's et_def_pb2.NodeType)
-COMP_NODE, COMM_SEND_NODE, COMM_RECV_NODE, COMM_COLL_NODE = 4, 5, 6, 7
-# Collective types (values of chakra's et_def_pb2.CollectiveCommType)
-ALL_REDUCE, REDUCE, ALL_GATHER, GATHER, SCATTER, BROADCAST, ALL_TO_ALL, REDUCE_SCATTER, BARRIER = 0, 1, 2, 3, 4, 5, 6, 7, 9
-COMM_TYPE_NAMES = {ALL_REDUCE: "ALL_REDUCE", REDUCE: "REDUCE", ALL_GATHER: "ALL_GATHER", GATHER: "GATHER",
-                   SCATTER: "SCATTER", BROADCAST: "BROADCAST", ALL_TO_ALL: "ALL_TO_ALL",
-                   REDUCE_SCATTER: "REDUCE_SCATTER", BARRIER: "BARRIER"}
-NODE_TYPE_NAMES = {COMP_NODE: "COMP", COMM_SEND_NODE: "COMM_SEND", COMM_RECV_NODE: "COMM_RECV",
-                   COMM_COLL_NODE: "COMM_COLL"}
-
-STEP_PREFIX = "ProfilerStep#"
+# Names of chakra's enums (et_def_pb2) in messages and summaries: ALL_REDUCE, COMP...
+COMM_TYPE_NAMES = {value: name for name, value in CollectiveCommType.items()}
+NODE_TYPE_NAMES = {t: NodeType.Name(t).removesuffix("_NODE") for t in (COMP_NODE, COMM_SEND_NODE, COMM_RECV_NODE,
+                                                                          COMM_COLL_NODE)}
 # Host-side names of the collective itself (the record function that carries the communicated tensor).
 COLLECTIVE_PREFIXES = ("nccl:", "gloo:", "mpi:", "ucc:", "xccl:")
 # Collectives that run on CPU threads become COMM nodes themselves (there is no GPU kernel to stand for them).
@@ -426,7 +425,7 @@ def link_host_and_device(host: HostTrace, dev: DeviceTrace, rank: int = 0,
     _check_same_process(host, dev)
     kparent, kexcl = kineto_nesting(dev)
     structural = [is_structural(name) for name in host.names]
-    candidates = [h for h in range(len(host)) if not structural[h] and host.names[h] != PROCESS_GROUP_INIT]
+    candidates = [h for h in range(len(host)) if not structural[h] and host.names[h] != PG_INIT_NODE]
     if dev.has_record_function_ids and any(rf >= 0 for rf in host.rf_ids):
         match, match_info = match_by_record_function_id(host, dev, candidates)
     else:

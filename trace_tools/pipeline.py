@@ -20,16 +20,15 @@ from typing import Any, Callable
 from .convert import write_et, write_merged_json
 from .discover import Run
 from .identity import device_header_identity, one_run_problems, rank_identity
-from .link import (COMM_TYPE_NAMES, NODE_TYPE_NAMES, STEP_PREFIX, link_host_and_device,
-                   remove_recording_overhead)
-from .load import PROCESS_GROUP_INIT, TraceError, is_structural, load_device_trace, load_host_trace, read_trace_bytes
+from .layout import CONVERSION_SUMMARY, PG_INIT_NODE, STEP_PREFIX, et_name
+from .link import COMM_TYPE_NAMES, NODE_TYPE_NAMES, link_host_and_device, remove_recording_overhead
+from .load import TraceError, is_structural, load_device_trace, load_host_trace, read_trace_bytes
 from .repair import NO_OPERATORS_PROBLEM
 from .step_timing import STEP_SPREAD_BOUND, read_step_times
 from .validate import collectives_agree, validate_et
 
 logger = logging.getLogger(__name__)
 
-ET_NAME = "{name}.{rank}.et"
 MERGED_NAME = "{name}.{rank}.merged.json"
 FALLBACK_OUTPUT_ROOT = Path("converted")
 
@@ -149,7 +148,7 @@ def load_host_checked(path: str | Path, warnings: list[str] | None = None, data:
             raise
         hint = "; run fix_host_traces.py" if diagnosis.repairable else ""
         raise TraceError(path, f"{diagnosis.problem}{hint}") from None
-    operators = sum(1 for name in host.names if not is_structural(name) and name != PROCESS_GROUP_INIT)
+    operators = sum(1 for name in host.names if not is_structural(name) and name != PG_INIT_NODE)
     if not operators:
         raise TraceError(path, NO_OPERATORS_PROBLEM.format(nodes=len(host)))
     return host
@@ -484,11 +483,10 @@ def output_dir_for(run: Run, output_dir: str | Path | None, several_runs: bool) 
 
 def _remove_outputs(out_dir: Path, name: str, rank: int, partial_only: bool = False) -> None:
     """A rank's .et and merged JSON (unless partial_only) and the hidden partial files a killed conversion left."""
-    et_name, merged_name = (glob.escape(pattern.format(name=name, rank=rank)) for pattern in (ET_NAME, MERGED_NAME))
-    patterns = [f".{et_name}.unvalidated*", f"..{et_name}.unvalidated.*.tmp", f".{et_name}.*.tmp",
-                f".{merged_name}.*.tmp"]
+    et, merged = glob.escape(et_name(name, rank)), glob.escape(MERGED_NAME.format(name=name, rank=rank))
+    patterns = [f".{et}.unvalidated*", f"..{et}.unvalidated.*.tmp", f".{et}.*.tmp", f".{merged}.*.tmp"]
     if not partial_only:
-        patterns += [et_name, merged_name]
+        patterns += [et, merged]
     for pattern in patterns:
         for path in out_dir.glob(pattern):
             try:
@@ -527,7 +525,7 @@ def convert_runs(runs: list[Run], output_dir: str | Path | None = None, jobs: in
                 continue
             _remove_outputs(out_dir, run.name, rank, partial_only=True)
             ranks.append(RankResult(run=run.name, rank=rank, status="interrupted", error="not converted yet"))
-            et_path = out_dir / ET_NAME.format(name=run.name, rank=rank)
+            et_path = out_dir / et_name(run.name, rank)
             merged = out_dir / MERGED_NAME.format(name=run.name, rank=rank) if emit_merged else None
             tasks.append((str(out_dir), (run.name, rank, str(run.hosts[rank]), str(run.devices[rank]),
                                          str(et_path), str(merged) if merged else None)))
@@ -592,7 +590,7 @@ def _save_summary(run_result: RunResult) -> None:
     try:
         write_run_summary(run_result)
     except OSError as e:
-        path = run_result.output_dir / "CONVERSION_SUMMARY.md"
+        path = run_result.output_dir / CONVERSION_SUMMARY
         raise OutputError(path, f"cannot write the summary: {_os_problem(e, run_result.output_dir)}") from None
 
 

@@ -16,6 +16,8 @@ from typing import Iterable, Optional
 
 import orjson
 
+from .layout import PG_INIT_NODE
+
 # Host trace schemas PyTorch has written so far: "1.0.1" (torch 2.0-2.2, the GPU fixtures), then
 # "1.0.2-chakra.0.0.4" ... "1.1.1-chakra.0.0.4" and "1.1.1-chakra.1.0.0". A 2.x would change the node layout.
 SUPPORTED_SCHEMA_RE = re.compile(r"1\.[01]\.\d+(?:-chakra\.\d+\.\d+\.\d+)?")
@@ -52,7 +54,6 @@ BOM_PROBLEM = "starts with a UTF-8 byte-order mark (an editor or a Windows tool 
 WRITE_BLOCK = 4096
 # The observer's own structure and the process-group record: a trace of only these holds no operator.
 STRUCTURAL_PREFIXES = ("[pytorch|profiler|execution_trace|", "[pytorch|profiler|execution_graph|")
-PROCESS_GROUP_NODE = "## process_group:init ##"
 NO_OPERATORS_PROBLEM = ("holds {nodes} node(s) and no operator: the ExecutionTraceObserver was re-registered during "
                         "the run and truncated its own file; the data was lost at capture: trace again, registering "
                         "the observer once per process")
@@ -528,7 +529,7 @@ def _analyse_parsed(path: Path, obj: object, keep_document: bool) -> _Analysis:
 
 def _is_operator(node: object) -> bool:
     name = node.get("name") if isinstance(node, dict) else None
-    return isinstance(name, str) and not name.startswith(STRUCTURAL_PREFIXES) and name != PROCESS_GROUP_NODE
+    return isinstance(name, str) and not name.startswith(STRUCTURAL_PREFIXES) and name != PG_INIT_NODE
 
 
 def _schema_of(fields: dict) -> Optional[str]:

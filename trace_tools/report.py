@@ -5,7 +5,6 @@ import importlib.util
 import logging
 import math
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -22,13 +21,13 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
 from .discover import find_runs
-from .link import COMM_TYPE_NAMES, STEP_PREFIX
+from .layout import ET_FILE_RE, STEP_PREFIX
+from .link import COMM_TYPE_NAMES
 from .load import read_trace_bytes
 from .validate import EtFormatError, read_et
 
 logger = logging.getLogger(__name__)
 
-ET_FILE = re.compile(r"^(?P<name>.+)\.(?P<rank>\d+)\.et$")
 REPORT_MD = "report.md"
 REPORT_JSON = "report.json"
 FIGURE_BREAKDOWN = "report_breakdown.png"
@@ -181,7 +180,7 @@ def find_et_files(folder: Path) -> tuple[str, dict[int, Path]]:
     """The run name and rank -> .et path of the `<name>.<rank>.et` files in a folder (one run per folder)."""
     runs: dict[str, dict[int, Path]] = defaultdict(dict)
     for path in sorted(folder.iterdir()):
-        match = ET_FILE.match(path.name)
+        match = ET_FILE_RE.match(path.name)
         if match and path.is_file():
             runs[match.group("name")][int(match.group("rank"))] = path
     if not runs:
@@ -940,7 +939,7 @@ def render_markdown(report: dict, figures: dict[str, Any]) -> str:
                   "**communication** = the CPU-thread collectives (gloo) when no operator worked at the same time, "
                   "**memory copies** = none on a CPU run (tensor copies are operators, so compute), **idle** = the "
                   "rest of the step. Unions of intervals, so threads working at once count once.",
-                  "- Annotations (`ProfilerStep#N`, `DistributedDataParallel.forward`, `Optimizer.step`...) are "
+                  f"- Annotations (`{STEP_PREFIX}N`, `DistributedDataParallel.forward`, `Optimizer.step`...) are "
                   "nodes too: their own time is Python and framework work between operators, which the .et gives a "
                   "simulator as compute, so it counts as compute here; the operator table shows how much it is."]
     lines += ["- A CPU node's place on its thread is rebuilt from its start time, its .et duration, its blocked time "
@@ -1157,7 +1156,7 @@ def write_report(et_dir: str | Path, trace_dirs: list[str | Path] | None = None,
 def find_report_folders(path: Path) -> list[Path]:
     """The folder itself when it holds .et files, else its sub-folders (two levels) that do."""
     def has_et(folder: Path) -> bool:
-        return any(ET_FILE.match(p.name) for p in folder.iterdir() if p.is_file())
+        return any(ET_FILE_RE.match(p.name) for p in folder.iterdir() if p.is_file())
 
     if not path.is_dir():
         raise ReportError(f"{path}: not a folder")

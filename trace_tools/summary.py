@@ -8,9 +8,9 @@ from dataclasses import asdict
 from pathlib import Path
 
 from .atomic import write_text_atomic
+from .layout import CONVERSION_SUMMARY, STEP_PREFIX
 from .pipeline import RankResult, RunResult, rank_result_from_dict
 
-SUMMARY_NAME = "CONVERSION_SUMMARY.md"
 _STATUS_RE = re.compile(r"<!-- trace_tools-status\n(.*?)\n-->", re.S)
 # Results kept in the summary for convert_remaining.py (the collectives sequence is long; it is re-read from the .et)
 _KEPT_FIELDS = [f for f in RankResult.__dataclass_fields__ if f != "collectives"]
@@ -133,7 +133,7 @@ def render_run_summary(result: RunResult) -> str:
     lines.append("- every .et was decoded after writing: all dependencies resolve, no cycle, every node is issued by "
                  "a dependency-respecting walk, only node types ASTRA-sim accepts")
     lines.append("- ratio = critical path of the .et's graph with the traced durations of its step (collectives at "
-                 "their traced durations) / that traced step (`ProfilerStep#N` in the device trace, or the traced "
+                 "their traced durations) / that traced step (`" + STEP_PREFIX + "N` in the device trace, or the traced "
                  "span when there is none): near 1.0, replaying the graph gives back the step it came from; the .et "
                  "itself holds per-operator medians with the profiler's cost removed (see the details)")
     for r in result.ranks:
@@ -147,12 +147,12 @@ def render_run_summary(result: RunResult) -> str:
 
 
 def write_run_summary(result: RunResult) -> Path:
-    return write_text_atomic(result.output_dir / SUMMARY_NAME, render_run_summary(result))
+    return write_text_atomic(result.output_dir / CONVERSION_SUMMARY, render_run_summary(result))
 
 
 def read_previous_results(output_dir: Path) -> dict[int, RankResult] | None:
     """Per-rank results recorded in an earlier CONVERSION_SUMMARY.md (None when there is none)."""
-    path = output_dir / SUMMARY_NAME
+    path = output_dir / CONVERSION_SUMMARY
     try:
         match = _STATUS_RE.search(path.read_text(encoding="utf-8"))
     except OSError:
@@ -164,6 +164,15 @@ def read_previous_results(output_dir: Path) -> dict[int, RankResult] | None:
     except ValueError:
         return None
     return {int(rank): rank_result_from_dict(data) for rank, data in status.items()}
+
+
+def converted_from(output_dir: Path) -> Path | None:
+    """The trace folder the conversion into output_dir read, as its CONVERSION_SUMMARY.md names it (None if unknown)."""
+    try:
+        match = re.search(r"by trace_tools from `([^`]+)`", (output_dir / CONVERSION_SUMMARY).read_text(encoding="utf-8"))
+    except OSError:
+        return None
+    return Path(match[1]) if match else None
 
 
 def render_table(results: list[RunResult]) -> str:

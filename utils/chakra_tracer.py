@@ -19,28 +19,12 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ExecutionTraceObserver, ProfilerActivity, profile, schedule
 
+from trace_tools.layout import (DERIVED_FILES, DEVICE_TRACE, HOST_TRACE, INVALID_SUFFIX, PARTIAL_SUFFIX, PG_INIT_NODE,
+                                PREVIOUS_RUN_DIR, RUN_INFO, RUN_METADATA_KEY, STACKS_TABLE, STEP_ANNOTATION,
+                                device_trace_name, host_trace_name)
 from utils.metrics import busy_machine_warning, machine_load_between, sample_machine_load
 
 logger = logging.getLogger(__name__)
-
-# Output layout, one folder per run: <trace-output-dir>/<trace-name>/...
-HOST_TRACE = "host.{rank}.json"
-DEVICE_TRACE = "device.{rank}.json"
-STACKS_TABLE = "stacks.{rank}.txt"
-RUN_INFO = "run.json"
-# Written here first and renamed once complete and valid, so a crash never leaves a half-written trace.
-PARTIAL_SUFFIX = ".partial"
-INVALID_SUFFIX = ".invalid"
-STEP_ANNOTATION = "ProfilerStep#{step}"
-# Every device trace carries the run's identity in its metadata under this key: {"id", "rank", "world_size"}; the
-# converter refuses a set of ranks from different runs (trace_tools/identity.py reads it).
-RUN_METADATA_KEY = "mosim_run"
-# The files of the run a new one replaces go here, once the new window is written: <trace-output-dir>/.previous/<name>/
-PREVIOUS_RUN_DIR = ".previous"
-# What a conversion or a report made of a run's traces (rank 0 moves them aside with the traces they came from).
-DERIVED_FILES = ("run.json", "CONVERSION_SUMMARY.md", "report.md", "report.json", "SIMULATION.md")
-# ExecutionTraceObserver.start() records the process-group config under this name when torch.distributed is up.
-PG_INIT_NODE = "## process_group:init ##"
 
 
 class TraceError(RuntimeError):
@@ -190,8 +174,8 @@ class ChakraTracer:
         self.run_info = dict(run_info or {})
         self.first_traced_step = wait_steps + warmup_steps
         self.traced_steps = list(range(self.first_traced_step, self.first_traced_step + active_steps))
-        self.host_path = self.trace_dir / HOST_TRACE.format(rank=rank)
-        self.device_path = self.trace_dir / DEVICE_TRACE.format(rank=rank)
+        self.host_path = self.trace_dir / host_trace_name(rank)
+        self.device_path = self.trace_dir / device_trace_name(rank)
         self.stacks_path = self.trace_dir / STACKS_TABLE.format(rank=rank)
         self.use_cuda = self.device.type == "cuda" and torch.cuda.is_available()
         self._observer: ExecutionTraceObserver | None = None

@@ -1,0 +1,65 @@
+"""The code's shape: one definition of the trace layout, no import cycle in trace_tools, no function over 100 lines."""
+from __future__ import annotations
+
+import ast
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+LAYOUT = REPO / "trace_tools" / "layout.py"
+# Non-test Python sources: the training and conversion code, the top-level scripts and the benchmarks.
+SOURCES = sorted([*REPO.glob("*.py"), *(p for d in ("trace_tools", "utils", "gpt2", "bert", "bench", "scripts")
+                                        for p in (REPO / d).rglob("*.py"))])
+
+# ---- one trace layout ------------------------------------------------------------------------------------------
+# The rule: outside trace_tools/layout.py, no string in code (docstrings are prose and exempt; comments are not
+# strings) holds the layout's mechanics: the step annotation's prefix, the process-group node's name, the run
+# metadata key, or a per-rank file pattern (host.{rank}..., {name}.{rank}.et); and no string IS one of its file
+# names (a string that equals "run.json" is that file used as a name: a path, a definition, a comparison). Messages
+# may mention a file in prose ("see CONVERSION_SUMMARY.md"); a name they build a path from comes from the layout.
+LAYOUT_MECHANICS = re.compile(r"ProfilerStep#|## process_group:init ##|mosim_run|(?<!\w)(host|device|stacks|\{kind\})\.\{"
+                              r"|\}\.et\b")
+LAYOUT_FILE_NAMES = {"CONVERSION_SUMMARY.md", "run.json"}
+
+
+def _docstrings(tree: ast.AST) -> set[int]:
+    return {id(node.body[0].value) for node in ast.walk(tree)
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body
+            and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
+
+
+def _code_strings(tree: ast.AST):
+    """(line, text) of every string in code: constants, and f-strings as written (`f'{name}.{rank}.et'`)."""
+    skip = _docstrings(tree)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.JoinedStr):
+            skip.update(id(part) for part in ast.walk(node) if part is not node)
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            yield node.lineno, node.value
+        elif isinstance(node, ast.JoinedStr):
+            yield node.lineno, ast.unparse(node)
+
+
+def test_the_trace_layout_is_defined_only_in_trace_tools_layout():
+    found = []
+    for path in SOURCES:
+        if path == LAYOUT:
+            continue
+        for line, text in _code_strings(ast.parse(path.read_text(encoding="utf-8"))):
+            if LAYOUT_MECHANICS.search(text) or text in LAYOUT_FILE_NAMES:
+                found.append(f"{path.relative_to(REPO)}:{line}: {text[:80]!r}")
+    assert not found, "define or build these from trace_tools/layout.py:\n" + "\n".join(found)
+
+
+def test_the_layout_check_finds_a_copied_definition():
+    copied = ast.parse('HOST = "host.{rank}.json"\nout = folder / f"{name}.{rank}.et"\nx = "run.json"\n'
+                       'def f():\n    """host.{rank}.json in a docstring is prose"""\n')
+    hits = sorted(line for line, text in _code_strings(copied) if LAYOUT_MECHANICS.search(text) or text in LAYOUT_FILE_NAMES)
+    assert hits == [1, 2, 3]
