@@ -63,3 +63,41 @@ def test_the_layout_check_finds_a_copied_definition():
                        'def f():\n    """host.{rank}.json in a docstring is prose"""\n')
     hits = sorted(line for line, text in _code_strings(copied) if LAYOUT_MECHANICS.search(text) or text in LAYOUT_FILE_NAMES)
     assert hits == [1, 2, 3]
+
+
+# ---- no import cycle in trace_tools ----------------------------------------------------------------------------
+def trace_tools_imports() -> dict[str, set[str]]:
+    """Module -> the trace_tools modules it imports anywhere in its code (a lazy import inside a function counts:
+    it only hides a cycle)."""
+    modules = {p.stem: p for p in (REPO / "trace_tools").glob("*.py") if p.stem != "__init__"}
+    imports: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom):
+                module = node.module or ""
+                if node.level == 1 or module.startswith("trace_tools"):
+                    base = module.removeprefix("trace_tools").lstrip(".")
+                    found.update([base] if base else [alias.name for alias in node.names])
+            elif isinstance(node, ast.Import):
+                found.update(a.name.removeprefix("trace_tools.") for a in node.names if a.name.startswith("trace_tools."))
+        imports[name] = {m.split(".")[0] for m in found} & modules.keys()
+    return imports
+
+
+def test_trace_tools_modules_import_each_other_without_a_cycle():
+    from trace_tools.graph import topological_order
+
+    imports = trace_tools_imports()
+    names = sorted(imports)
+    order = topological_order([[names.index(m) for m in imports[name]] for name in names])
+    on_cycle = sorted(set(names) - {names[i] for i in order})
+    assert not on_cycle, "import cycle among: " + ", ".join(f"{n} -> {sorted(imports[n])}" for n in on_cycle)
+    assert "pipeline" in imports["summary"] or "summary" in imports["pipeline"]  # the check sees lazy imports too
+
+
+@pytest.mark.parametrize("module", sorted(p.stem for p in (REPO / "trace_tools").glob("*.py")))
+def test_each_trace_tools_module_imports_alone_in_a_fresh_interpreter(module):
+    done = subprocess.run([sys.executable, "-c", f"import trace_tools.{module}"], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]

@@ -712,21 +712,6 @@ def _add_gpu_work(linked: LinkedTrace, cpu_lane: list[int], lanes: dict[tuple, i
     return syncs
 
 
-def _step_number(name: str) -> int:
-    tail = name[len(STEP_PREFIX):]
-    return int(tail) if tail.isdigit() else -1
-
-
-def _step_label(names: list[str]) -> str:
-    """'ProfilerStep#3', or 'ProfilerStep#2..#5' for consecutive steps."""
-    if len(names) <= 2:
-        return ", ".join(names)
-    numbers = [_step_number(n) for n in names]
-    if -1 not in numbers and numbers == list(range(numbers[0], numbers[0] + len(numbers))):
-        return f"{STEP_PREFIX}{numbers[0]}..#{numbers[-1]}"
-    return f"{names[0]}, ... ({len(names)} steps)"
-
-
 def _time_main_thread_node(host: HostTrace, dev: DeviceTrace, match: list[int], matched: list[int],
                            structural: list[bool], start: float, end: float) -> tuple[int, int] | None:
     """Append a Kineto-table event spanning the main thread's traced window for the host's thread node of the

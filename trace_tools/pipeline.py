@@ -13,7 +13,7 @@ import stat
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable
 
@@ -21,69 +21,17 @@ from .convert import write_et, write_merged_json
 from .discover import Run
 from .identity import device_header_identity, one_run_problems, rank_identity
 from .layout import CONVERSION_SUMMARY, PG_INIT_NODE, STEP_PREFIX, et_name
-from .link import COMM_TYPE_NAMES, NODE_TYPE_NAMES, link_host_and_device, remove_recording_overhead
+from .link import link_host_and_device, remove_recording_overhead
 from .load import TraceError, is_structural, load_device_trace, load_host_trace, read_trace_bytes
 from .repair import NO_OPERATORS_PROBLEM
 from .step_timing import STEP_SPREAD_BOUND, read_step_times
+from .summary import RankResult, RunResult, write_run_summary
 from .validate import collectives_agree, validate_et
 
 logger = logging.getLogger(__name__)
 
 MERGED_NAME = "{name}.{rank}.merged.json"
 FALLBACK_OUTPUT_ROOT = Path("converted")
-
-
-@dataclass
-class RankResult:
-    """What converting one rank gave: status, the .et and its numbers, or the one-line reason it failed."""
-
-    run: str
-    rank: int
-    status: str = "failed"  # "ok", "failed", "refused" (the set is not one run) or "interrupted"
-    error: str = ""
-    et_path: str = ""
-    merged_path: str = ""
-    nodes: int = 0
-    nodes_by_type: dict[str, int] = field(default_factory=dict)
-    comm_ops: int = 0
-    comm_bytes: int = 0
-    comm_by_type: dict[str, int] = field(default_factory=dict)
-    collectives: list = field(default_factory=list)
-    traced_step: str = ""
-    traced_step_us: float = 0.0
-    critical_path_us: float = 0.0         # of the .et as written (medians, the profiler's cost removed)
-    traced_critical_path_us: float = 0.0  # of the same graph with the traced durations of the chosen step
-    match_mode: str = ""
-    match_detail: str = ""
-    host_ops: int = 0
-    host_ops_matched: int = 0
-    kineto_only_ops: int = 0
-    gpu_ops: int = 0
-    gpu_ops_left_out: int = 0
-    wait_us: float = 0.0
-    untraced_step_us: float = 0.0          # measured before the profiler's window (run.json); 0 when unknown
-    recording_overhead_us: float = 0.0     # profiler cost taken out of the step's CPU durations
-    overhead_per_op_us: float = 0.0
-    traced_steps_us: list = field(default_factory=list)  # every traced step (the .et holds the median one)
-    step_spread: float = 0.0               # (longest - shortest) / median traced step
-    conversion_s: float = 0.0
-    timings: dict[str, float] = field(default_factory=dict)
-    peak_rss_mb: float = 0.0
-    warnings: list[str] = field(default_factory=list)
-    # name, size and mtime of the host and device trace the .et was made from, and of the .et itself
-    inputs: dict[str, dict] = field(default_factory=dict)
-    # what the traces say about the run they come from (trace_tools.identity.rank_identity)
-    identity: dict[str, Any] = field(default_factory=dict)
-    # what fix_host_traces.py did to the host trace ("" when it was not repaired)
-    host_repair: str = ""
-
-    @property
-    def ok(self) -> bool:
-        return self.status == "ok"
-
-    @property
-    def match_rate(self) -> float:
-        return self.host_ops_matched / self.host_ops if self.host_ops else 0.0
 
 
 class OutputError(TraceError):
@@ -429,22 +377,6 @@ def _worker_setup() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-@dataclass
-class RunResult:
-    """All ranks of one run, the cross-rank check and where the outputs went."""
-
-    run: Run
-    output_dir: Path
-    ranks: list[RankResult]
-    agreement_problems: list[str] = field(default_factory=list)
-    note: str = ""
-    interrupted: bool = False
-
-    @property
-    def ok(self) -> bool:
-        return all(r.ok for r in self.ranks) and not self.agreement_problems
-
-
 def _writable(folder: Path) -> bool:
     """Writable for us, and not marked read-only (root may write anywhere; a read-only folder is a statement)."""
     try:
@@ -585,8 +517,6 @@ def _convert_in_pool(tasks: list, jobs: int, done: Callable[[str, RankResult], N
 
 
 def _save_summary(run_result: RunResult) -> None:
-    from .summary import write_run_summary
-
     try:
         write_run_summary(run_result)
     except OSError as e:
@@ -614,12 +544,6 @@ def _check_one_run(run_result: RunResult) -> None:
         r.error = "not one run with the other ranks (see the checks); its .et was removed"
 
 
-def convert_run(run: Run, output_dir: str | Path | None = None, jobs: int | None = None,
-                emit_merged: bool = False, progress: bool = False) -> RunResult:
-    """Convert every rank of one run (see convert_runs)."""
-    return convert_runs([run], output_dir=output_dir, jobs=jobs, emit_merged=emit_merged, progress=progress)[0]
-
-
 class _NoProgress:
     def update(self, n: int) -> None:
         pass
@@ -633,12 +557,3 @@ def _progress(total: int, enabled: bool):
         return _NoProgress()
     from tqdm import tqdm
     return tqdm(total=total, desc="converting ranks", unit="rank", file=sys.stderr, leave=False)
-
-
-def rank_result_from_dict(data: dict[str, Any]) -> RankResult:
-    known = set(RankResult.__dataclass_fields__)
-    return RankResult(**{k: v for k, v in data.items() if k in known})
-
-
-__all__ = ["RankResult", "RunResult", "convert_rank", "convert_run", "convert_runs", "output_dir_for", "peak_rss_mb",
-           "rank_result_from_dict", "COMM_TYPE_NAMES", "NODE_TYPE_NAMES"]

@@ -198,10 +198,6 @@ def _schema_problem(fields: dict, nodes_is_list: bool) -> Optional[tuple]:
     return None
 
 
-def is_supported_schema(schema: object) -> bool:
-    return isinstance(schema, str) and SUPPORTED_SCHEMA_RE.fullmatch(schema) is not None
-
-
 def _node_id(node: object) -> object:
     return node.get("id") if isinstance(node, dict) else None
 

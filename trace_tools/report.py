@@ -9,7 +9,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from collections import Counter, defaultdict, deque
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,6 +21,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
 from .discover import find_runs
+from .graph import longest_path, topological_order
 from .layout import ET_FILE_RE, STEP_PREFIX
 from .link import COMM_TYPE_NAMES
 from .load import read_trace_bytes
@@ -408,37 +409,15 @@ def critical_path(trace: RankTrace) -> dict[str, Any]:
     """Longest chain of .et durations through the data and ctrl dependencies (Kahn's order, linear time)."""
     nodes = trace.nodes
     index_of = {node.id: i for i, node in enumerate(nodes)}
-    children: list[list[int]] = [[] for _ in nodes]
-    missing = [0] * len(nodes)
-    dangling = 0
-    for i, node in enumerate(nodes):
-        for dep in node.deps:
-            j = index_of.get(dep)
-            if j is None:
-                dangling += 1
-                continue
-            children[j].append(i)
-            missing[i] += 1
-    finish = [0] * len(nodes)
-    ready_at = [0] * len(nodes)
-    best_pred = [-1] * len(nodes)
-    queue = deque(i for i, m in enumerate(missing) if m == 0)
-    visited = 0
-    while queue:
-        i = queue.popleft()
-        visited += 1
-        finish[i] = ready_at[i] + nodes[i].dur
-        for c in children[i]:
-            if best_pred[c] < 0 or finish[i] > ready_at[c]:
-                ready_at[c] = max(ready_at[c], finish[i])
-                best_pred[c] = i
-            missing[c] -= 1
-            if missing[c] == 0:
-                queue.append(c)
+    parents = [[index_of[dep] for dep in node.deps if dep in index_of] for node in nodes]
+    dangling = sum(len(node.deps) for node in nodes) - sum(map(len, parents))
+    order = topological_order(parents)
+    visited = len(order)
     result: dict[str, Any] = {"dangling_deps": dangling, "unreached_nodes": len(nodes) - visited}
     if visited < len(nodes):
         result.update(critical_path_us=None, problem=f"{len(nodes) - visited} nodes sit on a dependency cycle")
         return result
+    finish, best_pred = longest_path(parents, [node.dur for node in nodes], order)
     end = max(range(len(nodes)), key=lambda i: finish[i])
     path = []
     i = end

@@ -639,7 +639,7 @@ def render_scale_summary(result: ScaleResult) -> str:
         f"- {ranks} open files at once (each NPU's feeder keeps its file open): `ulimit -n` above {ranks}.",
         "- Files it may open for writing: Chakra's feeder opens each .et in read+append mode (it writes nothing), so "
         "a read-only .et fails with `Failed to open file`; do not make the set read-only. A hard-linked file changed "
-        f"through one name changes every rank that shares it: regenerate with scale_et.py instead of editing.",
+        "through one name changes every rank that shares it: regenerate with scale_et.py instead of editing.",
     ]
     if result.critical_path_us:
         paths = ", ".join(f"rank {r}: {us:,.0f}" for r, us in result.critical_path_us.items())
