@@ -12,6 +12,7 @@ from .link import COMM_COLL_NODE, COMM_RECV_NODE, COMM_SEND_NODE, GPU_OP, HOST_O
 from .atomic import _atomic_output
 from .graph import topological_order
 from .load import CHUNK_BYTES, iter_document, read_trace_bytes
+from .validate import SerializedMessage
 
 ET_VERSION = "0.0.4"
 CONVERTER = "mosim-llms trace_tools"
@@ -133,11 +134,8 @@ def write_et(linked: LinkedTrace, out_path: str | Path) -> Path:
     order = file_order(linked)
     with _atomic_output(out_path) as f:
         encodeMessage(f, global_metadata(linked))
-        write = f.write
         for i in order:
-            blob = build_node(linked, i)
-            write(_varint(len(blob)))  # the length prefix protolib.encodeMessage writes
-            write(blob)
+            encodeMessage(f, SerializedMessage(build_node(linked, i)))
     return out_path
 
 
@@ -153,18 +151,6 @@ def file_order(linked: LinkedTrace) -> list[int]:
         placed = set(order)
         order.extend(sorted((i for i in range(n) if i not in placed), key=lambda i: ids[i]))
     return order
-
-
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while True:
-        bits = value & 0x7F
-        value >>= 7
-        if value:
-            out.append(0x80 | bits)
-        else:
-            out.append(bits)
-            return bytes(out)
 
 
 # ---------------------------------------------------------------------------------------------------------------

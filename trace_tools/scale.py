@@ -26,14 +26,15 @@ from chakra.schema.protobuf.et_def_pb2 import (
     ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, COMM_COLL_NODE, COMM_RECV_NODE, COMM_SEND_NODE, COMP_NODE, REDUCE_SCATTER,
     AttributeProto, GlobalMetadata, Node,
 )
+from chakra.src.third_party.utils.protolib import encodeMessage
 
 from .atomic import write_text_atomic
 from .layout import ET_FILE_RE, RUN_INFO, et_name
-from .convert import _varint
 from .link import COMM_TYPE_NAMES
 from .pipeline import FALLBACK_OUTPUT_ROOT, _writable
 from .summary import converted_from, format_bytes
-from .validate import EtFormatError, collectives_agree, iter_et_messages, read_et_metadata, validate_et
+from .validate import (EtFormatError, SerializedMessage, collectives_agree, iter_et_messages, read_et_metadata,
+                       validate_et)
 
 logger = logging.getLogger(__name__)
 
@@ -351,20 +352,14 @@ def write_scaled_et(source: SourceEt, out_path: Path, *, ranks: int, traced_rank
     rewrite: dict[int, bytes] = {i: _in_world_group(source.blobs[i]) for i in source.comm_indices}
     metadata = scaled_metadata(source.metadata, ranks, traced_ranks, source_rank, compute_scale)
     with open(out_path, "xb", buffering=1 << 20) as f:
-        _write_message(f, metadata.SerializeToString())
+        encodeMessage(f, metadata)
         for i, blob in enumerate(source.blobs):
             if i in rewrite:
                 blob = rewrite[i]
             elif compute_scale != 1.0 and source.node_types[i] == COMP_NODE:
                 blob = _slowed(blob, compute_scale)
-            _write_message(f, blob)
+            encodeMessage(f, SerializedMessage(blob))
     return out_path
-
-
-def _write_message(f, blob: bytes) -> None:
-    """protolib.encodeMessage's framing (a varint length, then the message) for a message already serialized."""
-    f.write(_varint(len(blob)))
-    f.write(blob)
 
 
 def link_or_copy(existing: Path, new: Path) -> bool:
