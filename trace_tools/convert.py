@@ -9,7 +9,7 @@ from chakra.schema.protobuf.et_def_pb2 import AttributeProto, GlobalMetadata, No
 from chakra.src.third_party.utils.protolib import encodeMessage
 
 from .link import COMM_COLL_NODE, COMM_RECV_NODE, COMM_SEND_NODE, GPU_OP, HOST_OP, KINETO_OP, LinkedTrace
-from .atomic import _atomic_output
+from .atomic import atomic_output
 from .graph import topological_order
 from .load import CHUNK_BYTES, iter_document, read_trace_bytes
 from .validate import SerializedMessage
@@ -132,7 +132,7 @@ def write_et(linked: LinkedTrace, out_path: str | Path) -> Path:
     """Write the .et atomically (temp file in the same folder, then rename): never a partial .et."""
     out_path = Path(out_path)
     order = file_order(linked)
-    with _atomic_output(out_path) as f:
+    with atomic_output(out_path) as f:
         encodeMessage(f, global_metadata(linked))
         for i in order:
             encodeMessage(f, SerializedMessage(build_node(linked, i)))
@@ -181,7 +181,7 @@ def write_merged_json(linked: LinkedTrace, out_path: str | Path, chunk_bytes: in
     _, slices = iter_document(Path(host.path), data, "nodes", chunk_bytes)
     pending: dict[int, bytes] = {}  # merged id -> serialized node, written in id order
     next_to_write = 0
-    with _atomic_output(out_path) as f:
+    with atomic_output(out_path) as f:
         head = orjson.dumps(header)
         f.write(head[:-1] + b', "nodes": [\n')
         first = True

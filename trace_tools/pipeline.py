@@ -17,6 +17,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable
 
+from .atomic import atomic_path
 from .convert import write_et, write_merged_json
 from .discover import Run
 from .identity import device_header_identity, one_run_problems, rank_identity
@@ -206,43 +207,26 @@ def _convert_rank(host_path, device_path, out_path, rank, merged_path, validate,
     mark = time.perf_counter()
     out_path = Path(out_path)
     # Written under a hidden name and renamed only once validated: a failed rank never leaves a .et behind.
-    staging = out_path.with_name("." + out_path.name + ".unvalidated")
     try:
-        try:
+        with atomic_path(out_path, stage="unvalidated") as staging:
             write_et(linked, staging)
-        except OSError as e:
-            raise OutputError(out_path, f"cannot write the .et: {_os_problem(e, out_path.parent)}") from None
-        timings["write_s"] = time.perf_counter() - mark
-        if merged_path is not None:
-            mark = time.perf_counter()
-            try:
-                write_merged_json(linked, merged_path)
-            except OSError as e:
-                raise OutputError(merged_path, f"cannot write: {_os_problem(e, Path(merged_path).parent)}") from None
-            timings["merged_s"] = time.perf_counter() - mark
-            result.merged_path = str(merged_path)
-        stats = linked.stats
-        result.et_path = str(out_path)
-        result.traced_step = linked.step_name or "span of the matched operators"
-        result.traced_step_us = linked.step_dur
-        result.match_mode = stats["match"]["mode"]
-        result.host_ops = stats["host_ops"]
-        result.host_ops_matched = stats["host_ops_matched"]
-        result.kineto_only_ops = stats["kineto_only_ops"]
-        result.gpu_ops = stats["gpu_ops"]
-        result.gpu_ops_left_out = stats["gpu_ops_outside_step"]
-        result.wait_us = stats.get("wait_us", 0.0)
-        result.match_detail = describe_match(stats["match"])
-        del linked, host, device
-        if validate:
-            _validate_into(result, staging, timings)
-        result.inputs["et"] = et_fingerprint(staging, out_path.name)
-        try:
-            os.replace(staging, out_path)
-        except OSError as e:
-            raise OutputError(out_path, f"cannot write the .et: {_os_problem(e, out_path.parent)}") from None
-    finally:
-        staging.unlink(missing_ok=True)
+            timings["write_s"] = time.perf_counter() - mark
+            if merged_path is not None:
+                mark = time.perf_counter()
+                try:
+                    write_merged_json(linked, merged_path)
+                except OSError as e:
+                    raise OutputError(merged_path, f"cannot write: {_os_problem(e, Path(merged_path).parent)}") from None
+                timings["merged_s"] = time.perf_counter() - mark
+                result.merged_path = str(merged_path)
+            result.et_path = str(out_path)
+            _note_link(result, linked)
+            del linked, host, device
+            if validate:
+                _validate_into(result, staging, timings)
+            result.inputs["et"] = et_fingerprint(staging, out_path.name)
+    except OSError as e:
+        raise OutputError(out_path, f"cannot write the .et: {_os_problem(e, out_path.parent)}") from None
     if result.match_rate < 0.95:
         result.warnings.append(f"only {result.host_ops_matched} of {result.host_ops} host operators have a Kineto "
                                f"event ({result.match_rate:.1%}); the others are left out of the .et")
@@ -314,6 +298,21 @@ def describe_match(info: dict) -> str:
     rejected = f"; {info['nesting_rejected']} rejected for not nesting in their parent" \
         if info.get("nesting_rejected") else ""
     return f"Kineto External id = host rf_id + offset, then aligned by name in order: {threads}{rejected}"
+
+
+def _note_link(result: RankResult, linked) -> None:
+    """What linking found: the step, how host and device operators matched, the blocked time taken out."""
+    stats = linked.stats
+    result.traced_step = linked.step_name or "span of the matched operators"
+    result.traced_step_us = linked.step_dur
+    result.match_mode = stats["match"]["mode"]
+    result.host_ops = stats["host_ops"]
+    result.host_ops_matched = stats["host_ops_matched"]
+    result.kineto_only_ops = stats["kineto_only_ops"]
+    result.gpu_ops = stats["gpu_ops"]
+    result.gpu_ops_left_out = stats["gpu_ops_outside_step"]
+    result.wait_us = stats.get("wait_us", 0.0)
+    result.match_detail = describe_match(stats["match"])
 
 
 def _validate_into(result: RankResult, path: Path, timings: dict[str, float]) -> None:

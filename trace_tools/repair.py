@@ -7,8 +7,8 @@ import gzip
 import json
 import os
 import re
+import shutil
 import stat
-import tempfile
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,6 +16,7 @@ from typing import Iterable, Optional
 
 import orjson
 
+from .atomic import atomic_output
 from .layout import PG_INIT_NODE
 
 # Host trace schemas PyTorch has written so far: "1.0.1" (torch 2.0-2.2, the GPU fixtures), then
@@ -822,37 +823,19 @@ def _backup_path(path: Path) -> Path:
 
 def _write_replacement(path: Path, payload: bytes, gzipped: bool) -> Path:
     """Write the repaired trace beside the original, keep the original as <file>.orig, then rename into place."""
-    mode = stat.S_IMODE(path.stat().st_mode)
-    handle, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    tmp = Path(tmp_name)
-    try:
-        with os.fdopen(handle, "wb") as out:
-            if gzipped:
-                with gzip.GzipFile(fileobj=out, mode="wb", compresslevel=6, mtime=0) as zipped:
-                    zipped.write(payload)
-            else:
-                out.write(payload)
-            out.flush()
-            os.fsync(out.fileno())
-        os.chmod(tmp, mode)
+    with atomic_output(path, mode=stat.S_IMODE(path.stat().st_mode)) as out:
+        if gzipped:
+            with gzip.GzipFile(fileobj=out, mode="wb", compresslevel=6, mtime=0) as zipped:
+                zipped.write(payload)
+        else:
+            out.write(payload)
         backup = _backup_path(path)
         try:
             os.link(path, backup)  # the original bytes, instantly, and nothing is lost if the rename fails
         except OSError:
-            _copy_file(path, backup)
-        os.replace(tmp, path)
-        return backup
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
-def _copy_file(src: Path, dst: Path) -> None:
-    handle, tmp_name = tempfile.mkstemp(dir=dst.parent, prefix=f".{dst.name}.", suffix=".tmp")
-    with os.fdopen(handle, "wb") as out, open(src, "rb") as source:
-        while chunk := source.read(1 << 20):
-            out.write(chunk)
-    os.replace(tmp_name, dst)
+            with atomic_output(backup) as copy, open(path, "rb") as source:
+                shutil.copyfileobj(source, copy, 1 << 20)
+    return backup
 
 
 def repair_host_trace(path, *, keep_original: bool = True, check_only: bool = False,

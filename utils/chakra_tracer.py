@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ExecutionTraceObserver, ProfilerActivity, profile, schedule
 
+from trace_tools.atomic import write_text_atomic
 from trace_tools.layout import (DERIVED_FILES, DEVICE_TRACE, HOST_TRACE, INVALID_SUFFIX, PARTIAL_SUFFIX, PG_INIT_NODE,
                                 PREVIOUS_RUN_DIR, RUN_INFO, RUN_METADATA_KEY, STACKS_TABLE, STEP_ANNOTATION,
                                 device_trace_name, host_trace_name)
@@ -491,10 +492,7 @@ class ChakraTracer:
             "untraced_steps": sorted(self.untraced_step_wall_time_s),
             "machine_busy": any((r.get("machine_load") or {}).get("busy") for r in ranks),
         }
-        path = self.trace_dir / RUN_INFO
-        partial = self._partial(path)
-        partial.write_text(json.dumps(info, indent=2, default=str) + "\n", encoding="utf-8")
-        partial.replace(path)
+        write_text_atomic(self.trace_dir / RUN_INFO, json.dumps(info, indent=2, default=str) + "\n")
         logger.info("traces of steps %s from %d rank(s) in %s", completed, len(ranks), self.trace_dir)
 
 
