@@ -101,3 +101,18 @@ def test_each_trace_tools_module_imports_alone_in_a_fresh_interpreter(module):
     done = subprocess.run([sys.executable, "-c", f"import trace_tools.{module}"], cwd=REPO, capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+# ---- short functions -------------------------------------------------------------------------------------------
+MAX_FUNCTION_LINES = 100
+
+
+def test_no_function_in_trace_tools_or_utils_is_over_100_lines():
+    long = []
+    for path in sorted([*(REPO / "trace_tools").glob("*.py"), *(REPO / "utils").glob("*.py")]):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1  # decorators aside, docstring and body included
+                if length > MAX_FUNCTION_LINES:
+                    long.append(f"{path.relative_to(REPO)}:{node.lineno} {node.name}: {length} lines")
+    assert not long, "split these into named steps:\n" + "\n".join(long)

@@ -884,9 +884,8 @@ def build_report(et_dir: Path, trace_dirs: list[Path] | None = None, use_hta: bo
     return report, traces
 
 
-def render_markdown(report: dict, figures: dict[str, Any]) -> str:
-    ranks = {int(r): s for r, s in report["per_rank"].items()}
-    gpu_run = report["kind"] == "gpu"
+def _intro_lines(report: dict, ranks: dict[int, dict], gpu_run: bool) -> list[str]:
+    """The run, its missing or repaired ranks, and what counts as what."""
     lines = [f"# Trace report: {report['run']}", ""]
     step_names = sorted({s["step_name"] for s in ranks.values() if s["step_name"]})
     lines.append(f"{len(ranks)} rank(s) ({'GPU' if gpu_run else 'CPU'} run"
@@ -925,8 +924,12 @@ def render_markdown(report: dict, figures: dict[str, Any]) -> str:
               "(`wait_micros`) and its callees, since the .et holds exclusive durations only.",
               "- Every number is computed from the `.et` nodes (report.json has them all, per rank); the HTA section "
               "reads the Kineto device traces instead, cut to the same step.", ""]
+    return lines
 
-    lines += ["## Step time per rank", "", f"![step breakdown]({FIGURE_BREAKDOWN})", ""]
+
+def _breakdown_lines(ranks: dict[int, dict], gpu_run: bool) -> list[str]:
+    """Step time per rank: compute, communication, memory copies, idle."""
+    lines = ["## Step time per rank", "", f"![step breakdown]({FIGURE_BREAKDOWN})", ""]
     header = "| rank | step (ms) | compute (ms) | communication (ms) | memory copies (ms) | idle (ms) | " \
              "comm. total (ms) | comm. under compute | "
     header += "CPU busy (ms) |" if gpu_run else ""
@@ -943,8 +946,12 @@ def render_markdown(report: dict, figures: dict[str, Any]) -> str:
     if outside:
         lines += ["", "Work outside the step window (launched inside it, ran before or after it; not in the "
                       "breakdown): " + ", ".join(f"rank {r}: {_ms(us)} ms" for r, us in sorted(outside.items())) + "."]
+    return lines
 
-    lines += ["", "## Critical path of each .et", "",
+
+def _critical_path_lines(ranks: dict[int, dict]) -> list[str]:
+    """The critical path of each .et beside the traced step."""
+    lines = ["", "## Critical path of each .et", "",
               "Longest chain of node durations (collectives at their traced durations) through the data and "
               "control dependencies: the time a simulator replaying the .et as traced would take. Beside it the "
               "traced step time; a path longer than the step means the .et serialises work that overlapped, a "
@@ -966,15 +973,12 @@ def render_markdown(report: dict, figures: dict[str, Any]) -> str:
     for r, cp in problems:
         lines.append(f"\nRank {r}: {cp['dangling_deps']} dependencies name missing nodes, "
                      f"{cp['unreached_nodes']} nodes unreachable.")
+    return lines
 
-    lines += ["", "## Timeline of the traced step", "",
-              "Lanes: CPU threads (by the thread id in the .et), the CPU-thread collectives, GPU streams. Coloured: "
-              "where a node did its work; grey: the thread was inside an operator but not working in it (blocked "
-              "on another thread or the GPU, or between callees); red with a black edge: collectives.", ""]
-    for r in sorted(ranks):
-        lines += [f"![timeline rank {r}]({FIGURE_TIMELINE.format(rank=r)})", ""]
 
-    lines += ["## Top operators", "", f"![top operators]({FIGURE_TOP})", "",
+def _top_lines(report: dict, ranks: dict[int, dict], gpu_run: bool) -> list[str]:
+    """The operators (and GPU kernels) with the most time."""
+    lines = ["## Top operators", "", f"![top operators]({FIGURE_TOP})", "",
               f"The {TOP_N} CPU operators with the most exclusive time (.et duration), summed over all ranks.", "",
               "| operator | calls | exclusive (ms, all ranks) | mean per rank (ms) | blocked (ms, all ranks) |",
               "|---|---|---|---|---|"]
@@ -987,8 +991,12 @@ def render_markdown(report: dict, figures: dict[str, Any]) -> str:
         for e in report["top_kernels"]:
             lines.append(f"| `{_cell(_short(e['name'], 80))}` | {e.get('category', '')} | {e['count']} | "
                          f"{_ms(e['total_us'])} | {_ms(e['per_rank_mean_us'])} |")
+    return lines
 
-    lines += ["", "## Communication", ""]
+
+def _communication_lines(ranks: dict[int, dict]) -> list[str]:
+    """Bytes per process group and every collective per rank."""
+    lines = ["", "## Communication", ""]
     any_comm = any(s["collectives"] for s in ranks.values())
     if not any_comm:
         lines += ["No communication nodes in these `.et` files (a single-rank run, or no collectives traced)."]
@@ -1007,7 +1015,22 @@ def render_markdown(report: dict, figures: dict[str, Any]) -> str:
                   "Each operation in start order: type, size and duration per rank (the same k-th operation of the "
                   "process group on every rank).", ""]
         lines += _collective_rows(ranks)
+    return lines
 
+
+def render_markdown(report: dict, figures: dict[str, Any]) -> str:
+    """report.md: the run, then one section per question (step breakdown, critical path, timelines, top
+    operators, communication, HTA)."""
+    ranks = {int(r): s for r, s in report["per_rank"].items()}
+    gpu_run = report["kind"] == "gpu"
+    lines = _intro_lines(report, ranks, gpu_run) + _breakdown_lines(ranks, gpu_run) + _critical_path_lines(ranks)
+    lines += ["", "## Timeline of the traced step", "",
+              "Lanes: CPU threads (by the thread id in the .et), the CPU-thread collectives, GPU streams. Coloured: "
+              "where a node did its work; grey: the thread was inside an operator but not working in it (blocked "
+              "on another thread or the GPU, or between callees); red with a black edge: collectives.", ""]
+    for r in sorted(ranks):
+        lines += [f"![timeline rank {r}]({FIGURE_TIMELINE.format(rank=r)})", ""]
+    lines += _top_lines(report, ranks, gpu_run) + _communication_lines(ranks)
     lines += ["", "## HolisticTraceAnalysis", ""]
     lines += _hta_section(report, ranks)
     if figures.get("errors"):
