@@ -3,6 +3,7 @@ tests (torch-free). One folder per run: <trace-output-dir>/<trace-name>/ holding
 ExecutionTraceObserver), device.<r>.json (Kineto), stacks.<r>.txt, and run.json; the converter adds
 <trace-name>.<r>.et and CONVERSION_SUMMARY.md."""
 import re
+from pathlib import Path
 
 HOST_TRACE = "host.{rank}.json"
 DEVICE_TRACE = "device.{rank}.json"
@@ -39,3 +40,17 @@ def device_trace_name(rank: int) -> str:
 
 def et_name(prefix: str, rank: int) -> str:
     return ET_FILE.format(prefix=prefix, rank=rank)
+
+
+def et_sets(folder: str | Path) -> dict[str, dict[int, Path]]:
+    """The .et sets in a folder: workload prefix name -> {rank: path} (empty when the folder cannot be read)."""
+    sets: dict[str, dict[int, Path]] = {}
+    try:
+        entries = sorted(Path(folder).iterdir())
+    except OSError:
+        return sets
+    for path in entries:
+        match = ET_FILE_RE.match(path.name)
+        if match and path.is_file():
+            sets.setdefault(match["name"], {})[int(match["rank"])] = path
+    return sets

@@ -22,7 +22,7 @@ from matplotlib.patches import Patch
 
 from .discover import find_runs
 from .graph import longest_path, topological_order
-from .layout import ET_FILE_RE, STEP_PREFIX
+from .layout import STEP_PREFIX, et_sets
 from .link import COMM_TYPE_NAMES
 from .load import read_trace_bytes
 from .validate import EtFormatError, read_et
@@ -179,11 +179,7 @@ def _join_step_thread(nodes: list[EtNode]) -> None:
 
 def find_et_files(folder: Path) -> tuple[str, dict[int, Path]]:
     """The run name and rank -> .et path of the `<name>.<rank>.et` files in a folder (one run per folder)."""
-    runs: dict[str, dict[int, Path]] = defaultdict(dict)
-    for path in sorted(folder.iterdir()):
-        match = ET_FILE_RE.match(path.name)
-        if match and path.is_file():
-            runs[match.group("name")][int(match.group("rank"))] = path
+    runs = et_sets(folder)
     if not runs:
         raise ReportError(f"{folder}: no <name>.<rank>.et files")
     if len(runs) > 1:
@@ -1158,7 +1154,7 @@ def write_report(et_dir: str | Path, trace_dirs: list[str | Path] | None = None,
 def find_report_folders(path: Path) -> list[Path]:
     """The folder itself when it holds .et files, else its sub-folders (two levels) that do."""
     def has_et(folder: Path) -> bool:
-        return any(ET_FILE_RE.match(p.name) for p in folder.iterdir() if p.is_file())
+        return bool(et_sets(folder))
 
     if not path.is_dir():
         raise ReportError(f"{path}: not a folder")

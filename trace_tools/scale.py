@@ -29,7 +29,7 @@ from chakra.schema.protobuf.et_def_pb2 import (
 from chakra.src.third_party.utils.protolib import encodeMessage
 
 from .atomic import write_text_atomic
-from .layout import ET_FILE_RE, RUN_INFO, et_name
+from .layout import ET_FILE_RE, RUN_INFO, et_name, et_sets
 from .link import COMM_TYPE_NAMES
 from .pipeline import FALLBACK_OUTPUT_ROOT, _writable
 from .summary import converted_from, format_bytes
@@ -92,11 +92,7 @@ def find_source_set(source: str | Path) -> SourceSet:
         if source.is_file():
             raise ScaleError(source, "is a file; give the run folder or the workload prefix <dir>/<name>")
         raise ScaleError(source, "no such folder (expected a converted run folder with <name>.<rank>.et files)")
-    sets: dict[str, set[int]] = {}
-    for entry in os.scandir(source):
-        match = ET_FILE_RE.match(entry.name)
-        if match and entry.is_file():
-            sets.setdefault(match["name"], set()).add(int(match["rank"]))
+    sets = et_sets(source)
     if not sets:
         raise ScaleError(source, "no <name>.<rank>.et files; convert the traces first (convert_to_et.py)")
     if len(sets) > 1:
@@ -108,7 +104,7 @@ def find_source_set(source: str | Path) -> SourceSet:
 
 
 def _complete_set(folder: Path, name: str) -> SourceSet:
-    ranks = {int(m["rank"]) for m in map(ET_FILE_RE.match, os.listdir(folder)) if m and m["name"] == name}
+    ranks = set(et_sets(folder).get(name, ()))
     missing = sorted(set(range(max(ranks) + 1)) - ranks) if ranks else [0]
     if missing:
         raise ScaleError(folder / et_name(name, missing[0]), f"missing (the set has ranks {_ranges(sorted(ranks))}; "

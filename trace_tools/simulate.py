@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .atomic import write_text_atomic
-from .layout import ET_FILE_RE, RUN_INFO, et_name
+from .layout import RUN_INFO, et_name, et_sets
 
 ASTRA_SIM_ENV = "ASTRA_SIM"
 INSTALLER = "install_astra_sim.sh"
@@ -187,20 +187,6 @@ def find_astra_sim(path: str | os.PathLike | None = None) -> Path:
     return candidate.resolve()
 
 
-def et_sets(folder: Path) -> dict[str, list[int]]:
-    """The .et sets in a folder: prefix name -> ranks found (`<name>.<rank>.et`, as the converter writes them)."""
-    found: dict[str, list[int]] = {}
-    try:
-        entries = sorted(folder.iterdir())
-    except OSError:
-        return {}
-    for path in entries:
-        match = ET_FILE_RE.match(path.name)
-        if match and path.is_file():
-            found.setdefault(match.group("name"), []).append(int(match.group("rank")))
-    return {name: sorted(ranks) for name, ranks in found.items()}
-
-
 def find_workload(run: Path) -> tuple[Path, int]:
     """(workload prefix, ranks) of a converted run: a folder with <name>.<rank>.et files, or the prefix itself."""
     if not run.is_dir():
@@ -208,7 +194,7 @@ def find_workload(run: Path) -> tuple[Path, int]:
         if ranks:
             return run, ranks
         raise SimulationError(f"{run}: no such folder (nor a workload prefix with {run.name}.0.et beside it)")
-    sets = {name: ranks for name, ranks in et_sets(run).items() if ranks[0] == 0}
+    sets = {name: ranks for name, ranks in et_sets(run).items() if 0 in ranks}
     if not sets:
         raise SimulationError(f"{run}: no <name>.<rank>.et files; convert the run first (python3 convert_to_et.py "
                               f"{run})")

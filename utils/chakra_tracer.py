@@ -15,6 +15,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import orjson
 import torch
 import torch.distributed as dist
 from torch.profiler import ExecutionTraceObserver, ProfilerActivity, profile, schedule
@@ -23,6 +24,7 @@ from trace_tools.atomic import write_text_atomic
 from trace_tools.layout import (DERIVED_FILES, DEVICE_TRACE, HOST_TRACE, INVALID_SUFFIX, PARTIAL_SUFFIX, PG_INIT_NODE,
                                 PREVIOUS_RUN_DIR, RUN_INFO, RUN_METADATA_KEY, STACKS_TABLE, STEP_ANNOTATION,
                                 device_trace_name, host_trace_name)
+from trace_tools.load import describe_json_problem
 from utils.metrics import busy_machine_warning, machine_load_between, sample_machine_load
 
 logger = logging.getLogger(__name__)
@@ -573,9 +575,9 @@ def read_trace_file(path: str | os.PathLike, kind: str) -> tuple[Any, str | None
     if not data.strip():
         return None, "empty file"
     try:
-        document = _loads(data)
-    except ValueError:
-        return None, _describe_json_problem(data)
+        document = orjson.loads(data)
+    except orjson.JSONDecodeError as e:  # in the converter's words: truncated, written twice, not JSON
+        return None, describe_json_problem(data, e)
     if kind == "host":
         if not isinstance(document, dict) or not isinstance(document.get("nodes"), list) or "schema" not in document:
             return None, "not an execution trace (no 'schema' and 'nodes')"
@@ -584,38 +586,3 @@ def read_trace_file(path: str | os.PathLike, kind: str) -> tuple[Any, str | None
     elif not isinstance(document, dict) or not isinstance(document.get("traceEvents"), list):
         return None, "not a Kineto trace (no 'traceEvents')"
     return document, None
-
-
-def _loads(data: bytes) -> Any:
-    try:
-        import orjson
-    except ImportError:
-        # The standard parser accepts NaN/Infinity, which are not JSON; refuse them like orjson does.
-        return json.loads(data, parse_constant=_refuse_constant)
-    return orjson.loads(data)
-
-
-def _refuse_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not valid JSON")
-
-
-def _describe_json_problem(data: bytes) -> str:
-    """Say why ``data`` is not one JSON document, in words a user can act on."""
-    text = data.decode("utf-8", errors="replace")
-    decoder = json.JSONDecoder(parse_constant=_refuse_constant)
-    documents, position = 0, 0
-    while True:
-        while position < len(text) and text[position].isspace():
-            position += 1
-        if position >= len(text):
-            break
-        try:
-            _, position = decoder.raw_decode(text, position)
-        except ValueError as error:
-            if documents:
-                return f"{documents} JSON document(s) followed by invalid data: {error}"
-            return f"invalid JSON: {error}"
-        documents += 1
-    if documents > 1:
-        return f"{documents} JSON objects concatenated (ExecutionTraceObserver wrote twice); run fix_host_traces.py"
-    return "invalid JSON"
