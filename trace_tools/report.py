@@ -25,6 +25,7 @@ from .graph import longest_path, topological_order
 from .layout import STEP_PREFIX, et_sets
 from .link import COMM_TYPE_NAMES
 from .load import read_trace_bytes
+from .summary import format_bytes
 from .validate import EtFormatError, read_et
 
 logger = logging.getLogger(__name__)
@@ -824,13 +825,6 @@ def _ms(us: float | None) -> str:
     return "n/a" if us is None else f"{us / 1000:.3f}"
 
 
-def _size(n: int) -> str:
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{n} B"
-
-
 def _pct(part: float, whole: float) -> str:
     return f"{100 * part / whole:.1f}%" if whole else "n/a"
 
@@ -1005,7 +999,7 @@ def _communication_lines(ranks: dict[int, dict]) -> list[str]:
             cells = []
             for r in sorted(ranks):
                 g = ranks[r]["bytes_by_process_group"].get(pg)
-                cells.append(f"{g['bytes']} B ({_size(g['bytes'])}) in {g['count']}" if g else "-")
+                cells.append(f"{g['bytes']} B ({format_bytes(g['bytes'])}) in {g['count']}" if g else "-")
             lines.append(f"| {pg or '(unnamed)'} | " + " | ".join(cells) + " |")
         lines += ["", f"![collectives]({FIGURE_COMM})", "",
                   "Each operation in start order: type, size and duration per rank (the same k-th operation of the "
