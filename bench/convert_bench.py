@@ -15,6 +15,7 @@ if __package__ in (None, ""):
 from bench.common import (BUNDLED_SQUAD, REPO_ROOT, BenchError, child_env, exit_on_sigterm, fail, format_table,
                           full_vocab_tokenizer, machine_description, median, one_core, ratio, run_child, train_script)
 from utils.families import FAMILIES
+from trace_tools.layout import RUN_INFO, device_trace_name, et_name, host_trace_name
 
 DEFAULT_CACHE = REPO_ROOT / "bench" / ".cache" / "traces"  # git-ignored (bench/.gitignore)
 GENERATE_TIMEOUT_S = 3600
@@ -51,8 +52,8 @@ class TraceSet:
 
 
 def _trace_file(folder: Path, kind: str, rank: int) -> Path:
-    plain = folder / f"{kind}.{rank}.json"
-    gz = folder / f"{kind}.{rank}.json.gz"
+    plain = folder / (host_trace_name(rank) if kind == "host" else device_trace_name(rank))
+    gz = plain.with_name(plain.name + ".gz")
     return gz if gz.is_file() and not plain.is_file() else plain
 
 
@@ -78,7 +79,7 @@ def trace_name(args, steps: int, vocab: int) -> str:
 
 
 def is_complete(folder: Path, ranks: int) -> bool:
-    return (folder / "run.json").is_file() and all(
+    return (folder / RUN_INFO).is_file() and all(
         _trace_file(folder, kind, r).is_file() for r in range(ranks) for kind in ("host", "device"))
 
 
@@ -133,8 +134,8 @@ def given_traces(folders: list) -> list:
         if missing:
             raise BenchError(f"{missing[0]}: missing (every host.<rank> trace needs its device.<rank> trace)")
         steps = 0
-        if (folder / "run.json").is_file():
-            steps = len(json.loads((folder / "run.json").read_text(encoding="utf-8")).get("traced_steps", []))
+        if (folder / RUN_INFO).is_file():
+            steps = len(json.loads((folder / RUN_INFO).read_text(encoding="utf-8")).get("traced_steps", []))
         sets.append(TraceSet(folder, steps, ranks))
     return sets
 
@@ -161,7 +162,7 @@ def merged_input(traces: TraceSet, rank: int, work: Path) -> Path:
 
 
 def time_ours(traces: TraceSet, rank: int, work: Path, core: int, measurement: Measurement) -> None:
-    out = work / f"ours.{rank}.et"
+    out = work / et_name("ours", rank)
     run = run_child([sys.executable, REPO_ROOT / "bench" / "convert_child.py", "convert", traces.host(rank),
                      traces.device(rank), "--out", out, "--rank", rank],
                     env=child_env(threads=1), cpu=core, timeout_s=CONVERT_TIMEOUT_S)
@@ -174,7 +175,7 @@ def time_ours(traces: TraceSet, rank: int, work: Path, core: int, measurement: M
 
 
 def time_chakra(chakra: str, merged: Path, rank: int, work: Path, core: int, measurement: Measurement) -> None:
-    out = work / f"chakra.{rank}.et"
+    out = work / et_name("chakra", rank)
     # chakra_converter logs at DEBUG level into a file by default (part of its cost); keep the file out of the tree.
     run = run_child([chakra, "--log-filename", work / f"chakra.{rank}.log", "PyTorch", "--input", merged,
                      "--output", out], env=child_env(threads=1), cpu=core, timeout_s=CONVERT_TIMEOUT_S)

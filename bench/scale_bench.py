@@ -13,6 +13,7 @@ if __package__ in (None, ""):
 
 from bench.common import (REPO_ROOT, BenchError, child_env, exit_on_sigterm, fail, format_table, machine_description,
                           median, run_child)
+from trace_tools.layout import CONVERSION_SUMMARY, RUN_INFO, et_name
 
 BUNDLED_RUN = REPO_ROOT / "tests" / "data" / "cpu" / "gpt2_tiny_2r"
 RANKS = (8, 64, 512, 1024)
@@ -230,8 +231,8 @@ def consistency_table(args, run4: Path, work: Path) -> str:
     shutil.rmtree(pair, ignore_errors=True)
     pair.mkdir(parents=True)
     for r in (0, 1):
-        os.link(run4 / f"{name}.{r}.et", pair / f"{name}.{r}.et")
-    for info in (run4 / "run.json", *sorted(run4.glob("CONVERSION_SUMMARY.md"))):
+        os.link(run4 / et_name(name, r), pair / et_name(name, r))
+    for info in (run4 / RUN_INFO, run4 / CONVERSION_SUMMARY):
         if info.is_file():
             shutil.copy(info, pair)
     scaled = scale(pair, 4, work / "consistency_scaled")["prefix"]

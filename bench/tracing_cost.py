@@ -14,6 +14,7 @@ from bench.common import (BUNDLED_SQUAD, BenchError, child_env, exit_on_sigterm,
                           full_vocab_tokenizer, machine_description, median, our_step_times, run_child, steps_between,
                           train_script)
 from utils.families import FAMILIES
+from trace_tools.layout import RUN_INFO
 
 CHILD_TIMEOUT_S = 3600
 DEFAULT_REPEATS = 3  # alternating off/on runs; one pair is at the mercy of whatever else the machine does
@@ -90,7 +91,7 @@ def run_condition(model: str, model_name: str, tokenizer: Path, args, plan: Plan
 def read_traced_run(work: Path, plan: Plan) -> "tuple[list, float]":
     """The tracer's own step times of the window (run.json) and the size of the traces it wrote."""
     folder = work / "traces" / TRACE_NAME
-    info_path = folder / "run.json"
+    info_path = folder / RUN_INFO
     if not info_path.is_file():
         raise BenchError(f"{info_path}: the tracer wrote no run.json, so the traced run cannot be trusted")
     info = json.loads(info_path.read_text(encoding="utf-8"))

@@ -25,6 +25,7 @@ from bench.common import (BUNDLED_SQUAD, OUR_LOG_FILE, REPO_ROOT, STEP_LINE, Ben
                           fail, format_table, machine_description, our_step_times, run_child)
 from bench.netem import (DEFAULT_MTU, QUEUE_LATENCY, Namespace, NetemUnavailable, Rate,
                          expected_goodput_share, format_bits, measure_throughput, missing_requirement, parse_rate)
+from trace_tools.layout import RUN_INFO, et_name
 
 RANKS = 2  # the loopback is one medium shared by both directions; the per-link equivalence below is for 2 ranks
 NICE = -5  # the measured ranks ahead of the other (nice 0 and 10) jobs on a shared machine
@@ -176,7 +177,7 @@ def write_allreduce_et(prefix: Path, size: int) -> Path:
         node.attr.extend([AttributeProto(name="is_cpu_op", bool_val=False),
                           AttributeProto(name="comm_type", int64_val=ALL_REDUCE),
                           AttributeProto(name="comm_size", int64_val=size)])
-        with open(f"{prefix}.{rank}.et", "wb") as f:
+        with open(et_name(str(prefix), rank), "wb") as f:
             encodeMessage(f, GlobalMetadata(version="0.0.4"))
             encodeMessage(f, node)
     return prefix
@@ -315,7 +316,7 @@ def traced_runs(ns: Namespace, setup: ModelSetup, rate: Rate, count: int, args, 
 
 def read_run_json(folder: Path) -> tuple:
     """(traced step ms, untraced step ms or None) from the tracer's run.json: medians of the slowest rank."""
-    path = folder / "run.json"
+    path = folder / RUN_INFO
     if not path.is_file():
         raise BenchError(f"{path}: the tracer wrote no run.json")
     info = json.loads(path.read_text(encoding="utf-8"))

@@ -18,7 +18,7 @@ from trace_tools import scale
 from trace_tools.discover import find_runs
 from trace_tools.pipeline import convert_runs
 from trace_tools.scale import NotDataParallelError, ScaleError, scale_run, scale_set
-from trace_tools.validate import attr_value, collectives_agree, validate_et
+from trace_tools.validate import collectives_agree, validate_et
 
 REPO = Path(__file__).resolve().parent.parent
 GPT2_2R = "gpt2_tiny_2r"
@@ -27,6 +27,10 @@ GPT2_2R = "gpt2_tiny_2r"
 def metadata_of(path: Path) -> dict:
     metadata, _ = read_et_with_protolib(path)
     return {a.name: getattr(a, a.WhichOneof("value")) for a in metadata.attr}
+
+
+def attr_value(node: Node, name: str):
+    return next((getattr(a, a.WhichOneof("value")) for a in node.attr if a.name == name), None)
 
 
 def collective_nodes(path: Path) -> list[Node]:

@@ -330,12 +330,12 @@ def test_check_trace_file_names_the_problem(tmp_path):
     host = {"schema": "1.1.1-chakra.0.0.4", "nodes": [{"id": 1, "name": "x"}]}
     cases = {
         "ok.json": (json.dumps(host), None),
-        "twice.json": (json.dumps(host) + "\n" + json.dumps(host), "2 JSON objects concatenated"),
-        "cut.json": (json.dumps(host)[:-5], "invalid JSON"),
+        "twice.json": (json.dumps(host) + "\n" + json.dumps(host), "2 JSON documents concatenated"),
+        "cut.json": (json.dumps(host)[:-5], "truncated JSON"),
         "empty.json": ("  \n", "empty file"),
-        "nan.json": ('{"schema": "1", "nodes": [{"v": NaN}]}', "invalid JSON"),
+        "nan.json": ('{"schema": "1", "nodes": [{"v": NaN}]}', "not valid JSON"),
         "kineto.json": ('{"traceEvents": []}', "not an execution trace"),
-        "trailing.json": (json.dumps(host) + "]", "followed by invalid data"),
+        "trailing.json": (json.dumps(host) + "]", "unexpected data after the JSON document"),
     }
     for name, (text, expected) in cases.items():
         (tmp_path / name).write_text(text)
@@ -467,7 +467,7 @@ def test_host_trace_written_twice_fails_the_run_names_the_file_and_writes_no_run
             partial.write_bytes(partial.read_bytes() * 2)  # what two observers on one file leave behind
 
     monkeypatch.setattr(ChakraTracer, "_finalize_capture", finalize_then_write_twice)
-    with pytest.raises(TraceError, match=r"twice/host\.0\.json: 2 JSON objects concatenated .*host\.0\.json\.invalid"):
+    with pytest.raises(TraceError, match=r"twice/host\.0\.json: 2 JSON documents concatenated .*host\.0\.json\.invalid"):
         train(tiny_mlp(), ChakraTracer(tmp_path, "twice", run_info={"model": "m"}), steps=3)
     assert sorted(p.name for p in (tmp_path / "twice").iterdir()) == [
         "device.0.json", "host.0.json.invalid", "stacks.0.txt"]

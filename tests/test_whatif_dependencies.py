@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from conversion_helpers import CPU_FIXTURES, read_et_with_protolib, read_json, scaled_trace, write_json
+from trace_tools.graph import children_of, descendants as descendants_of
 from trace_tools.link import GPU_OP, link_host_and_device
 from trace_tools.load import load_device_trace, load_host_trace, tensor_storages
 from trace_tools.pipeline import convert_rank
@@ -16,25 +17,6 @@ def link_folder(folder: Path, rank: int = 0):
     host = load_host_trace(next(folder.glob(f"host.{rank}.json*")))
     device = load_device_trace(next(folder.glob(f"device.{rank}.json*")))
     return link_host_and_device(host, device, rank)
-
-
-def successors(linked) -> list[list[int]]:
-    children = [[] for _ in range(len(linked.kind))]
-    for i, deps in enumerate(linked.deps):
-        for d in deps:
-            children[d].append(i)
-    return children
-
-
-def reachable_from(children: list[list[int]], start: int) -> set[int]:
-    """Every node that depends on `start`, directly or not (iterative walk)."""
-    seen, stack = set(), [start]
-    while stack:
-        for d in children[stack.pop()]:
-            if d not in seen:
-                seen.add(d)
-                stack.append(d)
-    return seen
 
 
 def touches_buffer(linked, node: int, buffer: set[int]) -> bool:
@@ -69,7 +51,7 @@ def test_ddp_bucket_all_reduce_gates_only_the_ops_that_consume_its_buffer(run, r
     # (a slower network would delay the whole backward in the simulator); DDP's finalize, which reads the bucket,
     # must.
     linked = link_folder(CPU_FIXTURES / run, rank)
-    children = successors(linked)
+    children = children_of(linked.deps)
     buckets = [c for c, info in linked.comm.items() if info["comm_size"] > 100_000]
     assert buckets
     for c in buckets:
@@ -78,7 +60,7 @@ def test_ddp_bucket_all_reduce_gates_only_the_ops_that_consume_its_buffer(run, r
         assert all(touches_buffer(linked, d, collective_buffer(linked, c)) for d in consumers)
         backward_after_enqueue = [i for i in range(len(linked.kind)) if "Backward" in linked.name(i)
                                   and linked.ts[i] > linked.ts[c]]
-        descendants = reachable_from(children, c)
+        descendants = descendants_of(children, [c])
         assert not descendants & set(backward_after_enqueue)
     if run == "gpt2_2x128_2r_buckets":  # the first bucket is reduced while most of the backward is still to run
         first = min(buckets, key=lambda c: linked.ts[c])
@@ -88,12 +70,12 @@ def test_ddp_bucket_all_reduce_gates_only_the_ops_that_consume_its_buffer(run, r
 
 def test_dlrm_data_parallel_all_reduce_gates_no_backward_kernel_that_does_not_read_its_result(shared_fixtures):
     linked = link_folder(shared_fixtures / "gpu" / "param_dlrm_v100_8r", 0)
-    children = successors(linked)
+    children = children_of(linked.deps)
     all_reduces = [c for c, info in linked.comm.items() if info["comm_type"] == 0]
     assert all_reduces
     for c in all_reduces:
         buffer = collective_buffer(linked, c)
-        descendants = reachable_from(children, c)
+        descendants = descendants_of(children, [c])
         for d in descendants:
             if linked.kind[d] == GPU_OP and d not in linked.comm:
                 launcher = linked.name(linked.parent[d]) if linked.parent[d] >= 0 else ""
@@ -102,7 +84,7 @@ def test_dlrm_data_parallel_all_reduce_gates_no_backward_kernel_that_does_not_re
 
 def test_megatron_tensor_parallel_all_reduce_still_gates_the_compute_that_uses_its_output(shared_fixtures):
     linked = link_folder(shared_fixtures / "gpu" / "astra-sim_megatron_tp8_a100_8r", 0)
-    children = successors(linked)
+    children = children_of(linked.deps)
     gated = 0
     for c in linked.comm:
         compute = [d for d in children[c] if d not in linked.comm and linked.kind[d] == GPU_OP

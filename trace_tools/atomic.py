@@ -1,10 +1,12 @@
-"""Outputs that appear whole under their final name or not at all: a temporary file in the same folder, then rename."""
+"""Outputs that appear whole under their final name or not at all: a temporary file in the same folder, flushed to
+disk, then renamed; removed when anything fails."""
 from __future__ import annotations
 
 import os
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, Iterator
 
 
 def new_file_mode() -> int:
@@ -14,35 +16,38 @@ def new_file_mode() -> int:
     return 0o666 & ~umask
 
 
-class _atomic_output:
-    """Context manager: a binary file that appears under its final name only when fully written."""
-
-    def __init__(self, path: Path):
-        self.path = path
-        self.tmp: str | None = None
-        self.file: BinaryIO | None = None
-
-    def __enter__(self) -> BinaryIO:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd, self.tmp = tempfile.mkstemp(prefix="." + self.path.name + ".", suffix=".tmp", dir=self.path.parent)
-        self.file = os.fdopen(fd, "wb", buffering=1 << 20)
-        return self.file
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        assert self.file is not None and self.tmp is not None
+@contextmanager
+def atomic_path(path: str | Path, stage: str = "", mode: int | None = None) -> Iterator[Path]:
+    """A temporary path beside `path` for a writer that wants a path; renamed to `path` when the block ends without
+    an error (after fsync, with `mode` or an ordinary file's mode), removed otherwise. `stage` names what the
+    temporary file waits for (".<name>.<stage>.<random>.tmp"), so a clean-up after a kill can find it."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(prefix=f".{path.name}.{stage + '.' if stage else ''}", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    tmp = Path(name)
+    try:
+        yield tmp
+        fd = os.open(tmp, os.O_RDONLY)
         try:
-            self.file.close()
-            if exc_type is None:
-                os.chmod(self.tmp, new_file_mode())  # mkstemp makes 0600 files; outputs are ordinary files
-                os.replace(self.tmp, self.path)
+            os.fsync(fd)
         finally:
-            if os.path.exists(self.tmp):
-                os.unlink(self.tmp)
+            os.close(fd)
+        os.chmod(tmp, new_file_mode() if mode is None else mode)  # mkstemp makes 0600 files
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+@contextmanager
+def atomic_output(path: str | Path, mode: int | None = None, stage: str = "") -> Iterator[BinaryIO]:
+    """A binary file that appears under `path` only when fully written (see atomic_path)."""
+    with atomic_path(path, stage=stage, mode=mode) as tmp, open(tmp, "wb", buffering=1 << 20) as f:
+        yield f
 
 
 def write_text_atomic(path: str | Path, text: str) -> Path:
     """A UTF-8 text file (summary, configuration) written whole under its name or not at all."""
-    path = Path(path)
-    with _atomic_output(path) as f:
+    with atomic_output(path) as f:
         f.write(text.encode("utf-8"))
-    return path
+    return Path(path)

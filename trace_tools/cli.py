@@ -8,9 +8,9 @@ import sys
 from pathlib import Path
 
 from .discover import find_runs
+from .layout import CONVERSION_SUMMARY, et_name
 from .load import TraceError
-from .pipeline import (ET_NAME, convert_runs, et_fingerprint, file_fingerprint, output_dir_for,
-                       output_dir_problem)
+from .pipeline import convert_runs, et_fingerprint, file_fingerprint, output_dir_for, output_dir_problem
 from .summary import read_previous_results, render_table
 
 DEFAULT_PATH = "outputs"
@@ -105,7 +105,7 @@ def _main(args: argparse.Namespace, remaining: bool) -> int:
     for result in results:
         if result.note:
             print(f"note: {result.note}")
-        print(f"summary: {result.output_dir / 'CONVERSION_SUMMARY.md'}")
+        print(f"summary: {result.output_dir / CONVERSION_SUMMARY}")
     failed = missing or any(not result.ok for result in results)
     if args.report and not write_reports(results):
         failed = True
@@ -144,7 +144,7 @@ def _still_to_convert(runs, previous: dict, output_dir: str | None, several: boo
         out_dir, _ = output_dir_for(run, output_dir, several)
         for rank in run.ranks:
             old = previous[str(out_dir)].get(rank)
-            reason = _why_redo(run, rank, old, out_dir / ET_NAME.format(name=run.name, rank=rank), validate_et)
+            reason = _why_redo(run, rank, old, out_dir / et_name(run.name, rank), validate_et)
             if reason:
                 redo.add((str(out_dir), rank))
                 reasons[reason] = reasons.get(reason, 0) + 1

@@ -1,7 +1,6 @@
 """Write a linked trace as a Chakra .et (protobuf, length-delimited) and, optionally, as chakra_trace_link's JSON."""
 from __future__ import annotations
 
-import heapq
 from pathlib import Path
 from typing import Any
 
@@ -10,8 +9,10 @@ from chakra.schema.protobuf.et_def_pb2 import AttributeProto, GlobalMetadata, No
 from chakra.src.third_party.utils.protolib import encodeMessage
 
 from .link import COMM_COLL_NODE, COMM_RECV_NODE, COMM_SEND_NODE, GPU_OP, HOST_OP, KINETO_OP, LinkedTrace
-from .atomic import _atomic_output
+from .atomic import atomic_output
+from .graph import topological_order
 from .load import CHUNK_BYTES, iter_document, read_trace_bytes
+from .validate import SerializedMessage
 
 ET_VERSION = "0.0.4"
 CONVERTER = "mosim-llms trace_tools"
@@ -131,13 +132,10 @@ def write_et(linked: LinkedTrace, out_path: str | Path) -> Path:
     """Write the .et atomically (temp file in the same folder, then rename): never a partial .et."""
     out_path = Path(out_path)
     order = file_order(linked)
-    with _atomic_output(out_path) as f:
+    with atomic_output(out_path) as f:
         encodeMessage(f, global_metadata(linked))
-        write = f.write
         for i in order:
-            blob = build_node(linked, i)
-            write(_varint(len(blob)))  # the length prefix protolib.encodeMessage writes
-            write(blob)
+            encodeMessage(f, SerializedMessage(build_node(linked, i)))
     return out_path
 
 
@@ -146,43 +144,13 @@ def file_order(linked: LinkedTrace) -> list[int]:
 
     ASTRA-sim's feeder reads a window of nodes and keeps reading while a node depends on one not read yet; with no
     forward reference it never has to hold more than its window."""
-    n = len(linked.kind)
-    ids = linked.node_id
-    children: list[list[int]] = [[] for _ in range(n)]
-    waiting = [0] * n
-    for i in range(n):
-        parents = set(linked.deps[i])
-        if linked.parent[i] >= 0:
-            parents.add(linked.parent[i])
-        waiting[i] = len(parents)
-        for p in parents:
-            children[p].append(i)
-    ready = [(ids[i], i) for i in range(n) if waiting[i] == 0]
-    heapq.heapify(ready)
-    order = []
-    while ready:
-        _, i = heapq.heappop(ready)
-        order.append(i)
-        for c in children[i]:
-            waiting[c] -= 1
-            if waiting[c] == 0:
-                heapq.heappush(ready, (ids[c], c))
+    n, ids = len(linked.kind), linked.node_id
+    parents = [[*deps, p] if p >= 0 else deps for deps, p in zip(linked.deps, linked.parent)]
+    order = topological_order(parents, priority=ids)
     if len(order) != n:  # a cycle would be a linker bug; the validator names it, the file keeps every node
         placed = set(order)
         order.extend(sorted((i for i in range(n) if i not in placed), key=lambda i: ids[i]))
     return order
-
-
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while True:
-        bits = value & 0x7F
-        value >>= 7
-        if value:
-            out.append(0x80 | bits)
-        else:
-            out.append(bits)
-            return bytes(out)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -213,7 +181,7 @@ def write_merged_json(linked: LinkedTrace, out_path: str | Path, chunk_bytes: in
     _, slices = iter_document(Path(host.path), data, "nodes", chunk_bytes)
     pending: dict[int, bytes] = {}  # merged id -> serialized node, written in id order
     next_to_write = 0
-    with _atomic_output(out_path) as f:
+    with atomic_output(out_path) as f:
         head = orjson.dumps(header)
         f.write(head[:-1] + b', "nodes": [\n')
         first = True

@@ -6,11 +6,10 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-# host.0.json, host.0.json.gz (the tracer's layout, chakra's simple_multirank recipe)
-TRACER_FILE = re.compile(r"^(?P<kind>host|device)\.(?P<rank>\d+)\.json(?:\.gz)?$")
+from .layout import RUN_INFO, TRACE_FILE_RE, device_trace_name, host_trace_name
+
 # <name>_host.json, <name>_device.json.gz, <name>_host.1.json, <name>_host_rank1.json (the seed's flat layout)
 FLAT_FILE = re.compile(r"^(?P<name>.+?)_(?P<kind>host|device)(?:[._](?:rank)?(?P<rank>\d+))?\.json(?:\.gz)?$")
-RUN_INFO = "run.json"
 
 
 @dataclass
@@ -47,9 +46,9 @@ class Run:
     def expected(self, rank: int, kind: str) -> Path:
         """The file a rank's trace would have, in the layout this run uses."""
         present = next(iter(self.hosts.values()), None) or next(iter(self.devices.values()), None)
-        if present is not None and FLAT_FILE.match(present.name) and not TRACER_FILE.match(present.name):
+        if present is not None and FLAT_FILE.match(present.name) and not TRACE_FILE_RE.match(present.name):
             return self.folder / (f"{self.name}_{kind}.json" if rank == 0 else f"{self.name}_{kind}.{rank}.json")
-        return self.folder / f"{kind}.{rank}.json"
+        return self.folder / (host_trace_name(rank) if kind == "host" else device_trace_name(rank))
 
 
 def _prefer(existing: Path | None, candidate: Path) -> Path:
@@ -69,7 +68,7 @@ def _scan_folder(folder: Path) -> list[Run]:
     for path in entries:
         if not path.is_file() or path.name.startswith("."):
             continue
-        match = TRACER_FILE.match(path.name)
+        match = TRACE_FILE_RE.match(path.name)
         if match:
             rank = int(match.group("rank"))
             table = tracer.hosts if match.group("kind") == "host" else tracer.devices

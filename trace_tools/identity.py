@@ -7,8 +7,8 @@ import statistics
 from collections import Counter
 from typing import Any
 
-# What our tracer (utils/chakra_tracer.py) writes into every device trace's metadata: {"id", "rank", "world_size"}.
-RUN_METADATA_KEY = "mosim_run"
+from .layout import RUN_METADATA_KEY
+
 _RUN_RE = re.compile(rb'"' + RUN_METADATA_KEY.encode() + rb'"\s*:\s*(\{[^{}]*\})')
 _HOST_NAME_RE = re.compile(rb'"host_name"\s*:\s*"([^"\\]{0,256})"')
 # The metadata Kineto writes comes before "traceEvents"; a tool that rewrote the file may have put it at the end.

@@ -2,12 +2,17 @@
 tests (torch-free). One folder per run: <trace-output-dir>/<trace-name>/ holding, per rank, host.<r>.json (PyTorch's
 ExecutionTraceObserver), device.<r>.json (Kineto), stacks.<r>.txt, and run.json; the converter adds
 <trace-name>.<r>.et and CONVERSION_SUMMARY.md."""
+import re
+from pathlib import Path
 
 HOST_TRACE = "host.{rank}.json"
 DEVICE_TRACE = "device.{rank}.json"
+# host.0.json, device.1.json.gz: a rank's traces as discovery recognises them (gzipped by hand or by a copy)
+TRACE_FILE_RE = re.compile(r"^(?P<kind>host|device)\.(?P<rank>\d+)\.json(?:\.gz)?$")
 STACKS_TABLE = "stacks.{rank}.txt"
 RUN_INFO = "run.json"
 ET_FILE = "{prefix}.{rank}.et"  # the name ASTRA-sim reads: <workload prefix>.<rank>.et
+ET_FILE_RE = re.compile(r"^(?P<name>[^.].*)\.(?P<rank>\d+)\.et$")  # hidden files are partial ones
 CONVERSION_SUMMARY = "CONVERSION_SUMMARY.md"
 # Written here first and renamed once complete and valid, so a crash never leaves a half-written trace.
 PARTIAL_SUFFIX = ".partial"
@@ -35,3 +40,17 @@ def device_trace_name(rank: int) -> str:
 
 def et_name(prefix: str, rank: int) -> str:
     return ET_FILE.format(prefix=prefix, rank=rank)
+
+
+def et_sets(folder: str | Path) -> dict[str, dict[int, Path]]:
+    """The .et sets in a folder: workload prefix name -> {rank: path} (empty when the folder cannot be read)."""
+    sets: dict[str, dict[int, Path]] = {}
+    try:
+        entries = sorted(Path(folder).iterdir())
+    except OSError:
+        return sets
+    for path in entries:
+        match = ET_FILE_RE.match(path.name)
+        if match and path.is_file():
+            sets.setdefault(match["name"], {})[int(match["rank"])] = path
+    return sets

@@ -8,23 +8,22 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-from .load import DeviceTrace, HostTrace, TraceError, is_structural, PROCESS_GROUP_INIT
+from chakra.schema.protobuf.et_def_pb2 import (
+    ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, BROADCAST, COMM_COLL_NODE, COMM_RECV_NODE, COMM_SEND_NODE, COMP_NODE, GATHER,
+    REDUCE, REDUCE_SCATTER, SCATTER, CollectiveCommType, NodeType,
+)
+
+from .layout import PG_INIT_NODE, STEP_PREFIX
+from .load import DeviceTrace, HostTrace, TraceError, is_structural
 
 logger = logging.getLogger(__name__)
 
 # Node kinds in the linked graph
 HOST_OP, KINETO_OP, GPU_OP = 0, 1, 2
-# Node types (values of chakra's et_def_pb2.NodeType)
-COMP_NODE, COMM_SEND_NODE, COMM_RECV_NODE, COMM_COLL_NODE = 4, 5, 6, 7
-# Collective types (values of chakra's et_def_pb2.CollectiveCommType)
-ALL_REDUCE, REDUCE, ALL_GATHER, GATHER, SCATTER, BROADCAST, ALL_TO_ALL, REDUCE_SCATTER, BARRIER = 0, 1, 2, 3, 4, 5, 6, 7, 9
-COMM_TYPE_NAMES = {ALL_REDUCE: "ALL_REDUCE", REDUCE: "REDUCE", ALL_GATHER: "ALL_GATHER", GATHER: "GATHER",
-                   SCATTER: "SCATTER", BROADCAST: "BROADCAST", ALL_TO_ALL: "ALL_TO_ALL",
-                   REDUCE_SCATTER: "REDUCE_SCATTER", BARRIER: "BARRIER"}
-NODE_TYPE_NAMES = {COMP_NODE: "COMP", COMM_SEND_NODE: "COMM_SEND", COMM_RECV_NODE: "COMM_RECV",
-                   COMM_COLL_NODE: "COMM_COLL"}
-
-STEP_PREFIX = "ProfilerStep#"
+# Names of chakra's enums (et_def_pb2) in messages and summaries: ALL_REDUCE, COMP...
+COMM_TYPE_NAMES = {value: name for name, value in CollectiveCommType.items()}
+NODE_TYPE_NAMES = {t: NodeType.Name(t).removesuffix("_NODE") for t in (COMP_NODE, COMM_SEND_NODE, COMM_RECV_NODE,
+                                                                          COMM_COLL_NODE)}
 # Host-side names of the collective itself (the record function that carries the communicated tensor).
 COLLECTIVE_PREFIXES = ("nccl:", "gloo:", "mpi:", "ucc:", "xccl:")
 # Collectives that run on CPU threads become COMM nodes themselves (there is no GPU kernel to stand for them).
@@ -426,7 +425,7 @@ def link_host_and_device(host: HostTrace, dev: DeviceTrace, rank: int = 0,
     _check_same_process(host, dev)
     kparent, kexcl = kineto_nesting(dev)
     structural = [is_structural(name) for name in host.names]
-    candidates = [h for h in range(len(host)) if not structural[h] and host.names[h] != PROCESS_GROUP_INIT]
+    candidates = [h for h in range(len(host)) if not structural[h] and host.names[h] != PG_INIT_NODE]
     if dev.has_record_function_ids and any(rf >= 0 for rf in host.rf_ids):
         match, match_info = match_by_record_function_id(host, dev, candidates)
     else:
@@ -761,21 +760,6 @@ def _add_gpu_work(linked: LinkedTrace, cpu_lane: list[int], lanes: dict[tuple, i
     return syncs
 
 
-def _step_number(name: str) -> int:
-    tail = name[len(STEP_PREFIX):]
-    return int(tail) if tail.isdigit() else -1
-
-
-def _step_label(names: list[str]) -> str:
-    """'ProfilerStep#3', or 'ProfilerStep#2..#5' for consecutive steps."""
-    if len(names) <= 2:
-        return ", ".join(names)
-    numbers = [_step_number(n) for n in names]
-    if -1 not in numbers and numbers == list(range(numbers[0], numbers[0] + len(numbers))):
-        return f"{STEP_PREFIX}{numbers[0]}..#{numbers[-1]}"
-    return f"{names[0]}, ... ({len(names)} steps)"
-
-
 def _time_main_thread_node(host: HostTrace, dev: DeviceTrace, match: list[int], matched: list[int],
                            structural: list[bool], start: float, end: float) -> tuple[int, int] | None:
     """Append a Kineto-table event spanning the main thread's traced window for the host's thread node of the
@@ -881,71 +865,10 @@ def _attach_runtime_calls(linked: LinkedTrace, dev: DeviceTrace, cpu_lane: list[
 def _classify_communication(linked: LinkedTrace, gpu_nodes: list[int], host_parent_idx: list[int]) -> None:
     """COMM nodes: NCCL kernels (typed by their host collective) and CPU-thread collectives (gloo)."""
     host, dev = linked.host, linked.device
-    comm_types = Counter()
-    process_groups = host.process_groups
-    default_pg = ""
-    if len(process_groups) == 1:
-        default_pg = str(process_groups[0].get("pg_name", ""))
-    elif not process_groups:
-        pg_config = dev.distributed.get("pg_config") if isinstance(dev.distributed, dict) else None
-        if isinstance(pg_config, list) and len(pg_config) == 1 and isinstance(pg_config[0], dict):
-            default_pg = str(pg_config[0].get("pg_name", ""))
+    default_pg = _default_process_group(linked)
 
     def describe(h: int, fallback_name: str) -> dict | None:
-        """Walk up from host node h to the collective's record function, record_param_comms and c10d op."""
-        collective = rpc = c10d = -1
-        x, depth = h, 0
-        while x >= 0 and depth < 12:
-            name = host.names[x]
-            if collective < 0 and name.startswith(COLLECTIVE_PREFIXES):
-                collective = x
-            elif rpc < 0 and name.startswith("record_param_comms"):
-                rpc = x
-            elif c10d < 0 and name.startswith("c10d::"):
-                c10d = x
-            p = host_parent_idx[x]
-            x = p if p != x else -1
-            depth += 1
-        kinds = None
-        for candidate in (collective, c10d):
-            if candidate >= 0:
-                kinds = classify_collective(host.names[candidate].split(":", 1)[-1])
-                if kinds:
-                    break
-        if kinds is None and rpc >= 0:
-            values, types = host.comm_inputs.get(rpc, ([], []))
-            for s in _string_inputs(values, types):
-                kinds = classify_collective(s)
-                if kinds:
-                    break
-        if kinds is None:
-            kinds = classify_collective(fallback_name)
-        if kinds is None:
-            return None
-        size = 0
-        for source in (collective, rpc, c10d):
-            if source >= 0 and source in host.comm_inputs:
-                size = tensor_bytes(*host.comm_inputs[source])
-                if size:
-                    break
-        info = {"node_type": kinds[0], "comm_type": kinds[1], "comm_size": size, "pg_name": default_pg}
-        if rpc >= 0:
-            values, types = host.comm_inputs.get(rpc, ([], []))
-            strings = _string_inputs(values, types)
-            names = [s for s in strings if classify_collective(s)]
-            if names and strings.index(names[0]) > 0:  # torch >= 2.3: (..., pg_name, pg_desc, collective, ...)
-                info["pg_name"] = strings[0]
-        if kinds[0] in (COMM_SEND_NODE, COMM_RECV_NODE) and c10d >= 0:
-            values, types = host.comm_inputs.get(c10d, ([], []))
-            ints = _int_inputs(values, types)
-            if ints:
-                peer = ints[0]
-                if kinds[0] == COMM_SEND_NODE:
-                    info.update(comm_src=linked.rank, comm_dst=peer)
-                else:
-                    info.update(comm_src=peer, comm_dst=linked.rank)
-                info["comm_tag"] = ints[1] if len(ints) > 1 else 0
-        return info
+        return _describe_collective(linked, host_parent_idx, default_pg, h, fallback_name)
 
     for i in gpu_nodes:
         g = linked.src[i]
@@ -966,7 +889,6 @@ def _classify_communication(linked: LinkedTrace, gpu_nodes: list[int], host_pare
             info["pg_name"] = dev.gpu_pg_name[g]
         linked.node_type[i] = info.pop("node_type")
         linked.comm[i] = info
-        comm_types[info["comm_type"]] += 1
     for i, kind in enumerate(linked.kind):
         if kind != HOST_OP:
             continue
@@ -978,8 +900,79 @@ def _classify_communication(linked: LinkedTrace, gpu_nodes: list[int], host_pare
             continue
         linked.node_type[i] = info.pop("node_type")
         linked.comm[i] = info
-        comm_types[info["comm_type"]] += 1
     linked.stats["comm_nodes"] = len(linked.comm)
+
+
+def _default_process_group(linked: LinkedTrace) -> str:
+    """The name of the run's only process group, "" when there are several or none is recorded."""
+    process_groups = linked.host.process_groups
+    if len(process_groups) == 1:
+        return str(process_groups[0].get("pg_name", ""))
+    distributed = linked.device.distributed
+    pg_config = distributed.get("pg_config") if isinstance(distributed, dict) and not process_groups else None
+    if isinstance(pg_config, list) and len(pg_config) == 1 and isinstance(pg_config[0], dict):
+        return str(pg_config[0].get("pg_name", ""))
+    return ""
+
+
+def _describe_collective(linked: LinkedTrace, host_parent_idx: list[int], default_pg: str, h: int,
+                         fallback_name: str) -> dict | None:
+    """The COMM node host op h stands for (type, size, process group, peer), from the collective's record function,
+    record_param_comms and c10d op found walking up from h; None when it names no collective."""
+    host = linked.host
+    collective = rpc = c10d = -1
+    x, depth = h, 0
+    while x >= 0 and depth < 12:
+        name = host.names[x]
+        if collective < 0 and name.startswith(COLLECTIVE_PREFIXES):
+            collective = x
+        elif rpc < 0 and name.startswith("record_param_comms"):
+            rpc = x
+        elif c10d < 0 and name.startswith("c10d::"):
+            c10d = x
+        p = host_parent_idx[x]
+        x = p if p != x else -1
+        depth += 1
+    kinds = None
+    for candidate in (collective, c10d):
+        if candidate >= 0:
+            kinds = classify_collective(host.names[candidate].split(":", 1)[-1])
+            if kinds:
+                break
+    if kinds is None and rpc >= 0:
+        values, types = host.comm_inputs.get(rpc, ([], []))
+        for s in _string_inputs(values, types):
+            kinds = classify_collective(s)
+            if kinds:
+                break
+    if kinds is None:
+        kinds = classify_collective(fallback_name)
+    if kinds is None:
+        return None
+    size = 0
+    for source in (collective, rpc, c10d):
+        if source >= 0 and source in host.comm_inputs:
+            size = tensor_bytes(*host.comm_inputs[source])
+            if size:
+                break
+    info = {"node_type": kinds[0], "comm_type": kinds[1], "comm_size": size, "pg_name": default_pg}
+    if rpc >= 0:
+        values, types = host.comm_inputs.get(rpc, ([], []))
+        strings = _string_inputs(values, types)
+        names = [s for s in strings if classify_collective(s)]
+        if names and strings.index(names[0]) > 0:  # torch >= 2.3: (..., pg_name, pg_desc, collective, ...)
+            info["pg_name"] = strings[0]
+    if kinds[0] in (COMM_SEND_NODE, COMM_RECV_NODE) and c10d >= 0:
+        values, types = host.comm_inputs.get(c10d, ([], []))
+        ints = _int_inputs(values, types)
+        if ints:
+            peer = ints[0]
+            if kinds[0] == COMM_SEND_NODE:
+                info.update(comm_src=linked.rank, comm_dst=peer)
+            else:
+                info.update(comm_src=peer, comm_dst=linked.rank)
+            info["comm_tag"] = ints[1] if len(ints) > 1 else 0
+    return info
 
 
 def describe_kernel_only(name: str) -> dict | None:

@@ -10,6 +10,8 @@ from typing import Any, Iterator
 
 import orjson
 
+from .layout import PG_INIT_NODE
+
 # Files above this size are parsed in slices of the big array so the parsed objects of the whole file never
 # exist at once (a 55 MB host trace is ~350 MB of Python objects when parsed whole).
 CHUNKED_PARSE_MIN_BYTES = 16 << 20
@@ -17,7 +19,6 @@ CHUNK_BYTES = 4 << 20
 
 KNOWN_SCHEMA_FAMILIES = ("1.0", "1.1")
 STRUCTURAL_NODE_PREFIXES = ("[pytorch|profiler|execution_trace|", "[pytorch|profiler|execution_graph|")
-PROCESS_GROUP_INIT = "## process_group:init ##"
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 CPU_CATEGORIES = ("cpu_op", "user_annotation")
 RUNTIME_CATEGORIES = ("cuda_runtime", "cuda_driver", "hip_runtime", "hip_driver")
@@ -419,7 +420,7 @@ def _append_host_nodes(trace: HostTrace, nodes: list) -> None:
             piece("op_schema", schema if isinstance(schema, str) else ""))))
         if name.startswith(COMM_NAME_PREFIXES):
             comm_inputs[index] = (values if isinstance(values, list) else [], types if isinstance(types, list) else [])
-        elif name == PROCESS_GROUP_INIT:
+        elif name == PG_INIT_NODE:
             trace.process_groups.extend(_parse_process_groups(values))
 
 

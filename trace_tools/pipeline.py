@@ -13,78 +13,26 @@ import stat
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable
 
+from .atomic import atomic_path
 from .convert import write_et, write_merged_json
 from .discover import Run
 from .identity import device_header_identity, host_device_time_problem, one_run_problems, rank_identity
-from .link import (COMM_TYPE_NAMES, NODE_TYPE_NAMES, STEP_PREFIX, link_host_and_device,
-                   remove_recording_overhead)
-from .load import PROCESS_GROUP_INIT, TraceError, is_structural, load_device_trace, load_host_trace, read_trace_bytes
+from .layout import CONVERSION_SUMMARY, PG_INIT_NODE, STEP_PREFIX, et_name
+from .link import link_host_and_device, remove_recording_overhead
+from .load import TraceError, is_structural, load_device_trace, load_host_trace, read_trace_bytes
 from .repair import NO_OPERATORS_PROBLEM
 from .step_timing import STEP_SPREAD_BOUND, read_step_times
+from .summary import RankResult, RunResult, write_run_summary
 from .validate import collectives_agree, validate_et
 
 logger = logging.getLogger(__name__)
 
-ET_NAME = "{name}.{rank}.et"
 MERGED_NAME = "{name}.{rank}.merged.json"
 FALLBACK_OUTPUT_ROOT = Path("converted")
-
-
-@dataclass
-class RankResult:
-    """What converting one rank gave: status, the .et and its numbers, or the one-line reason it failed."""
-
-    run: str
-    rank: int
-    status: str = "failed"  # "ok", "failed", "refused" (the set is not one run) or "interrupted"
-    error: str = ""
-    et_path: str = ""
-    merged_path: str = ""
-    nodes: int = 0
-    nodes_by_type: dict[str, int] = field(default_factory=dict)
-    comm_ops: int = 0
-    comm_bytes: int = 0
-    comm_by_type: dict[str, int] = field(default_factory=dict)
-    collectives: list = field(default_factory=list)
-    traced_step: str = ""
-    traced_step_us: float = 0.0
-    critical_path_us: float = 0.0         # of the .et as written (medians, the profiler's cost removed)
-    traced_critical_path_us: float = 0.0  # of the same graph with the traced durations of the chosen step
-    match_mode: str = ""
-    match_detail: str = ""
-    host_ops: int = 0
-    host_ops_matched: int = 0
-    kineto_only_ops: int = 0
-    gpu_ops: int = 0
-    gpu_ops_left_out: int = 0
-    wait_us: float = 0.0
-    untraced_step_us: float = 0.0          # measured before the profiler's window (run.json); 0 when unknown
-    recording_overhead_us: float = 0.0     # profiler cost taken out of the step's CPU durations
-    overhead_per_op_us: float = 0.0
-    traced_steps_us: list = field(default_factory=list)  # every traced step (the .et holds the median one)
-    step_spread: float = 0.0               # (longest - shortest) / median traced step
-    conversion_s: float = 0.0
-    timings: dict[str, float] = field(default_factory=dict)
-    peak_rss_mb: float = 0.0
-    warnings: list[str] = field(default_factory=list)
-    # name, size and mtime of the host and device trace the .et was made from, and of the .et itself
-    inputs: dict[str, dict] = field(default_factory=dict)
-    # what the traces say about the run they come from (trace_tools.identity.rank_identity)
-    identity: dict[str, Any] = field(default_factory=dict)
-    # what fix_host_traces.py did to the host trace ("" when it was not repaired)
-    host_repair: str = ""
-
-    @property
-    def ok(self) -> bool:
-        return self.status == "ok"
-
-    @property
-    def match_rate(self) -> float:
-        return self.host_ops_matched / self.host_ops if self.host_ops else 0.0
 
 
 class OutputError(TraceError):
@@ -149,7 +97,7 @@ def load_host_checked(path: str | Path, warnings: list[str] | None = None, data:
             raise
         hint = "; run fix_host_traces.py" if diagnosis.repairable else ""
         raise TraceError(path, f"{diagnosis.problem}{hint}") from None
-    operators = sum(1 for name in host.names if not is_structural(name) and name != PROCESS_GROUP_INIT)
+    operators = sum(1 for name in host.names if not is_structural(name) and name != PG_INIT_NODE)
     if not operators:
         raise TraceError(path, NO_OPERATORS_PROBLEM.format(nodes=len(host)))
     return host
@@ -260,43 +208,26 @@ def _convert_rank(host_path, device_path, out_path, rank, merged_path, validate,
     mark = time.perf_counter()
     out_path = Path(out_path)
     # Written under a hidden name and renamed only once validated: a failed rank never leaves a .et behind.
-    staging = out_path.with_name("." + out_path.name + ".unvalidated")
     try:
-        try:
+        with atomic_path(out_path, stage="unvalidated") as staging:
             write_et(linked, staging)
-        except OSError as e:
-            raise OutputError(out_path, f"cannot write the .et: {_os_problem(e, out_path.parent)}") from None
-        timings["write_s"] = time.perf_counter() - mark
-        if merged_path is not None:
-            mark = time.perf_counter()
-            try:
-                write_merged_json(linked, merged_path)
-            except OSError as e:
-                raise OutputError(merged_path, f"cannot write: {_os_problem(e, Path(merged_path).parent)}") from None
-            timings["merged_s"] = time.perf_counter() - mark
-            result.merged_path = str(merged_path)
-        stats = linked.stats
-        result.et_path = str(out_path)
-        result.traced_step = linked.step_name or "span of the matched operators"
-        result.traced_step_us = linked.step_dur
-        result.match_mode = stats["match"]["mode"]
-        result.host_ops = stats["host_ops"]
-        result.host_ops_matched = stats["host_ops_matched"]
-        result.kineto_only_ops = stats["kineto_only_ops"]
-        result.gpu_ops = stats["gpu_ops"]
-        result.gpu_ops_left_out = stats["gpu_ops_outside_step"]
-        result.wait_us = stats.get("wait_us", 0.0)
-        result.match_detail = describe_match(stats["match"])
-        del linked, host, device
-        if validate:
-            _validate_into(result, staging, timings)
-        result.inputs["et"] = et_fingerprint(staging, out_path.name)
-        try:
-            os.replace(staging, out_path)
-        except OSError as e:
-            raise OutputError(out_path, f"cannot write the .et: {_os_problem(e, out_path.parent)}") from None
-    finally:
-        staging.unlink(missing_ok=True)
+            timings["write_s"] = time.perf_counter() - mark
+            if merged_path is not None:
+                mark = time.perf_counter()
+                try:
+                    write_merged_json(linked, merged_path)
+                except OSError as e:
+                    raise OutputError(merged_path, f"cannot write: {_os_problem(e, Path(merged_path).parent)}") from None
+                timings["merged_s"] = time.perf_counter() - mark
+                result.merged_path = str(merged_path)
+            result.et_path = str(out_path)
+            _note_link(result, linked)
+            del linked, host, device
+            if validate:
+                _validate_into(result, staging, timings)
+            result.inputs["et"] = et_fingerprint(staging, out_path.name)
+    except OSError as e:
+        raise OutputError(out_path, f"cannot write the .et: {_os_problem(e, out_path.parent)}") from None
     if result.match_rate < 0.95:
         result.warnings.append(f"only {result.host_ops_matched} of {result.host_ops} host operators have a Kineto "
                                f"event ({result.match_rate:.1%}); the others are left out of the .et")
@@ -383,6 +314,21 @@ def describe_match(info: dict) -> str:
     return f"Kineto External id = host rf_id + offset, then aligned by name in order: {threads}{rejected}"
 
 
+def _note_link(result: RankResult, linked) -> None:
+    """What linking found: the step, how host and device operators matched, the blocked time taken out."""
+    stats = linked.stats
+    result.traced_step = linked.step_name or "span of the matched operators"
+    result.traced_step_us = linked.step_dur
+    result.match_mode = stats["match"]["mode"]
+    result.host_ops = stats["host_ops"]
+    result.host_ops_matched = stats["host_ops_matched"]
+    result.kineto_only_ops = stats["kineto_only_ops"]
+    result.gpu_ops = stats["gpu_ops"]
+    result.gpu_ops_left_out = stats["gpu_ops_outside_step"]
+    result.wait_us = stats.get("wait_us", 0.0)
+    result.match_detail = describe_match(stats["match"])
+
+
 def _validate_into(result: RankResult, path: Path, timings: dict[str, float]) -> None:
     mark = time.perf_counter()
     report = validate_et(path)
@@ -444,22 +390,6 @@ def _worker_setup() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-@dataclass
-class RunResult:
-    """All ranks of one run, the cross-rank check and where the outputs went."""
-
-    run: Run
-    output_dir: Path
-    ranks: list[RankResult]
-    agreement_problems: list[str] = field(default_factory=list)
-    note: str = ""
-    interrupted: bool = False
-
-    @property
-    def ok(self) -> bool:
-        return all(r.ok for r in self.ranks) and not self.agreement_problems
-
-
 def _writable(folder: Path) -> bool:
     """Writable for us, and not marked read-only (root may write anywhere; a read-only folder is a statement)."""
     try:
@@ -498,11 +428,10 @@ def output_dir_for(run: Run, output_dir: str | Path | None, several_runs: bool) 
 
 def _remove_outputs(out_dir: Path, name: str, rank: int, partial_only: bool = False) -> None:
     """A rank's .et and merged JSON (unless partial_only) and the hidden partial files a killed conversion left."""
-    et_name, merged_name = (glob.escape(pattern.format(name=name, rank=rank)) for pattern in (ET_NAME, MERGED_NAME))
-    patterns = [f".{et_name}.unvalidated*", f"..{et_name}.unvalidated.*.tmp", f".{et_name}.*.tmp",
-                f".{merged_name}.*.tmp"]
+    et, merged = glob.escape(et_name(name, rank)), glob.escape(MERGED_NAME.format(name=name, rank=rank))
+    patterns = [f".{et}.unvalidated*", f"..{et}.unvalidated.*.tmp", f".{et}.*.tmp", f".{merged}.*.tmp"]
     if not partial_only:
-        patterns += [et_name, merged_name]
+        patterns += [et, merged]
     for pattern in patterns:
         for path in out_dir.glob(pattern):
             try:
@@ -541,7 +470,7 @@ def convert_runs(runs: list[Run], output_dir: str | Path | None = None, jobs: in
                 continue
             _remove_outputs(out_dir, run.name, rank, partial_only=True)
             ranks.append(RankResult(run=run.name, rank=rank, status="interrupted", error="not converted yet"))
-            et_path = out_dir / ET_NAME.format(name=run.name, rank=rank)
+            et_path = out_dir / et_name(run.name, rank)
             merged = out_dir / MERGED_NAME.format(name=run.name, rank=rank) if emit_merged else None
             tasks.append((str(out_dir), (run.name, rank, str(run.hosts[rank]), str(run.devices[rank]),
                                          str(et_path), str(merged) if merged else None)))
@@ -601,12 +530,10 @@ def _convert_in_pool(tasks: list, jobs: int, done: Callable[[str, RankResult], N
 
 
 def _save_summary(run_result: RunResult) -> None:
-    from .summary import write_run_summary
-
     try:
         write_run_summary(run_result)
     except OSError as e:
-        path = run_result.output_dir / "CONVERSION_SUMMARY.md"
+        path = run_result.output_dir / CONVERSION_SUMMARY
         raise OutputError(path, f"cannot write the summary: {_os_problem(e, run_result.output_dir)}") from None
 
 
@@ -630,12 +557,6 @@ def _check_one_run(run_result: RunResult) -> None:
         r.error = "not one run with the other ranks (see the checks); its .et was removed"
 
 
-def convert_run(run: Run, output_dir: str | Path | None = None, jobs: int | None = None,
-                emit_merged: bool = False, progress: bool = False) -> RunResult:
-    """Convert every rank of one run (see convert_runs)."""
-    return convert_runs([run], output_dir=output_dir, jobs=jobs, emit_merged=emit_merged, progress=progress)[0]
-
-
 class _NoProgress:
     def update(self, n: int) -> None:
         pass
@@ -649,12 +570,3 @@ def _progress(total: int, enabled: bool):
         return _NoProgress()
     from tqdm import tqdm
     return tqdm(total=total, desc="converting ranks", unit="rank", file=sys.stderr, leave=False)
-
-
-def rank_result_from_dict(data: dict[str, Any]) -> RankResult:
-    known = set(RankResult.__dataclass_fields__)
-    return RankResult(**{k: v for k, v in data.items() if k in known})
-
-
-__all__ = ["RankResult", "RunResult", "convert_rank", "convert_run", "convert_runs", "output_dir_for", "peak_rss_mb",
-           "rank_result_from_dict", "COMM_TYPE_NAMES", "NODE_TYPE_NAMES"]

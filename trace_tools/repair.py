@@ -7,14 +7,17 @@ import gzip
 import json
 import os
 import re
+import shutil
 import stat
-import tempfile
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Optional
 
 import orjson
+
+from .atomic import atomic_output
+from .layout import PG_INIT_NODE
 
 # Host trace schemas PyTorch has written so far: "1.0.1" (torch 2.0-2.2, the GPU fixtures), then
 # "1.0.2-chakra.0.0.4" ... "1.1.1-chakra.0.0.4" and "1.1.1-chakra.1.0.0". A 2.x would change the node layout.
@@ -52,7 +55,6 @@ BOM_PROBLEM = "starts with a UTF-8 byte-order mark (an editor or a Windows tool 
 WRITE_BLOCK = 4096
 # The observer's own structure and the process-group record: a trace of only these holds no operator.
 STRUCTURAL_PREFIXES = ("[pytorch|profiler|execution_trace|", "[pytorch|profiler|execution_graph|")
-PROCESS_GROUP_NODE = "## process_group:init ##"
 NO_OPERATORS_PROBLEM = ("holds {nodes} node(s) and no operator: the ExecutionTraceObserver was re-registered during "
                         "the run and truncated its own file; the data was lost at capture: trace again, registering "
                         "the observer once per process")
@@ -195,10 +197,6 @@ def _schema_problem(fields: dict, nodes_is_list: bool) -> Optional[tuple]:
     if not isinstance(schema, str) or not SUPPORTED_SCHEMA_RE.fullmatch(schema):
         return (UNKNOWN_SCHEMA, f"unknown host trace schema version {schema!r} (supported: {SUPPORTED_SCHEMAS_TEXT})")
     return None
-
-
-def is_supported_schema(schema: object) -> bool:
-    return isinstance(schema, str) and SUPPORTED_SCHEMA_RE.fullmatch(schema) is not None
 
 
 def _node_id(node: object) -> object:
@@ -528,7 +526,7 @@ def _analyse_parsed(path: Path, obj: object, keep_document: bool) -> _Analysis:
 
 def _is_operator(node: object) -> bool:
     name = node.get("name") if isinstance(node, dict) else None
-    return isinstance(name, str) and not name.startswith(STRUCTURAL_PREFIXES) and name != PROCESS_GROUP_NODE
+    return isinstance(name, str) and not name.startswith(STRUCTURAL_PREFIXES) and name != PG_INIT_NODE
 
 
 def _schema_of(fields: dict) -> Optional[str]:
@@ -823,11 +821,6 @@ def _backup_path(path: Path) -> Path:
     return candidate
 
 
-def _temp_prefix(target: Path) -> str:
-    """Hidden temp files carry the writer's pid, so a later repair can tell a dead writer's leftovers."""
-    return f".{target.name}.{os.getpid()}."
-
-
 def _remove_dead_writers_temp_files(path: Path) -> None:
     """Remove the temp files (a repaired copy, or a copy of the original) that a killed repair of `path` left."""
     pattern = re.compile(rf"^\.{re.escape(path.name)}(\.orig(\.\d+)?)?\.(?P<pid>\d+)\.\w+\.tmp$")
@@ -854,37 +847,19 @@ def _process_is_alive(pid: int) -> bool:
 
 def _write_replacement(path: Path, payload: bytes, gzipped: bool) -> Path:
     """Write the repaired trace beside the original, keep the original as <file>.orig, then rename into place."""
-    mode = stat.S_IMODE(path.stat().st_mode)
-    handle, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=_temp_prefix(path), suffix=".tmp")
-    tmp = Path(tmp_name)
-    try:
-        with os.fdopen(handle, "wb") as out:
-            if gzipped:
-                with gzip.GzipFile(fileobj=out, mode="wb", compresslevel=6, mtime=0) as zipped:
-                    zipped.write(payload)
-            else:
-                out.write(payload)
-            out.flush()
-            os.fsync(out.fileno())
-        os.chmod(tmp, mode)
+    with atomic_output(path, mode=stat.S_IMODE(path.stat().st_mode), stage=str(os.getpid())) as out:
+        if gzipped:
+            with gzip.GzipFile(fileobj=out, mode="wb", compresslevel=6, mtime=0) as zipped:
+                zipped.write(payload)
+        else:
+            out.write(payload)
         backup = _backup_path(path)
         try:
             os.link(path, backup)  # the original bytes, instantly, and nothing is lost if the rename fails
         except OSError:
-            _copy_file(path, backup)
-        os.replace(tmp, path)
-        return backup
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
-def _copy_file(src: Path, dst: Path) -> None:
-    handle, tmp_name = tempfile.mkstemp(dir=dst.parent, prefix=_temp_prefix(dst), suffix=".tmp")
-    with os.fdopen(handle, "wb") as out, open(src, "rb") as source:
-        while chunk := source.read(1 << 20):
-            out.write(chunk)
-    os.replace(tmp_name, dst)
+            with atomic_output(backup, stage=str(os.getpid())) as copy, open(path, "rb") as source:
+                shutil.copyfileobj(source, copy, 1 << 20)
+    return backup
 
 
 def repair_host_trace(path, *, keep_original: bool = True, check_only: bool = False,

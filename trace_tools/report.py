@@ -5,12 +5,11 @@ import importlib.util
 import logging
 import math
 import os
-import re
 import shutil
 import subprocess
 import sys
 import tempfile
-from collections import Counter, defaultdict, deque
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,13 +21,15 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
 from .discover import find_runs
-from .link import COMM_TYPE_NAMES, STEP_PREFIX
+from .graph import longest_path, topological_order
+from .layout import STEP_PREFIX, et_sets
+from .link import COMM_TYPE_NAMES
 from .load import read_trace_bytes
+from .summary import format_bytes
 from .validate import EtFormatError, read_et
 
 logger = logging.getLogger(__name__)
 
-ET_FILE = re.compile(r"^(?P<name>.+)\.(?P<rank>\d+)\.et$")
 REPORT_MD = "report.md"
 REPORT_JSON = "report.json"
 FIGURE_BREAKDOWN = "report_breakdown.png"
@@ -179,11 +180,7 @@ def _join_step_thread(nodes: list[EtNode]) -> None:
 
 def find_et_files(folder: Path) -> tuple[str, dict[int, Path]]:
     """The run name and rank -> .et path of the `<name>.<rank>.et` files in a folder (one run per folder)."""
-    runs: dict[str, dict[int, Path]] = defaultdict(dict)
-    for path in sorted(folder.iterdir()):
-        match = ET_FILE.match(path.name)
-        if match and path.is_file():
-            runs[match.group("name")][int(match.group("rank"))] = path
+    runs = et_sets(folder)
     if not runs:
         raise ReportError(f"{folder}: no <name>.<rank>.et files")
     if len(runs) > 1:
@@ -409,37 +406,15 @@ def critical_path(trace: RankTrace) -> dict[str, Any]:
     """Longest chain of .et durations through the data and ctrl dependencies (Kahn's order, linear time)."""
     nodes = trace.nodes
     index_of = {node.id: i for i, node in enumerate(nodes)}
-    children: list[list[int]] = [[] for _ in nodes]
-    missing = [0] * len(nodes)
-    dangling = 0
-    for i, node in enumerate(nodes):
-        for dep in node.deps:
-            j = index_of.get(dep)
-            if j is None:
-                dangling += 1
-                continue
-            children[j].append(i)
-            missing[i] += 1
-    finish = [0] * len(nodes)
-    ready_at = [0] * len(nodes)
-    best_pred = [-1] * len(nodes)
-    queue = deque(i for i, m in enumerate(missing) if m == 0)
-    visited = 0
-    while queue:
-        i = queue.popleft()
-        visited += 1
-        finish[i] = ready_at[i] + nodes[i].dur
-        for c in children[i]:
-            if best_pred[c] < 0 or finish[i] > ready_at[c]:
-                ready_at[c] = max(ready_at[c], finish[i])
-                best_pred[c] = i
-            missing[c] -= 1
-            if missing[c] == 0:
-                queue.append(c)
+    parents = [[index_of[dep] for dep in node.deps if dep in index_of] for node in nodes]
+    dangling = sum(len(node.deps) for node in nodes) - sum(map(len, parents))
+    order = topological_order(parents)
+    visited = len(order)
     result: dict[str, Any] = {"dangling_deps": dangling, "unreached_nodes": len(nodes) - visited}
     if visited < len(nodes):
         result.update(critical_path_us=None, problem=f"{len(nodes) - visited} nodes sit on a dependency cycle")
         return result
+    finish, best_pred = longest_path(parents, [node.dur for node in nodes], order)
     end = max(range(len(nodes)), key=lambda i: finish[i])
     path = []
     i = end
@@ -850,13 +825,6 @@ def _ms(us: float | None) -> str:
     return "n/a" if us is None else f"{us / 1000:.3f}"
 
 
-def _size(n: int) -> str:
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{n} B"
-
-
 def _pct(part: float, whole: float) -> str:
     return f"{100 * part / whole:.1f}%" if whole else "n/a"
 
@@ -906,9 +874,8 @@ def build_report(et_dir: Path, trace_dirs: list[Path] | None = None, use_hta: bo
     return report, traces
 
 
-def render_markdown(report: dict, figures: dict[str, Any]) -> str:
-    ranks = {int(r): s for r, s in report["per_rank"].items()}
-    gpu_run = report["kind"] == "gpu"
+def _intro_lines(report: dict, ranks: dict[int, dict], gpu_run: bool) -> list[str]:
+    """The run, its missing or repaired ranks, and what counts as what."""
     lines = [f"# Trace report: {report['run']}", ""]
     step_names = sorted({s["step_name"] for s in ranks.values() if s["step_name"]})
     lines.append(f"{len(ranks)} rank(s) ({'GPU' if gpu_run else 'CPU'} run"
@@ -940,15 +907,19 @@ def render_markdown(report: dict, figures: dict[str, Any]) -> str:
                   "**communication** = the CPU-thread collectives (gloo) when no operator worked at the same time, "
                   "**memory copies** = none on a CPU run (tensor copies are operators, so compute), **idle** = the "
                   "rest of the step. Unions of intervals, so threads working at once count once.",
-                  "- Annotations (`ProfilerStep#N`, `DistributedDataParallel.forward`, `Optimizer.step`...) are "
+                  f"- Annotations (`{STEP_PREFIX}N`, `DistributedDataParallel.forward`, `Optimizer.step`...) are "
                   "nodes too: their own time is Python and framework work between operators, which the .et gives a "
                   "simulator as compute, so it counts as compute here; the operator table shows how much it is."]
     lines += ["- A CPU node's place on its thread is rebuilt from its start time, its .et duration, its blocked time "
               "(`wait_micros`) and its callees, since the .et holds exclusive durations only.",
               "- Every number is computed from the `.et` nodes (report.json has them all, per rank); the HTA section "
               "reads the Kineto device traces instead, cut to the same step.", ""]
+    return lines
 
-    lines += ["## Step time per rank", "", f"![step breakdown]({FIGURE_BREAKDOWN})", ""]
+
+def _breakdown_lines(ranks: dict[int, dict], gpu_run: bool) -> list[str]:
+    """Step time per rank: compute, communication, memory copies, idle."""
+    lines = ["## Step time per rank", "", f"![step breakdown]({FIGURE_BREAKDOWN})", ""]
     header = "| rank | step (ms) | compute (ms) | communication (ms) | memory copies (ms) | idle (ms) | " \
              "comm. total (ms) | comm. under compute | "
     header += "CPU busy (ms) |" if gpu_run else ""
@@ -965,8 +936,12 @@ def render_markdown(report: dict, figures: dict[str, Any]) -> str:
     if outside:
         lines += ["", "Work outside the step window (launched inside it, ran before or after it; not in the "
                       "breakdown): " + ", ".join(f"rank {r}: {_ms(us)} ms" for r, us in sorted(outside.items())) + "."]
+    return lines
 
-    lines += ["", "## Critical path of each .et", "",
+
+def _critical_path_lines(ranks: dict[int, dict]) -> list[str]:
+    """The critical path of each .et beside the traced step."""
+    lines = ["", "## Critical path of each .et", "",
               "Longest chain of node durations (collectives at their traced durations) through the data and "
               "control dependencies: the time a simulator replaying the .et as traced would take. Beside it the "
               "traced step time; a path longer than the step means the .et serialises work that overlapped, a "
@@ -988,15 +963,12 @@ def render_markdown(report: dict, figures: dict[str, Any]) -> str:
     for r, cp in problems:
         lines.append(f"\nRank {r}: {cp['dangling_deps']} dependencies name missing nodes, "
                      f"{cp['unreached_nodes']} nodes unreachable.")
+    return lines
 
-    lines += ["", "## Timeline of the traced step", "",
-              "Lanes: CPU threads (by the thread id in the .et), the CPU-thread collectives, GPU streams. Coloured: "
-              "where a node did its work; grey: the thread was inside an operator but not working in it (blocked "
-              "on another thread or the GPU, or between callees); red with a black edge: collectives.", ""]
-    for r in sorted(ranks):
-        lines += [f"![timeline rank {r}]({FIGURE_TIMELINE.format(rank=r)})", ""]
 
-    lines += ["## Top operators", "", f"![top operators]({FIGURE_TOP})", "",
+def _top_lines(report: dict, ranks: dict[int, dict], gpu_run: bool) -> list[str]:
+    """The operators (and GPU kernels) with the most time."""
+    lines = ["## Top operators", "", f"![top operators]({FIGURE_TOP})", "",
               f"The {TOP_N} CPU operators with the most exclusive time (.et duration), summed over all ranks.", "",
               "| operator | calls | exclusive (ms, all ranks) | mean per rank (ms) | blocked (ms, all ranks) |",
               "|---|---|---|---|---|"]
@@ -1009,8 +981,12 @@ def render_markdown(report: dict, figures: dict[str, Any]) -> str:
         for e in report["top_kernels"]:
             lines.append(f"| `{_cell(_short(e['name'], 80))}` | {e.get('category', '')} | {e['count']} | "
                          f"{_ms(e['total_us'])} | {_ms(e['per_rank_mean_us'])} |")
+    return lines
 
-    lines += ["", "## Communication", ""]
+
+def _communication_lines(ranks: dict[int, dict]) -> list[str]:
+    """Bytes per process group and every collective per rank."""
+    lines = ["", "## Communication", ""]
     any_comm = any(s["collectives"] for s in ranks.values())
     if not any_comm:
         lines += ["No communication nodes in these `.et` files (a single-rank run, or no collectives traced)."]
@@ -1023,13 +999,28 @@ def render_markdown(report: dict, figures: dict[str, Any]) -> str:
             cells = []
             for r in sorted(ranks):
                 g = ranks[r]["bytes_by_process_group"].get(pg)
-                cells.append(f"{g['bytes']} B ({_size(g['bytes'])}) in {g['count']}" if g else "-")
+                cells.append(f"{g['bytes']} B ({format_bytes(g['bytes'])}) in {g['count']}" if g else "-")
             lines.append(f"| {pg or '(unnamed)'} | " + " | ".join(cells) + " |")
         lines += ["", f"![collectives]({FIGURE_COMM})", "",
                   "Each operation in start order: type, size and duration per rank (the same k-th operation of the "
                   "process group on every rank).", ""]
         lines += _collective_rows(ranks)
+    return lines
 
+
+def render_markdown(report: dict, figures: dict[str, Any]) -> str:
+    """report.md: the run, then one section per question (step breakdown, critical path, timelines, top
+    operators, communication, HTA)."""
+    ranks = {int(r): s for r, s in report["per_rank"].items()}
+    gpu_run = report["kind"] == "gpu"
+    lines = _intro_lines(report, ranks, gpu_run) + _breakdown_lines(ranks, gpu_run) + _critical_path_lines(ranks)
+    lines += ["", "## Timeline of the traced step", "",
+              "Lanes: CPU threads (by the thread id in the .et), the CPU-thread collectives, GPU streams. Coloured: "
+              "where a node did its work; grey: the thread was inside an operator but not working in it (blocked "
+              "on another thread or the GPU, or between callees); red with a black edge: collectives.", ""]
+    for r in sorted(ranks):
+        lines += [f"![timeline rank {r}]({FIGURE_TIMELINE.format(rank=r)})", ""]
+    lines += _top_lines(report, ranks, gpu_run) + _communication_lines(ranks)
     lines += ["", "## HolisticTraceAnalysis", ""]
     lines += _hta_section(report, ranks)
     if figures.get("errors"):
@@ -1157,7 +1148,7 @@ def write_report(et_dir: str | Path, trace_dirs: list[str | Path] | None = None,
 def find_report_folders(path: Path) -> list[Path]:
     """The folder itself when it holds .et files, else its sub-folders (two levels) that do."""
     def has_et(folder: Path) -> bool:
-        return any(ET_FILE.match(p.name) for p in folder.iterdir() if p.is_file())
+        return bool(et_sets(folder))
 
     if not path.is_dir():
         raise ReportError(f"{path}: not a folder")

@@ -26,21 +26,20 @@ from chakra.schema.protobuf.et_def_pb2 import (
     ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, COMM_COLL_NODE, COMM_RECV_NODE, COMM_SEND_NODE, COMP_NODE, REDUCE_SCATTER,
     AttributeProto, GlobalMetadata, Node,
 )
+from chakra.src.third_party.utils.protolib import encodeMessage
 
 from .atomic import write_text_atomic
-from .convert import _varint
+from .layout import ET_FILE_RE, RUN_INFO, et_name, et_sets
 from .link import COMM_TYPE_NAMES
 from .pipeline import FALLBACK_OUTPUT_ROOT, _writable
-from .summary import format_bytes
-from .validate import EtFormatError, collectives_agree, iter_et_messages, read_et_metadata, validate_et
+from .summary import converted_from, format_bytes
+from .validate import (EtFormatError, SerializedMessage, collectives_agree, iter_et_messages, read_et_metadata,
+                       validate_et)
 
 logger = logging.getLogger(__name__)
 
-ET_FILE = re.compile(r"^(?P<name>.+)\.(?P<rank>\d+)\.et$")
 DEFAULT_NAME = "{name}_{ranks}npus"
 SUMMARY_NAME = "SCALE_SUMMARY.md"
-RUN_INFO = "run.json"
-CONVERSION_SUMMARY = "CONVERSION_SUMMARY.md"
 # ASTRA-sim runs a collective whose pg_name is "" or "0" over every NPU (Workload::extract_comm_group), with no
 # --comm-group-configuration; "0" is also PyTorch's name for the default (world) process group.
 WORLD_GROUP = "0"
@@ -88,16 +87,12 @@ def find_source_set(source: str | Path) -> SourceSet:
     """The .et set in a run folder (or at a workload prefix such as ASTRA-sim's `--workload-configuration`)."""
     source = Path(source)
     if not source.is_dir():
-        if source.parent.is_dir() and (source.parent / f"{source.name}.0.et").is_file():
+        if source.parent.is_dir() and (source.parent / et_name(source.name, 0)).is_file():
             return _complete_set(source.parent, source.name)
         if source.is_file():
             raise ScaleError(source, "is a file; give the run folder or the workload prefix <dir>/<name>")
         raise ScaleError(source, "no such folder (expected a converted run folder with <name>.<rank>.et files)")
-    sets: dict[str, set[int]] = {}
-    for entry in os.scandir(source):
-        match = ET_FILE.match(entry.name)
-        if match and entry.is_file():
-            sets.setdefault(match["name"], set()).add(int(match["rank"]))
+    sets = et_sets(source)
     if not sets:
         raise ScaleError(source, "no <name>.<rank>.et files; convert the traces first (convert_to_et.py)")
     if len(sets) > 1:
@@ -109,17 +104,12 @@ def find_source_set(source: str | Path) -> SourceSet:
 
 
 def _complete_set(folder: Path, name: str) -> SourceSet:
-    ranks = set()
-    pattern = re.compile(rf"^{re.escape(name)}\.(\d+)\.et$")
-    for entry in os.scandir(folder):
-        match = pattern.match(entry.name)
-        if match:
-            ranks.add(int(match[1]))
+    ranks = set(et_sets(folder).get(name, ()))
     missing = sorted(set(range(max(ranks) + 1)) - ranks) if ranks else [0]
     if missing:
-        raise ScaleError(folder / f"{name}.{missing[0]}.et", f"missing (the set has ranks {_ranges(sorted(ranks))}; "
+        raise ScaleError(folder / et_name(name, missing[0]), f"missing (the set has ranks {_ranges(sorted(ranks))}; "
                          "every rank from 0 up is needed)")
-    return SourceSet(folder=folder, name=name, paths=[folder / f"{name}.{r}.et" for r in range(len(ranks))])
+    return SourceSet(folder=folder, name=name, paths=[folder / et_name(name, r) for r in range(len(ranks))])
 
 
 @dataclass
@@ -245,14 +235,9 @@ def find_run_info(source: SourceSet) -> Path | None:
     beside = source.folder / RUN_INFO
     if beside.is_file():
         return beside
-    try:
-        summary = (source.folder / CONVERSION_SUMMARY).read_text(encoding="utf-8")
-    except OSError:
+    traces = converted_from(source.folder)
+    if traces is None:
         return None
-    match = re.search(r"by trace_tools from `([^`]+)`", summary)
-    if not match:
-        return None
-    traces = Path(match[1])
     for candidate in (traces, source.folder / traces):
         if (candidate / RUN_INFO).is_file():
             return candidate / RUN_INFO
@@ -363,20 +348,14 @@ def write_scaled_et(source: SourceEt, out_path: Path, *, ranks: int, traced_rank
     rewrite: dict[int, bytes] = {i: _in_world_group(source.blobs[i]) for i in source.comm_indices}
     metadata = scaled_metadata(source.metadata, ranks, traced_ranks, source_rank, compute_scale)
     with open(out_path, "xb", buffering=1 << 20) as f:
-        _write_message(f, metadata.SerializeToString())
+        encodeMessage(f, metadata)
         for i, blob in enumerate(source.blobs):
             if i in rewrite:
                 blob = rewrite[i]
             elif compute_scale != 1.0 and source.node_types[i] == COMP_NODE:
                 blob = _slowed(blob, compute_scale)
-            _write_message(f, blob)
+            encodeMessage(f, SerializedMessage(blob))
     return out_path
-
-
-def _write_message(f, blob: bytes) -> None:
-    """protolib.encodeMessage's framing (a varint length, then the message) for a message already serialized."""
-    f.write(_varint(len(blob)))
-    f.write(blob)
 
 
 def link_or_copy(existing: Path, new: Path) -> bool:
@@ -535,7 +514,7 @@ def _write_set(result: ScaleResult, sources: list[SourceEt], file_of_rank: list[
         index = file_of_rank[source_rank]
         if r not in result.slow and index in base:
             continue
-        path = staging / f"{result.name}.{r}.et"
+        path = staging / et_name(result.name, r)
         write_scaled_et(sources[index], path, ranks=ranks, traced_ranks=k, source_rank=source_rank,
                         compute_scale=result.slow.get(r, 1.0))
         distinct[r] = path
@@ -559,7 +538,7 @@ def _write_set(result: ScaleResult, sources: list[SourceEt], file_of_rank: list[
         if r in distinct:
             continue
         index = file_of_rank[result.source_of_rank[r]]
-        target = staging / f"{result.name}.{r}.et"
+        target = staging / et_name(result.name, r)
         if link_or_copy(base[index], target):
             result.links += 1
         else:
@@ -571,12 +550,11 @@ def _write_set(result: ScaleResult, sources: list[SourceEt], file_of_rank: list[
 def _publish(result: ScaleResult, staging: Path) -> None:
     """Rename every rank's file into place, then drop ranks >= N left by an earlier, larger set of this name."""
     for r in range(result.ranks):
-        name = f"{result.name}.{r}.et"
+        name = et_name(result.name, r)
         os.replace(staging / name, result.output_dir / name)
-    pattern = re.compile(rf"^{re.escape(result.name)}\.(\d+)\.et$")
     for entry in os.scandir(result.output_dir):
-        match = pattern.match(entry.name)
-        if match and int(match[1]) >= result.ranks:
+        match = ET_FILE_RE.match(entry.name)
+        if match and match["name"] == result.name and int(match["rank"]) >= result.ranks:
             os.unlink(entry.path)
 
 
@@ -652,7 +630,7 @@ def render_scale_summary(result: ScaleResult) -> str:
         f"- {ranks} open files at once (each NPU's feeder keeps its file open): `ulimit -n` above {ranks}.",
         "- Files it may open for writing: Chakra's feeder opens each .et in read+append mode (it writes nothing), so "
         "a read-only .et fails with `Failed to open file`; do not make the set read-only. A hard-linked file changed "
-        f"through one name changes every rank that shares it: regenerate with scale_et.py instead of editing.",
+        "through one name changes every rank that shares it: regenerate with scale_et.py instead of editing.",
     ]
     if result.critical_path_us:
         paths = ", ".join(f"rank {r}: {us:,.0f}" for r, us in result.critical_path_us.items())

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .atomic import write_text_atomic
+from .layout import RUN_INFO, et_name, et_sets
 
 ASTRA_SIM_ENV = "ASTRA_SIM"
 INSTALLER = "install_astra_sim.sh"
@@ -48,7 +49,6 @@ SYSTEM_DEFAULTS = {
 GIB = 1 << 30  # ASTRA-sim analytical's "GB" (NetworkFunction.cpp: bw * (1 << 30) / 1e9 bytes per ns)
 # "sys[0] finished, 239530000 cycles, exposed communication 1000 cycles." (Workload::report); 1 cycle = 1 ns
 FINISHED_RE = re.compile(r"sys\[(\d+)\] finished, (\d+) cycles, exposed communication (\d+) cycles")
-ET_FILE_RE = re.compile(r"^(?P<name>[^.].*)\.(?P<rank>\d+)\.et$")
 
 
 class SimulationError(Exception):
@@ -187,20 +187,6 @@ def find_astra_sim(path: str | os.PathLike | None = None) -> Path:
     return candidate.resolve()
 
 
-def et_sets(folder: Path) -> dict[str, list[int]]:
-    """The .et sets in a folder: prefix name -> ranks found (`<name>.<rank>.et`, as the converter writes them)."""
-    found: dict[str, list[int]] = {}
-    try:
-        entries = sorted(folder.iterdir())
-    except OSError:
-        return {}
-    for path in entries:
-        match = ET_FILE_RE.match(path.name)
-        if match and path.is_file():
-            found.setdefault(match.group("name"), []).append(int(match.group("rank")))
-    return {name: sorted(ranks) for name, ranks in found.items()}
-
-
 def find_workload(run: Path) -> tuple[Path, int]:
     """(workload prefix, ranks) of a converted run: a folder with <name>.<rank>.et files, or the prefix itself."""
     if not run.is_dir():
@@ -208,7 +194,7 @@ def find_workload(run: Path) -> tuple[Path, int]:
         if ranks:
             return run, ranks
         raise SimulationError(f"{run}: no such folder (nor a workload prefix with {run.name}.0.et beside it)")
-    sets = {name: ranks for name, ranks in et_sets(run).items() if ranks[0] == 0}
+    sets = {name: ranks for name, ranks in et_sets(run).items() if 0 in ranks}
     if not sets:
         raise SimulationError(f"{run}: no <name>.<rank>.et files; convert the run first (python3 convert_to_et.py "
                               f"{run})")
@@ -226,7 +212,7 @@ def find_workload(run: Path) -> tuple[Path, int]:
 
 def _contiguous_ranks(folder: Path, name: str) -> int:
     count = 0
-    while (folder / f"{name}.{count}.et").is_file():
+    while (folder / et_name(name, count)).is_file():
         count += 1
     return count
 
@@ -241,7 +227,7 @@ def process_groups(workload: Path, ranks: int) -> dict[str, list[int]]:
 
     groups: dict[str, list[int]] = {}
     for rank in range(ranks):
-        path = Path(f"{workload}.{rank}.et")
+        path = workload.parent / et_name(workload.name, rank)
         handle = openFileRd(str(path))
         try:
             metadata = GlobalMetadata()
@@ -340,10 +326,10 @@ def simulate_workload(workload_prefix: Path, ranks: int, *, bandwidth_gbs: float
     """
     network = Network(ranks, bandwidth_gbs, latency_ns, topology, collective)
     workload = Path(workload_prefix).absolute()
-    missing = [r for r in range(ranks) if not Path(f"{workload}.{r}.et").is_file()]
+    paths = [workload.parent / et_name(workload.name, r) for r in range(ranks)]
+    missing = [path for path in paths if not path.is_file()]
     if missing:
-        raise SimulationError(f"{workload}.{missing[0]}.et: missing ({len(missing)} of the {ranks} ranks' .et "
-                              "files are)")
+        raise SimulationError(f"{missing[0]}: missing ({len(missing)} of the {ranks} ranks' .et files are)")
     binary = find_astra_sim(binary) if binary is not None else find_astra_sim()
     work_dir = Path(work_dir) if work_dir is not None else Path(tempfile.mkdtemp(prefix="astra-sim-"))
     flags = write_configs(work_dir, network, process_groups(workload, ranks))
@@ -385,16 +371,6 @@ def _summary_status(folder: Path) -> dict[int, dict]:
             for rank, r in previous.items() if r.ok}
 
 
-def _traces_folder(folder: Path) -> Path | None:
-    """The trace folder a conversion read, as CONVERSION_SUMMARY.md names it ("... from `<folder>`: ...")."""
-    try:
-        text = (folder / "CONVERSION_SUMMARY.md").read_text(encoding="utf-8")
-    except OSError:
-        return None
-    match = re.search(r"by trace_tools from `([^`]+)`", text)
-    return Path(match.group(1)) if match else None
-
-
 def _median_seconds(value) -> float | None:
     values = value if isinstance(value, list) else [value]
     numbers = [float(v) for v in values if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0]
@@ -404,11 +380,13 @@ def _median_seconds(value) -> float | None:
 def measured_steps(folder: Path) -> tuple[dict[int, float], str]:
     """Measured step per rank in ms, and where it comes from: run.json's untraced steps (what the .et durations
     estimate), else its traced steps, else the traced step in CONVERSION_SUMMARY.md."""
-    for candidate in (folder, _traces_folder(folder)):
-        if candidate is None or not (candidate / "run.json").is_file():
+    from .summary import converted_from
+
+    for candidate in (folder, converted_from(folder)):
+        if candidate is None or not (candidate / RUN_INFO).is_file():
             continue
         try:
-            info = json.loads((candidate / "run.json").read_text(encoding="utf-8"))
+            info = json.loads((candidate / RUN_INFO).read_text(encoding="utf-8"))
         except (OSError, ValueError):
             continue
         for key, what in (("untraced_step_wall_time_s", "untraced steps"), ("step_wall_time_s", "traced steps")):
@@ -419,7 +397,7 @@ def measured_steps(folder: Path) -> tuple[dict[int, float], str]:
                     if seconds is not None:
                         steps[entry["rank"]] = seconds * 1e3
             if steps:
-                return steps, f"{what}, median per rank (`{key}` in {candidate / 'run.json'})"
+                return steps, f"{what}, median per rank (`{key}` in {candidate / RUN_INFO})"
     status = _summary_status(folder)
     steps = {rank: s["traced_step_us"] / 1e3 for rank, s in status.items() if s["traced_step_us"]}
     if steps:

@@ -6,7 +6,8 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-RUN_INFO = "run.json"
+from .layout import RUN_INFO
+
 # Traced steps that differ by more than this share of their median make any one of them a poor sample of the run:
 # the same bound as the fidelity the .et is held to (a prediction within ±10% of a real run).
 STEP_SPREAD_BOUND = 0.10

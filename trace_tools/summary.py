@@ -1,17 +1,94 @@
-"""CONVERSION_SUMMARY.md per run and the table printed after a conversion."""
+"""The results of a conversion (per rank and per run): CONVERSION_SUMMARY.md and the table printed after it."""
 from __future__ import annotations
 
 import datetime
 import json
 import re
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 from .atomic import write_text_atomic
-from .pipeline import RankResult, RunResult, rank_result_from_dict
+from .discover import Run
+from .layout import CONVERSION_SUMMARY, STEP_PREFIX
 
-SUMMARY_NAME = "CONVERSION_SUMMARY.md"
 _STATUS_RE = re.compile(r"<!-- trace_tools-status\n(.*?)\n-->", re.S)
+
+
+@dataclass
+class RankResult:
+    """What converting one rank gave: status, the .et and its numbers, or the one-line reason it failed."""
+
+    run: str
+    rank: int
+    status: str = "failed"  # "ok", "failed", "refused" (the set is not one run) or "interrupted"
+    error: str = ""
+    et_path: str = ""
+    merged_path: str = ""
+    nodes: int = 0
+    nodes_by_type: dict[str, int] = field(default_factory=dict)
+    comm_ops: int = 0
+    comm_bytes: int = 0
+    comm_by_type: dict[str, int] = field(default_factory=dict)
+    collectives: list = field(default_factory=list)
+    traced_step: str = ""
+    traced_step_us: float = 0.0
+    critical_path_us: float = 0.0         # of the .et as written (medians, the profiler's cost removed)
+    traced_critical_path_us: float = 0.0  # of the same graph with the traced durations of the chosen step
+    match_mode: str = ""
+    match_detail: str = ""
+    host_ops: int = 0
+    host_ops_matched: int = 0
+    kineto_only_ops: int = 0
+    gpu_ops: int = 0
+    gpu_ops_left_out: int = 0
+    wait_us: float = 0.0
+    untraced_step_us: float = 0.0          # measured before the profiler's window (run.json); 0 when unknown
+    recording_overhead_us: float = 0.0     # profiler cost taken out of the step's CPU durations
+    overhead_per_op_us: float = 0.0
+    traced_steps_us: list = field(default_factory=list)  # every traced step (the .et holds the median one)
+    step_spread: float = 0.0               # (longest - shortest) / median traced step
+    conversion_s: float = 0.0
+    timings: dict[str, float] = field(default_factory=dict)
+    peak_rss_mb: float = 0.0
+    warnings: list[str] = field(default_factory=list)
+    # name, size and mtime of the host and device trace the .et was made from, and of the .et itself
+    inputs: dict[str, dict] = field(default_factory=dict)
+    # what the traces say about the run they come from (trace_tools.identity.rank_identity)
+    identity: dict[str, Any] = field(default_factory=dict)
+    # what fix_host_traces.py did to the host trace ("" when it was not repaired)
+    host_repair: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+    @property
+    def match_rate(self) -> float:
+        return self.host_ops_matched / self.host_ops if self.host_ops else 0.0
+
+
+@dataclass
+class RunResult:
+    """All ranks of one run, the cross-rank check and where the outputs went."""
+
+    run: Run
+    output_dir: Path
+    ranks: list[RankResult]
+    agreement_problems: list[str] = field(default_factory=list)
+    note: str = ""
+    interrupted: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return all(r.ok for r in self.ranks) and not self.agreement_problems
+
+
+def rank_result_from_dict(data: dict[str, Any]) -> RankResult:
+    known = set(RankResult.__dataclass_fields__)
+    return RankResult(**{k: v for k, v in data.items() if k in known})
+
+
 # Results kept in the summary for convert_remaining.py (the collectives sequence is long; it is re-read from the .et)
 _KEPT_FIELDS = [f for f in RankResult.__dataclass_fields__ if f != "collectives"]
 
@@ -133,7 +210,7 @@ def render_run_summary(result: RunResult) -> str:
     lines.append("- every .et was decoded after writing: all dependencies resolve, no cycle, every node is issued by "
                  "a dependency-respecting walk, only node types ASTRA-sim accepts")
     lines.append("- ratio = critical path of the .et's graph with the traced durations of its step (collectives at "
-                 "their traced durations) / that traced step (`ProfilerStep#N` in the device trace, or the traced "
+                 "their traced durations) / that traced step (`" + STEP_PREFIX + "N` in the device trace, or the traced "
                  "span when there is none): near 1.0, replaying the graph gives back the step it came from; the .et "
                  "itself holds per-operator medians with the profiler's cost removed (see the details)")
     for r in result.ranks:
@@ -147,12 +224,12 @@ def render_run_summary(result: RunResult) -> str:
 
 
 def write_run_summary(result: RunResult) -> Path:
-    return write_text_atomic(result.output_dir / SUMMARY_NAME, render_run_summary(result))
+    return write_text_atomic(result.output_dir / CONVERSION_SUMMARY, render_run_summary(result))
 
 
 def read_previous_results(output_dir: Path) -> dict[int, RankResult] | None:
     """Per-rank results recorded in an earlier CONVERSION_SUMMARY.md (None when there is none)."""
-    path = output_dir / SUMMARY_NAME
+    path = output_dir / CONVERSION_SUMMARY
     try:
         match = _STATUS_RE.search(path.read_text(encoding="utf-8"))
     except OSError:
@@ -164,6 +241,15 @@ def read_previous_results(output_dir: Path) -> dict[int, RankResult] | None:
     except ValueError:
         return None
     return {int(rank): rank_result_from_dict(data) for rank, data in status.items()}
+
+
+def converted_from(output_dir: Path) -> Path | None:
+    """The trace folder the conversion into output_dir read, as its CONVERSION_SUMMARY.md names it (None if unknown)."""
+    try:
+        match = re.search(r"by trace_tools from `([^`]+)`", (output_dir / CONVERSION_SUMMARY).read_text(encoding="utf-8"))
+    except OSError:
+        return None
+    return Path(match[1]) if match else None
 
 
 def render_table(results: list[RunResult]) -> str:

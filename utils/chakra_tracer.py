@@ -14,33 +14,20 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import orjson
 import torch
 import torch.distributed as dist
 from torch.profiler import ExecutionTraceObserver, ProfilerActivity, profile, schedule
 
+from trace_tools.atomic import write_text_atomic
+from trace_tools.layout import (DERIVED_FILES, DEVICE_TRACE, HOST_TRACE, INVALID_SUFFIX, PARTIAL_SUFFIX, PG_INIT_NODE,
+                                PREVIOUS_RUN_DIR, RUN_INFO, RUN_METADATA_KEY, STACKS_TABLE, STEP_ANNOTATION,
+                                device_trace_name, host_trace_name)
+from trace_tools.load import describe_json_problem
 from utils.metrics import busy_machine_warning, machine_load_between, sample_machine_load
 from utils.run_config import RunConfig
 
 logger = logging.getLogger(__name__)
-
-# Output layout, one folder per run: <trace-output-dir>/<trace-name>/...
-HOST_TRACE = "host.{rank}.json"
-DEVICE_TRACE = "device.{rank}.json"
-STACKS_TABLE = "stacks.{rank}.txt"
-RUN_INFO = "run.json"
-# Written here first and renamed once complete and valid, so a crash never leaves a half-written trace.
-PARTIAL_SUFFIX = ".partial"
-INVALID_SUFFIX = ".invalid"
-STEP_ANNOTATION = "ProfilerStep#{step}"
-# Every device trace carries the run's identity in its metadata under this key: {"id", "rank", "world_size"}; the
-# converter refuses a set of ranks from different runs (trace_tools/identity.py reads it).
-RUN_METADATA_KEY = "mosim_run"
-# The files of the run a new one replaces go here, once the new window is written: <trace-output-dir>/.previous/<name>/
-PREVIOUS_RUN_DIR = ".previous"
-# What a conversion or a report made of a run's traces (rank 0 moves them aside with the traces they came from).
-DERIVED_FILES = ("run.json", "CONVERSION_SUMMARY.md", "report.md", "report.json", "SIMULATION.md")
-# ExecutionTraceObserver.start() records the process-group config under this name when torch.distributed is up.
-PG_INIT_NODE = "## process_group:init ##"
 
 
 class TraceError(RuntimeError):
@@ -127,8 +114,8 @@ class ChakraTracer:
         self.run_info = dict(run_info or {})
         self.first_traced_step = wait_steps + warmup_steps
         self.traced_steps = list(range(self.first_traced_step, self.first_traced_step + active_steps))
-        self.host_path = self.trace_dir / HOST_TRACE.format(rank=rank)
-        self.device_path = self.trace_dir / DEVICE_TRACE.format(rank=rank)
+        self.host_path = self.trace_dir / host_trace_name(rank)
+        self.device_path = self.trace_dir / device_trace_name(rank)
         self.stacks_path = self.trace_dir / STACKS_TABLE.format(rank=rank)
         self.use_cuda = self.device.type == "cuda" and torch.cuda.is_available()
         self._observer: ExecutionTraceObserver | None = None
@@ -444,10 +431,7 @@ class ChakraTracer:
             "untraced_steps": sorted(self.untraced_step_wall_time_s),
             "machine_busy": any((r.get("machine_load") or {}).get("busy") for r in ranks),
         }
-        path = self.trace_dir / RUN_INFO
-        partial = self._partial(path)
-        partial.write_text(json.dumps(info, indent=2, default=str) + "\n", encoding="utf-8")
-        partial.replace(path)
+        write_text_atomic(self.trace_dir / RUN_INFO, json.dumps(info, indent=2, default=str) + "\n")
         logger.info("traces of steps %s from %d rank(s) in %s", completed, len(ranks), self.trace_dir)
 
 
@@ -528,9 +512,9 @@ def read_trace_file(path: str | os.PathLike, kind: str) -> tuple[Any, str | None
     if not data.strip():
         return None, "empty file"
     try:
-        document = _loads(data)
-    except ValueError:
-        return None, _describe_json_problem(data)
+        document = orjson.loads(data)
+    except orjson.JSONDecodeError as e:  # in the converter's words: truncated, written twice, not JSON
+        return None, describe_json_problem(data, e)
     if kind == "host":
         if not isinstance(document, dict) or not isinstance(document.get("nodes"), list) or "schema" not in document:
             return None, "not an execution trace (no 'schema' and 'nodes')"
@@ -539,38 +523,3 @@ def read_trace_file(path: str | os.PathLike, kind: str) -> tuple[Any, str | None
     elif not isinstance(document, dict) or not isinstance(document.get("traceEvents"), list):
         return None, "not a Kineto trace (no 'traceEvents')"
     return document, None
-
-
-def _loads(data: bytes) -> Any:
-    try:
-        import orjson
-    except ImportError:
-        # The standard parser accepts NaN/Infinity, which are not JSON; refuse them like orjson does.
-        return json.loads(data, parse_constant=_refuse_constant)
-    return orjson.loads(data)
-
-
-def _refuse_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not valid JSON")
-
-
-def _describe_json_problem(data: bytes) -> str:
-    """Say why ``data`` is not one JSON document, in words a user can act on."""
-    text = data.decode("utf-8", errors="replace")
-    decoder = json.JSONDecoder(parse_constant=_refuse_constant)
-    documents, position = 0, 0
-    while True:
-        while position < len(text) and text[position].isspace():
-            position += 1
-        if position >= len(text):
-            break
-        try:
-            _, position = decoder.raw_decode(text, position)
-        except ValueError as error:
-            if documents:
-                return f"{documents} JSON document(s) followed by invalid data: {error}"
-            return f"invalid JSON: {error}"
-        documents += 1
-    if documents > 1:
-        return f"{documents} JSON objects concatenated (ExecutionTraceObserver wrote twice); run fix_host_traces.py"
-    return "invalid JSON"

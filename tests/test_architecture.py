@@ -1,0 +1,119 @@
+"""The code's shape: one definition of the trace layout, no import cycle in trace_tools, no function over 100 lines."""
+from __future__ import annotations
+
+import ast
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+LAYOUT = REPO / "trace_tools" / "layout.py"
+# Every non-test Python source of the repository (not tests/, environments, outputs or hidden folders).
+NOT_SOURCES = {"tests", "outputs", "checkpoints", "logs", "converted", "data", "build"}
+SOURCES = sorted(p for p in REPO.rglob("*.py") if not any(
+    part in NOT_SOURCES or part.startswith(".") or "venv" in part for part in p.relative_to(REPO).parts[:-1]))
+
+# ---- one trace layout ------------------------------------------------------------------------------------------
+# The rule: outside trace_tools/layout.py, no string in code (docstrings are prose and exempt; comments are not
+# strings) holds the layout's mechanics: the step annotation's prefix, the process-group node's name, the run
+# metadata key, or a per-rank file pattern (host.{rank}..., {name}.{rank}.et); and no string IS one of its file
+# names (a string that equals "run.json" is that file used as a name: a path, a definition, a comparison). Messages
+# may mention a file in prose ("see CONVERSION_SUMMARY.md"); a name they build a path from comes from the layout.
+LAYOUT_MECHANICS = re.compile(r"ProfilerStep#|## process_group:init ##|mosim_run|(?<!\w)(host|device|stacks|\{kind\})\.\{"
+                              r"|\}\.et\b")
+LAYOUT_FILE_NAMES = {"CONVERSION_SUMMARY.md", "run.json"}
+
+
+def _docstrings(tree: ast.AST) -> set[int]:
+    return {id(node.body[0].value) for node in ast.walk(tree)
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body
+            and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
+
+
+def _code_strings(tree: ast.AST):
+    """(line, text) of every string in code: constants, and f-strings as written (`f'{name}.{rank}.et'`)."""
+    skip = _docstrings(tree)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.JoinedStr):
+            skip.update(id(part) for part in ast.walk(node) if part is not node)
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            yield node.lineno, node.value
+        elif isinstance(node, ast.JoinedStr):
+            yield node.lineno, ast.unparse(node)
+
+
+def test_the_trace_layout_is_defined_only_in_trace_tools_layout():
+    found = []
+    for path in SOURCES:
+        if path == LAYOUT:
+            continue
+        for line, text in _code_strings(ast.parse(path.read_text(encoding="utf-8"))):
+            if LAYOUT_MECHANICS.search(text) or text in LAYOUT_FILE_NAMES:
+                found.append(f"{path.relative_to(REPO)}:{line}: {text[:80]!r}")
+    assert not found, "define or build these from trace_tools/layout.py:\n" + "\n".join(found)
+
+
+def test_the_layout_check_finds_a_copied_definition():
+    copied = ast.parse('HOST = "host.{rank}.json"\nout = folder / f"{name}.{rank}.et"\nx = "run.json"\n'
+                       'def f():\n    """host.{rank}.json in a docstring is prose"""\n')
+    hits = sorted(line for line, text in _code_strings(copied) if LAYOUT_MECHANICS.search(text) or text in LAYOUT_FILE_NAMES)
+    assert hits == [1, 2, 3]
+
+
+# ---- no import cycle in trace_tools ----------------------------------------------------------------------------
+def trace_tools_imports() -> dict[str, set[str]]:
+    """Module -> the trace_tools modules it imports anywhere in its code (a lazy import inside a function counts:
+    it only hides a cycle)."""
+    modules = {p.stem: p for p in (REPO / "trace_tools").glob("*.py") if p.stem != "__init__"}
+    imports: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom):
+                module = node.module or ""
+                if node.level == 1 or module.startswith("trace_tools"):
+                    base = module.removeprefix("trace_tools").lstrip(".")
+                    found.update([base] if base else [alias.name for alias in node.names])
+            elif isinstance(node, ast.Import):
+                found.update(a.name.removeprefix("trace_tools.") for a in node.names if a.name.startswith("trace_tools."))
+        imports[name] = {m.split(".")[0] for m in found} & modules.keys()
+    return imports
+
+
+def test_trace_tools_modules_import_each_other_without_a_cycle():
+    from trace_tools.graph import topological_order
+
+    imports = trace_tools_imports()
+    names = sorted(imports)
+    order = topological_order([[names.index(m) for m in imports[name]] for name in names])
+    on_cycle = sorted(set(names) - {names[i] for i in order})
+    assert not on_cycle, "import cycle among: " + ", ".join(f"{n} -> {sorted(imports[n])}" for n in on_cycle)
+    assert "pipeline" in imports["summary"] or "summary" in imports["pipeline"]  # the check sees lazy imports too
+
+
+@pytest.mark.parametrize("module", sorted(p.stem for p in (REPO / "trace_tools").glob("*.py")))
+def test_each_trace_tools_module_imports_alone_in_a_fresh_interpreter(module):
+    done = subprocess.run([sys.executable, "-c", f"import trace_tools.{module}"], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+# ---- short functions -------------------------------------------------------------------------------------------
+MAX_FUNCTION_LINES = 100
+
+
+def test_no_function_in_trace_tools_or_utils_is_over_100_lines():
+    long = []
+    for path in sorted([*(REPO / "trace_tools").glob("*.py"), *(REPO / "utils").glob("*.py")]):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1  # decorators aside, docstring and body included
+                if length > MAX_FUNCTION_LINES:
+                    long.append(f"{path.relative_to(REPO)}:{node.lineno} {node.name}: {length} lines")
+    assert not long, "split these into named steps:\n" + "\n".join(long)
