@@ -254,3 +254,27 @@ def test_gpu_trace_is_calibrated_through_the_autograd_thread(tmp_path):
     shortened = {attr(n, "kineto_tid") for n in nodes if attr(n, "is_cpu_op")
                  and n.duration_micros < plain_duration[n.id]}
     assert len(shortened) >= 2  # the training thread and the autograd thread
+
+
+def test_measured_cpu_time_sets_the_profiler_cost_even_when_the_network_hid_it(tmp_path):
+    """A run traced on a slow network: its traced and untraced steps take the same wall-clock time (both wait for
+    the network), but the tracer's CPU times show what recording cost; exactly that leaves the CPU ops."""
+    source = CPU_FIXTURES / "gpt2_tiny_2r"
+    folder = tmp_path / "run"
+    folder.mkdir()
+    for name in ("host.0.json.gz", "device.0.json.gz"):
+        (folder / name).write_bytes((source / name).read_bytes())
+    plain = convert_rank(folder / "host.0.json.gz", folder / "device.0.json.gz", tmp_path / "plain.0.et")
+    step_s = plain.traced_step_us / 1e6
+    cost_s = 0.2 * step_s
+    (folder / "run.json").write_text(json.dumps({"ranks": [{
+        "rank": 0, "step_wall_time_s": [step_s], "untraced_step_wall_time_s": [9 * step_s, step_s, step_s],
+        "step_cpu_time_s": [0.9 * step_s], "untraced_step_cpu_time_s": [5 * step_s, 0.9 * step_s - cost_s,
+                                                                         0.9 * step_s - cost_s]}]}))
+    result = convert_rank(folder / "host.0.json.gz", folder / "device.0.json.gz", folder / "run.0.et")
+    assert result.overhead_rule == "CPU time"
+    _, nodes = read_et_with_protolib(folder / "run.0.et")
+    _, plain_nodes = read_et_with_protolib(tmp_path / "plain.0.et")
+    removed = sum(p.duration_micros - n.duration_micros for n, p in zip(nodes, plain_nodes))
+    assert removed == pytest.approx(cost_s * 1e6, rel=0.01)
+    assert result.recording_overhead_us > 0 and result.critical_path_us < plain.critical_path_us

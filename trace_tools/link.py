@@ -6,13 +6,14 @@ import logging
 import re
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from chakra.schema.protobuf.et_def_pb2 import (
     ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, BROADCAST, COMM_COLL_NODE, COMM_RECV_NODE, COMM_SEND_NODE, COMP_NODE, GATHER,
     REDUCE, REDUCE_SCATTER, SCATTER, CollectiveCommType, NodeType,
 )
 
+from .graph import longest_path, topological_order
 from .layout import PG_INIT_NODE, STEP_PREFIX
 from .load import DeviceTrace, HostTrace, TraceError, is_structural
 
@@ -569,93 +570,76 @@ def use_median_durations(linked: LinkedTrace, kexcl: list[float]) -> None:
     linked.stats["median_durations"] = replaced
 
 
-def remove_recording_overhead(linked: LinkedTrace, traced_step_us: float, untraced_step_us: float) -> float:
-    """Take the profiler's own cost out of the CPU durations.
+def remove_recording_overhead(linked: LinkedTrace, traced_step_us: float, untraced_step_us: float,
+                              recording_cpu_us: float | None = None) -> float:
+    """Take the profiler's own cost out of the CPU durations; returns the cost c per recorded op (µs).
 
     Recording costs about the same for every op it records (the observer's and Kineto's callbacks at its start
     and end), and that cost lands both inside the op's span and in the time of what encloses it on its thread
     (the gaps between callees are the caller's exclusive time; between top-level ops, the step annotation's). So
-    a CPU op loses min(c x (1 + the ops recorded directly inside it), its own time), for one cost c. The untraced step is the
-    measurement the durations are calibrated to: c is the cost at which the .et's critical path (its dependency
-    graph replayed with the corrected durations, GPU kernels and collectives as traced) equals the untraced step.
-    Calibrating the path, not one thread, holds wherever the profiled work runs: the training thread alone (CPU
-    ranks), or the training thread and the autograd thread that runs the backward pass on a GPU, whose time the
-    training thread spends waiting. GPU durations are the device's and carry no recording cost; the network the
-    run waited on is the same traced or not, so what differs is the profiler's. When even removing all CPU time
-    leaves a path longer than the untraced step (GPU- or network-bound), every CPU op loses its whole own time.
-    Returns c.
+    a CPU op loses min(c x (1 + the ops recorded directly inside it), its own time), for one cost c. GPU
+    durations are the device's and carry no recording cost. c comes from one of two measurements, named in the
+    summary:
+    - "CPU time": the tracer timed the process's CPU time in untraced and traced steps; on a CPU-only run their
+      difference is what recording costs a step, whatever the step waited for (a slow network hides the cost in
+      the wall-clock step, not in the CPU time), so c takes exactly that much out of the step's CPU ops.
+    - "critical path": otherwise (a GPU run, whose runtime may spin on the CPU while it waits for the device, or
+      a run.json without CPU times), c is the cost at which the .et's critical path equals the untraced step:
+      the path, not one thread, because on a GPU the backward runs on the autograd thread while the training
+      thread waits for it.
     """
     count = len(linked.kind)
     linked.overhead = [0.0] * count
-    if traced_step_us <= untraced_step_us or not linked.traced_steps:
-        return 0.0
     cpu_ops = [i for i in range(count) if linked.kind[i] != GPU_OP and i not in linked.comm]
-    own = {i: max(0.0, linked.excl[i] - linked.wait[i]) for i in cpu_ops}
-    if not cpu_ops:
+    if traced_step_us <= untraced_step_us and recording_cpu_us is None or not linked.traced_steps or not cpu_ops:
         return 0.0
+    own = {i: max(0.0, linked.excl[i] - linked.wait[i]) for i in cpu_ops}
     recorded = Counter(p for p in linked.lane_parent if p >= 0)
     weight = {i: 1 + recorded[i] for i in cpu_ops}
-    order = _issue_order(linked)
+    before = [list(deps) + ([linked.parent[i]] if linked.parent[i] >= 0 else []) for i, deps in enumerate(linked.deps)]
+    order = topological_order(before)  # a node runs once its caller and dependencies are done (validate's issue loop)
     base = [linked.work(i) for i in range(count)]
 
     def path_with_cost(c: float) -> float:
         durations = list(base)
         for i in cpu_ops:
             durations[i] = own[i] - min(c * weight[i], own[i])
-        return _longest_path(linked, order, durations)
+        return max(longest_path(before, durations, order)[0], default=0.0)
+
+    def removed_with_cost(c: float) -> float:
+        return sum(min(c * weight[i], own[i]) for i in cpu_ops)
 
     as_traced = path_with_cost(0.0)
-    if as_traced <= untraced_step_us:
-        return 0.0
-    low, high = 0.0, max(own[i] / weight[i] for i in cpu_ops)
-    if path_with_cost(high) < untraced_step_us:
-        while high - low > max(0.01, 1e-4 * high):  # the path shrinks as c grows: bisect to 0.01 µs per op
-            middle = (low + high) / 2
-            if path_with_cost(middle) > untraced_step_us:
-                low = middle
-            else:
-                high = middle
-    cost = high
+    if recording_cpu_us is not None and GPU_OP not in linked.kind:
+        rule, too_much = "CPU time", lambda c: removed_with_cost(c) > recording_cpu_us
+    else:
+        rule, too_much = "critical path", lambda c: path_with_cost(c) < untraced_step_us
+        if as_traced <= untraced_step_us:
+            return 0.0
+    if recording_cpu_us is not None and recording_cpu_us <= 0 and rule == "CPU time":
+        cost = 0.0
+    else:
+        cost = _smallest_cost(too_much, max(own[i] / weight[i] for i in cpu_ops))
     for i in cpu_ops:
         linked.overhead[i] = min(cost * weight[i], own[i])
+    linked.stats["recording_overhead_rule"] = rule
     linked.stats["recording_overhead_per_op_us"] = round(cost, 3)
     linked.stats["recording_overhead_us"] = round(as_traced - path_with_cost(cost), 1)
     return cost
 
 
-def _issue_order(linked: LinkedTrace) -> list[int]:
-    """The nodes in an order where each follows its caller and its dependencies (Kahn's algorithm)."""
-    children: list[list[int]] = [[] for _ in linked.kind]
-    missing = [0] * len(linked.kind)
-    for i, deps in enumerate(linked.deps):
-        before = list(deps) + ([linked.parent[i]] if linked.parent[i] >= 0 else [])
-        missing[i] = len(before)
-        for d in before:
-            children[d].append(i)
-    ready = [i for i, m in enumerate(missing) if m == 0]
-    order: list[int] = []
-    while ready:
-        i = ready.pop()
-        order.append(i)
-        for c in children[i]:
-            missing[c] -= 1
-            if missing[c] == 0:
-                ready.append(c)
-    return order
-
-
-def _longest_path(linked: LinkedTrace, order: list[int], durations: list[float]) -> float:
-    """The .et's critical path with these durations: a node starts when its caller and dependencies are done
-    (validate.py's issue loop)."""
-    finish = [0.0] * len(durations)
-    parent, deps = linked.parent, linked.deps
-    for i in order:
-        start = finish[parent[i]] if parent[i] >= 0 else 0.0
-        for d in deps[i]:
-            if finish[d] > start:
-                start = finish[d]
-        finish[i] = start + durations[i]
-    return max(finish, default=0.0)
+def _smallest_cost(too_much: Callable[[float], bool], high: float) -> float:
+    """The cost per op where `too_much` turns true (it only grows with the cost), to 0.01 µs; `high` when never."""
+    if not too_much(high):
+        return high
+    low = 0.0
+    while high - low > max(0.01, 1e-4 * high):
+        middle = (low + high) / 2
+        if too_much(middle):
+            high = middle
+        else:
+            low = middle
+    return low
 
 
 def _add_cpu_nodes(linked: LinkedTrace, match: list[int], matched: list[int], steps: set[int],

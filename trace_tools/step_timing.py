@@ -19,6 +19,16 @@ class StepTimes:
 
     traced_us: list[float]
     untraced_us: list[float]
+    traced_cpu_us: list[float] | None = None    # CPU time of the rank's process in the same steps, when measured
+    untraced_cpu_us: list[float] | None = None
+
+    @property
+    def recording_cpu_us(self) -> float | None:
+        """CPU time a traced step spent more than an untraced one: the recording's cost, measured apart from any
+        wait on the network or on another rank (None when the run did not measure CPU time)."""
+        if not self.traced_cpu_us or not self.untraced_cpu_us:
+            return None
+        return statistics.median(self.traced_cpu_us) - statistics.median(self.untraced_cpu_us)
 
     @property
     def traced_median_us(self) -> float:
@@ -42,9 +52,11 @@ def read_step_times(run_dir: str | Path, rank: int) -> StepTimes | None:
         if isinstance(info, dict) else []
     if not entries:
         return None
-    traced = [float(t) * 1e6 for t in entries[0].get("step_wall_time_s") or [] if isinstance(t, (int, float))]
-    untraced = [float(t) * 1e6 for t in entries[0].get("untraced_step_wall_time_s") or []
-                if isinstance(t, (int, float))][1:]
+    def micros(key: str) -> list[float]:
+        return [float(t) * 1e6 for t in entries[0].get(key) or [] if isinstance(t, (int, float))]
+
+    traced, untraced = micros("step_wall_time_s"), micros("untraced_step_wall_time_s")[1:]
     if not traced or not untraced:
         return None
-    return StepTimes(traced_us=traced, untraced_us=untraced)
+    return StepTimes(traced_us=traced, untraced_us=untraced, traced_cpu_us=micros("step_cpu_time_s"),
+                     untraced_cpu_us=micros("untraced_step_cpu_time_s")[1:])

@@ -124,8 +124,12 @@ class ChakraTracer:
         self._device_trace_written = False
         self._step = 0                      # optimizer steps completed so far (= the profiler's step_num)
         self._step_started = 0.0
+        self._cpu_started = 0.0
         self.step_wall_time_s: dict[int, float] = {}          # traced steps
         self.untraced_step_wall_time_s: dict[int, float] = {}  # steps before the profiler's window
+        # CPU time of the whole process in the same steps: what recording costs, whatever the network made it wait
+        self.step_cpu_time_s: dict[int, float] = {}
+        self.untraced_step_cpu_time_s: dict[int, float] = {}
         self._load_start = None                                   # machine load when the traced steps began
         self.machine_load: dict[str, Any] | None = None
         self.files: dict[str, Path] = {}
@@ -162,6 +166,7 @@ class ChakraTracer:
         if self.first_traced_step == 0:
             self._load_start = sample_machine_load()
         self._step_started = self._now(sync=True)
+        self._cpu_started = time.process_time()
         return self
 
     def step(self) -> None:
@@ -170,10 +175,12 @@ class ChakraTracer:
         timed = step <= self.traced_steps[-1]
         if step in self.traced_steps:
             self.step_wall_time_s[step] = self._now(sync=True) - self._step_started
+            self.step_cpu_time_s[step] = time.process_time() - self._cpu_started
             if step == self.traced_steps[-1] and self._load_start is not None:
                 self._note_machine_load()
         elif step < self.wait_steps:
             self.untraced_step_wall_time_s[step] = self._now(sync=True) - self._step_started
+            self.untraced_step_cpu_time_s[step] = time.process_time() - self._cpu_started
         self._step += 1
         if self._profiler is not None and not self._finalized:
             self._profiler.step()
@@ -182,6 +189,7 @@ class ChakraTracer:
         if self._step == self.first_traced_step:
             self._load_start = sample_machine_load()  # before the clock starts, so the probe's time stays out
         self._step_started = self._now(sync=timed)
+        self._cpu_started = time.process_time()
 
     def _note_machine_load(self) -> None:
         """What else ran on the machine during the traced steps (run.json); a warning when it was busy."""
@@ -401,6 +409,8 @@ class ChakraTracer:
             "machine_load": self.machine_load,
             "untraced_step_wall_time_s": [self.untraced_step_wall_time_s[s]
                                           for s in sorted(self.untraced_step_wall_time_s)],
+            "step_cpu_time_s": [self.step_cpu_time_s[s] for s in completed],
+            "untraced_step_cpu_time_s": [self.untraced_step_cpu_time_s[s] for s in sorted(self.untraced_step_cpu_time_s)],
             "files": {kind: path.name for kind, path in sorted(self.files.items())},
             "errors": errors,
         }
