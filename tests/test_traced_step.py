@@ -32,6 +32,7 @@ TRACED_RUN = ["--model-name", "tiny", "--max-seq-length", "64", "--batch-size", 
 # code, inside DDP's forward). Anything else is bookkeeping the trainer added. GPT-2's forward reads nothing: its
 # packed blocks carry no pad id for transformers to look for.
 TRAINING_READS = ("Optimizer.step#", "enumerate(DataLoader)#")
+COLLECTIVES = ("gloo:", "nccl:")
 MODEL_READS = {"gpt2": (), "bert": ("DistributedDataParallel.forward",)}
 HOST_SYNC = "aten::_local_scalar_dense"  # what .item() / float(tensor) run
 
@@ -79,6 +80,11 @@ def host_reads_outside_training(nodes: list, model_reads: tuple = ()) -> list:
         if node["name"] != HOST_SYNC:
             continue
         chain, seen, parent = [], set(), node.get("ctrl_deps")
+        if by_id.get(parent, {}).get("name", "").startswith(COLLECTIVES):
+            # A collective's record function opens on the training thread when the work is enqueued and closes when
+            # the backend's worker finishes it: on a loaded machine the optimizer's reads start while it is still
+            # open, and the observer files them under it. A collective itself reads nothing back.
+            continue
         while parent in by_id and parent not in seen:  # iterative walk up the call tree (the root is its own parent)
             seen.add(parent)
             chain.append(by_id[parent]["name"])
