@@ -9,6 +9,18 @@ from pathlib import Path
 from typing import BinaryIO, Iterator
 
 
+def process_is_alive(pid: int) -> bool:
+    """Whether a process runs with this pid (another user's counts): a temporary file or folder named after a dead
+    writer's pid is a leftover that the next run may remove."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
 def new_file_mode() -> int:
     """The mode open() would give a new file under the current umask."""
     umask = os.umask(0)

@@ -16,7 +16,7 @@ from typing import Iterable, Optional
 
 import orjson
 
-from .atomic import atomic_output
+from .atomic import atomic_output, process_is_alive
 from .layout import PG_INIT_NODE
 
 # Host trace schemas PyTorch has written so far: "1.0.1" (torch 2.0-2.2, the GPU fixtures), then
@@ -830,19 +830,10 @@ def _remove_dead_writers_temp_files(path: Path) -> None:
         return
     for entry in entries:
         match = pattern.match(entry.name)
-        if match and not _process_is_alive(int(match["pid"])):
+        if match and not process_is_alive(int(match["pid"])):
             with contextlib.suppress(OSError):
                 entry.unlink()
 
-
-def _process_is_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process
-        return True
-    return True
 
 
 def _write_replacement(path: Path, payload: bytes, gzipped: bool) -> Path:

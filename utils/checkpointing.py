@@ -19,6 +19,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from trace_tools.atomic import process_is_alive
 from utils.errors import CheckpointError, UsageError
 
 try:
@@ -170,15 +171,6 @@ def _publish(tmp: Path, target: Path) -> None:
         raise
     shutil.rmtree(old, ignore_errors=True)
 
-
-def process_is_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process
-        return True
-    return True
 
 
 def clean_partial_checkpoints(save_dir: Path) -> "list[str]":

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Optional
 
+from trace_tools.atomic import process_is_alive
 from utils.errors import UsageError
 from utils.hub import hub_is_offline
 
@@ -94,20 +95,11 @@ def _remove_partial_caches(cache_root: Path) -> None:
         return
     for entry in cache_root.iterdir():
         match = _PARTIAL_CACHE.match(entry.name)
-        if not match or _process_is_alive(int(match["pid"])):
+        if not match or process_is_alive(int(match["pid"])):
             continue
         shutil.rmtree(entry, ignore_errors=True) if entry.is_dir() else entry.unlink(missing_ok=True)
         logger.info("removed %s (a tokenizer cache left half-written by a stopped run)", entry)
 
-
-def _process_is_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process
-        return True
-    return True
 
 
 def trained_tokenizer(request: TokenizerRequest, texts: Iterable[str], cache_root: Path = TRAINED_TOKENIZER_CACHE):

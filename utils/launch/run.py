@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Optional
 
 from trace_tools import layout
-from trace_tools.atomic import write_text_atomic
+from trace_tools.atomic import process_is_alive, write_text_atomic
 from utils.errors import UsageError
 from utils.launch.options import CONSOLE_LOG, LAUNCHERS, PID_FILE, Launcher, ShowHelp, parse_options, usage
 from utils.launch.plan import (ROOT, LaunchError, Plan, Run, dataset_arguments, make_plan, print_settings,
@@ -78,7 +78,7 @@ def start_background(launcher: Launcher, plan: Plan) -> int:
     logs = plan.opts.logs_dir
     pid_file, console = ROOT / logs / PID_FILE, f"{logs}/{CONSOLE_LOG}"
     old = pid_file.read_text().strip() if pid_file.is_file() else ""
-    if old.isdigit() and _alive(int(old)):
+    if old.isdigit() and process_is_alive(int(old)):
         print(f"error: a background run is still going (PID {old}, {logs}/{PID_FILE}); stop it (kill {old}) or use "
               "another --logs-dir", file=sys.stderr)
         return 1
@@ -117,15 +117,6 @@ def start_background(launcher: Launcher, plan: Plan) -> int:
         print(f"❌ The background run already ended with exit code {child.returncode}; see {console}")
     return child.returncode
 
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        pass
-    return True
 
 
 def convert(plan: Plan, folders: list, runner: Foreground) -> tuple:
