@@ -13,6 +13,18 @@ from trace_tools.load import load_device_trace, load_host_trace, tensor_storages
 from trace_tools.pipeline import convert_rank
 
 
+def rank0_copy(source: Path, folder: Path, with_run_info: bool = False) -> Path:
+    """Rank 0's host and device traces of `source` (and its run.json if asked) in a folder of their own."""
+    folder.mkdir()
+    for name in ("host.0.json.gz", "device.0.json.gz") + (("run.json",) if with_run_info else ()):
+        (folder / name).write_bytes((source / name).read_bytes())
+    return folder
+
+
+def convert_rank0(folder: Path, et_path: Path):
+    return convert_rank(folder / "host.0.json.gz", folder / "device.0.json.gz", et_path)
+
+
 def link_folder(folder: Path, rank: int = 0):
     host = load_host_trace(next(folder.glob(f"host.{rank}.json*")))
     device = load_device_trace(next(folder.glob(f"device.{rank}.json*")))
@@ -145,18 +157,14 @@ def test_one_slow_traced_step_does_not_make_the_et(tmp_path):
 
 
 def test_profiler_cost_measured_by_the_tracer_is_taken_out_of_the_durations(tmp_path):
-    source = CPU_FIXTURES / "gpt2_tiny_2r"
-    folder = tmp_path / "run"
-    folder.mkdir()
-    for name in ("host.0.json.gz", "device.0.json.gz"):
-        (folder / name).write_bytes((source / name).read_bytes())
-    plain = convert_rank(folder / "host.0.json.gz", folder / "device.0.json.gz", tmp_path / "plain.0.et")
+    folder = rank0_copy(CPU_FIXTURES / "gpt2_tiny_2r", tmp_path / "run")
+    plain = convert_rank0(folder, tmp_path / "plain.0.et")
     traced_s = plain.traced_step_us / 1e6
     untraced_s = 0.7 * traced_s
     (folder / "run.json").write_text(json.dumps({"ranks": [{
         "rank": 0, "step_wall_time_s": [traced_s],
         "untraced_step_wall_time_s": [5 * traced_s, untraced_s, untraced_s]}]}))
-    result = convert_rank(folder / "host.0.json.gz", folder / "device.0.json.gz", folder / "run.0.et")
+    result = convert_rank0(folder, folder / "run.0.et")
     assert result.untraced_step_us == pytest.approx(untraced_s * 1e6)
     # the durations are calibrated so that replaying the .et's graph takes the untraced step
     assert result.critical_path_us == pytest.approx(untraced_s * 1e6, rel=0.005)
@@ -169,14 +177,10 @@ def test_profiler_cost_measured_by_the_tracer_is_taken_out_of_the_durations(tmp_
 
 
 def test_untraced_step_times_without_a_usable_sample_leave_durations_alone(tmp_path):
-    source = CPU_FIXTURES / "gpt2_tiny_2r"
-    folder = tmp_path / "run"
-    folder.mkdir()
-    for name in ("host.0.json.gz", "device.0.json.gz"):
-        (folder / name).write_bytes((source / name).read_bytes())
+    folder = rank0_copy(CPU_FIXTURES / "gpt2_tiny_2r", tmp_path / "run")
     (folder / "run.json").write_text(json.dumps({"ranks": [{"rank": 0, "step_wall_time_s": [0.3],
                                                              "untraced_step_wall_time_s": [0.2]}]}))
-    result = convert_rank(folder / "host.0.json.gz", folder / "device.0.json.gz", folder / "run.0.et")
+    result = convert_rank0(folder, folder / "run.0.et")
     assert result.untraced_step_us == 0 and result.recording_overhead_us == 0
 
 
@@ -230,14 +234,10 @@ GPU_TRACE = Path(__file__).parent / "data" / "gpu" / "gpt2_tiny_1gpu"
 def test_gpu_trace_is_calibrated_through_the_autograd_thread(tmp_path):
     """On a GPU the backward pass runs on the autograd thread while the training thread waits for it: the profiler's
     cost is on both threads, and the .et replays the untraced step only if both lose it."""
-    folder, plain_folder = tmp_path / "run", tmp_path / "plain"
-    for target, names in ((folder, ("host.0.json.gz", "device.0.json.gz", "run.json")),
-                          (plain_folder, ("host.0.json.gz", "device.0.json.gz"))):
-        target.mkdir()
-        for name in names:
-            (target / name).write_bytes((GPU_TRACE / name).read_bytes())
-    result = convert_rank(folder / "host.0.json.gz", folder / "device.0.json.gz", folder / "run.0.et")
-    plain = convert_rank(plain_folder / "host.0.json.gz", plain_folder / "device.0.json.gz", plain_folder / "p.0.et")
+    folder = rank0_copy(GPU_TRACE, tmp_path / "run", with_run_info=True)
+    plain_folder = rank0_copy(GPU_TRACE, tmp_path / "plain")
+    result = convert_rank0(folder, folder / "run.0.et")
+    plain = convert_rank0(plain_folder, plain_folder / "p.0.et")
     untraced = json.loads((GPU_TRACE / "run.json").read_text())["ranks"][0]["untraced_step_wall_time_s"][1:]
     assert result.untraced_step_us == pytest.approx(sorted(untraced)[len(untraced) // 2] * 1e6, rel=0.5)
     assert plain.critical_path_us > 3 * result.untraced_step_us
@@ -259,19 +259,15 @@ def test_gpu_trace_is_calibrated_through_the_autograd_thread(tmp_path):
 def test_measured_cpu_time_sets_the_profiler_cost_even_when_the_network_hid_it(tmp_path):
     """A run traced on a slow network: its traced and untraced steps take the same wall-clock time (both wait for
     the network), but the tracer's CPU times show what recording cost; exactly that leaves the CPU ops."""
-    source = CPU_FIXTURES / "gpt2_tiny_2r"
-    folder = tmp_path / "run"
-    folder.mkdir()
-    for name in ("host.0.json.gz", "device.0.json.gz"):
-        (folder / name).write_bytes((source / name).read_bytes())
-    plain = convert_rank(folder / "host.0.json.gz", folder / "device.0.json.gz", tmp_path / "plain.0.et")
+    folder = rank0_copy(CPU_FIXTURES / "gpt2_tiny_2r", tmp_path / "run")
+    plain = convert_rank0(folder, tmp_path / "plain.0.et")
     step_s = plain.traced_step_us / 1e6
     cost_s = 0.2 * step_s
     (folder / "run.json").write_text(json.dumps({"ranks": [{
         "rank": 0, "step_wall_time_s": [step_s], "untraced_step_wall_time_s": [9 * step_s, step_s, step_s],
         "step_cpu_time_s": [0.9 * step_s], "untraced_step_cpu_time_s": [5 * step_s, 0.9 * step_s - cost_s,
                                                                          0.9 * step_s - cost_s]}]}))
-    result = convert_rank(folder / "host.0.json.gz", folder / "device.0.json.gz", folder / "run.0.et")
+    result = convert_rank0(folder, folder / "run.0.et")
     assert result.overhead_rule == "CPU time"
     _, nodes = read_et_with_protolib(folder / "run.0.et")
     _, plain_nodes = read_et_with_protolib(tmp_path / "plain.0.et")

@@ -591,7 +591,7 @@ def remove_recording_overhead(linked: LinkedTrace, traced_step_us: float, untrac
     count = len(linked.kind)
     linked.overhead = [0.0] * count
     cpu_ops = [i for i in range(count) if linked.kind[i] != GPU_OP and i not in linked.comm]
-    if traced_step_us <= untraced_step_us and recording_cpu_us is None or not linked.traced_steps or not cpu_ops:
+    if (recording_cpu_us is None and traced_step_us <= untraced_step_us) or not linked.traced_steps or not cpu_ops:
         return 0.0
     own = {i: max(0.0, linked.excl[i] - linked.wait[i]) for i in cpu_ops}
     recorded = Counter(p for p in linked.lane_parent if p >= 0)
@@ -616,10 +616,7 @@ def remove_recording_overhead(linked: LinkedTrace, traced_step_us: float, untrac
         rule, too_much = "critical path", lambda c: path_with_cost(c) < untraced_step_us
         if as_traced <= untraced_step_us:
             return 0.0
-    if recording_cpu_us is not None and recording_cpu_us <= 0 and rule == "CPU time":
-        cost = 0.0
-    else:
-        cost = _smallest_cost(too_much, max(own[i] / weight[i] for i in cpu_ops))
+    cost = _smallest_cost(too_much, max(own[i] / weight[i] for i in cpu_ops))
     for i in cpu_ops:
         linked.overhead[i] = min(cost * weight[i], own[i])
     linked.stats["recording_overhead_rule"] = rule
@@ -629,7 +626,10 @@ def remove_recording_overhead(linked: LinkedTrace, traced_step_us: float, untrac
 
 
 def _smallest_cost(too_much: Callable[[float], bool], high: float) -> float:
-    """The cost per op where `too_much` turns true (it only grows with the cost), to 0.01 µs; `high` when never."""
+    """The cost per op where `too_much` turns true (it only grows with the cost), to 0.01 µs; 0 when it is true from
+    the start (a measured cost of 0 or less), `high` when never."""
+    if too_much(0.0):
+        return 0.0
     if not too_much(high):
         return high
     low = 0.0
