@@ -183,6 +183,32 @@ def test_longer_window_records_every_active_step_and_its_time(tmp_path):
         "ProfilerStep#1", "ProfilerStep#2", "ProfilerStep#3"]
 
 
+def resident_mb() -> float:
+    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="reads resident memory from /proc")
+def test_tensors_of_a_traced_step_are_freed_when_the_step_is_done(tmp_path):
+    """The recording must not keep a step's gradients and optimizer temporaries alive until the window closes:
+    each held step would put the next step's allocations on fresh pages, a cost the untraced run never pays
+    (Kineto's record_shapes did: +96 MB a step here, 650 MB for GPT-2 124M)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(2048, 2048), torch.nn.Linear(2048, 2048))  # 32 MB of weights
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    tracer = ChakraTracer(tmp_path, "alloc", wait_steps=1, warmup_steps=0, active_steps=4, run_info={})
+    resident = []
+    with tracer:
+        for _ in range(5):
+            model(torch.ones(8, 2048)).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            gc.collect()
+            resident.append(resident_mb())
+            tracer.step()
+    growth = resident[-1] - resident[1]  # over the last three traced steps; held, they would add 3 x 96 MB
+    assert growth < 128, f"resident memory grew by {growth:.0f} MB over three traced steps ({resident})"
+
+
 # ---- two ranks -----------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def two_rank_gpt2(tmp_path_factory):
