@@ -40,6 +40,9 @@ COPY scripts/download_tokenizers.py scripts/
 RUN python scripts/download_tokenizers.py --output-dir /workspace/pretrained_models
 
 COPY . .
+# The project itself (pyproject.toml), editable and without dependencies: `python gpt2/train.py`, the benchmarks and
+# the mosim-* commands import it from any folder.
+RUN pip install --no-cache-dir --no-deps -e .
 
 # Fail the build here, not at the first run, when an import, torch.compile or a launcher is broken.
 # transformers imports even when it has switched PyTorch off (too old a torch): ask it whether PyTorch is on.
@@ -51,7 +54,7 @@ compiled = torch.compile(lambda x: torch.sin(x) * 2 + 1); x = torch.arange(8.0);
 assert torch.allclose(compiled(x), torch.sin(x) * 2 + 1), 'torch.compile gave a wrong result'; \
 print('torch', torch.__version__, '| CUDA', torch.version.cuda, '| transformers', transformers.__version__, \
 '| torch.compile ok')" \
-    && ./run_gpt2.sh --help > /dev/null \
+    && ./run_gpt2.sh --help > /dev/null && (cd / && mosim-convert --help > /dev/null) \
     && mkdir -p outputs checkpoints logs
 
 HEALTHCHECK --interval=5m --timeout=60s --start-period=30s --retries=3 \

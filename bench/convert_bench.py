@@ -9,9 +9,6 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 from bench.common import (BUNDLED_SQUAD, REPO_ROOT, BenchError, child_env, exit_on_sigterm, fail, format_table,
                           full_vocab_tokenizer, machine_description, median, one_core, ratio, run_child, train_script)
 from utils.families import FAMILIES

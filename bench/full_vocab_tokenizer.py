@@ -11,9 +11,6 @@ import shutil
 import sys
 from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 from bench.common import BUNDLED_SQUAD, REPO_ROOT
 from utils.families import FAMILIES, load_family
 

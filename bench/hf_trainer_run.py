@@ -5,9 +5,6 @@ import sys
 import time
 from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 import torch
 
 from utils.data_utils import ResumableDistributedSampler

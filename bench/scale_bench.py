@@ -8,9 +8,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 from bench.common import (REPO_ROOT, BenchError, child_env, exit_on_sigterm, fail, format_table, machine_description,
                           median, run_child)
 from trace_tools.layout import CONVERSION_SUMMARY, RUN_INFO, et_name

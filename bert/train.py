@@ -1,16 +1,14 @@
 """Masked-LM pretraining of BERT from its config: a SQuAD example becomes `[CLS] question [SEP] context [SEP]`."""
 import sys
-from pathlib import Path
 
-if __package__ in (None, ""):
-    # Run as `python bert/train.py` (also under torchrun): import from the repository root, not from bert/,
-    # whose model.py/config.py would otherwise shadow same-named modules.
-    _ROOT = Path(__file__).resolve().parent.parent
-    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _ROOT / "bert"]
-    sys.path.insert(0, str(_ROOT))
+try:
+    from utils.errors import stop_quietly_while_starting_up
+except ModuleNotFoundError:  # run as a script by a Python that does not have the project installed
+    sys.exit(f"error: {sys.executable} has no mosim-llms (this project, installed); use the project's environment: "
+             "source .venv/bin/activate (./run_tests.sh or ./run_all_profiling.sh creates .venv), or run "
+             "`pip install -e .` in the repository, or `python -m bert.train` from there")
 
 if __name__ == "__main__":
-    from utils.errors import stop_quietly_while_starting_up
     stop_quietly_while_starting_up()  # Ctrl-C during the slow imports below: one line, not a traceback
 
 from utils.environment import require  # noqa: E402

@@ -6,7 +6,9 @@
 # torch is installed as torch==2.13.0 *before* requirements.txt: a bare
 # "torch>=2.4" on a machine without torch would pull a multi-GB CUDA build.
 # requirements-convert.txt goes in with --no-deps (it lists everything the
-# conversion imports; mlc-chakra's own dependencies are not used).
+# conversion imports; mlc-chakra's own dependencies are not used). The project
+# itself goes in last, editable and without dependencies (pyproject.toml), so
+# `python gpt2/train.py` and `python bench/<bench>.py` import it from anywhere.
 
 PROJECT_TORCH_VERSION="${PROJECT_TORCH_VERSION:-2.13.0}"
 
@@ -36,6 +38,17 @@ PY
 )"
 }
 
+_python_env_install_project() {
+    # $1: python executable; $2: project root. Unless `import trace_tools` from another folder already finds this
+    # checkout: the project, editable and without dependencies (the requirement files went in apart), with the
+    # environment's own setuptools when it has one, else with one pip downloads.
+    (cd / && "$1" -c 'import os, sys, trace_tools; sys.exit(os.path.realpath(trace_tools.__file__) != sys.argv[1])' \
+        "$(cd "$2" && pwd -P)/trace_tools/__init__.py") >/dev/null 2>&1 && return 0
+    echo "==> Installing this project into $1 (pip install --no-deps -e $2)" >&2
+    "$1" -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e "$2" >/dev/null 2>&1 ||
+        "$1" -m pip install -q --disable-pip-version-check --no-deps -e "$2" >&2
+}
+
 ensure_python_env() {
     # $1: "train" or "test" (what the caller is about to run)
     local purpose="${1:-test}"
@@ -49,6 +62,7 @@ ensure_python_env() {
         fi
     fi
     if [ -n "$candidate" ] && _python_env_is_suitable "$candidate" "$purpose" "$root"; then
+        _python_env_install_project "$candidate" "$root" || return 1
         PYTHON="$candidate"
         export PYTHON
         return 0
@@ -84,6 +98,7 @@ ensure_python_env() {
         "$venv_python" "$root/utils/environment.py" check-requirements "${files[@]}" >&2 || true
         return 1
     fi
+    _python_env_install_project "$venv_python" "$root" || return 1
     PYTHON="$venv_python"
     export PYTHON
 }

@@ -117,3 +117,72 @@ def test_no_function_in_trace_tools_or_utils_is_over_100_lines():
                 if length > MAX_FUNCTION_LINES:
                     long.append(f"{path.relative_to(REPO)}:{node.lineno} {node.name}: {length} lines")
     assert not long, "split these into named steps:\n" + "\n".join(long)
+
+
+# ---- an installed package, not sys.path edits ------------------------------------------------------------------
+# utils/launch/ is the one exception: ./run_*.sh start it with any python3, before the environment that holds the
+# installed project exists (the launcher finds or makes that environment).
+SYS_PATH_EDIT = re.compile(r"sys\.path(\.insert|\.append|\[|\s*=|\s*\+=)")
+BOOTSTRAP = {REPO / "utils" / "launch" / "__main__.py"}
+
+
+def test_no_source_edits_sys_path_but_the_launcher_bootstrap():
+    edits = [f"{path.relative_to(REPO)}:{number}" for path in SOURCES if path not in BOOTSTRAP
+             for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+             if SYS_PATH_EDIT.search(line)]
+    assert not edits, "import from the installed project (pyproject.toml) instead: " + ", ".join(edits)
+    assert any(SYS_PATH_EDIT.search(line) for path in BOOTSTRAP for line in path.read_text().splitlines())
+
+
+def console_scripts() -> dict[str, str]:
+    import tomllib  # Python 3.11+, the tests' interpreter
+
+    return tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))["project"]["scripts"]
+
+
+needs_tomllib = pytest.mark.skipif(sys.version_info < (3, 11), reason="reads pyproject.toml with tomllib (3.11+)")
+
+
+@needs_tomllib
+def test_every_console_script_names_a_function_of_a_packaged_module():
+    import tomllib
+
+    settings = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["setuptools"]
+    packaged = set(settings["packages"]) | set(settings["py-modules"])
+    probe = "import importlib, sys\nfor target in sys.argv[1:]:\n    module, name = target.split(':')\n" \
+            "    assert callable(getattr(importlib.import_module(module), name)), target\n"
+    targets = sorted(console_scripts().values())
+    assert {t.split(":")[0] for t in targets} <= packaged
+    # From another folder: the installed project, not the current directory, provides them.
+    done = subprocess.run([sys.executable, "-c", probe, *targets], cwd="/", capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+@needs_tomllib
+@pytest.mark.parametrize("command", ["mosim-convert", "mosim-fix-traces", "mosim-report",
+                                     "mosim-simulate", "mosim-scale"])
+def test_the_installed_conversion_commands_answer_help_from_any_folder(command, tmp_path):
+    assert command in console_scripts()
+    done = subprocess.run([str(Path(sys.executable).parent / command), "--help"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.startswith("usage:"), done.stderr[-2000:]
+
+
+def test_mosim_train_runs_a_registered_family_and_names_the_known_ones(tmp_path):
+    train = str(Path(sys.executable).parent / "mosim-train")
+    usage = subprocess.run([train], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert usage.returncode == 2 and usage.stderr.startswith("usage: mosim-train {gpt2,bert")
+    unknown = subprocess.run([train, "llama"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert unknown.returncode == 2
+    assert unknown.stderr.strip() == "error: unknown model family 'llama'"
+    helped = subprocess.run([train, "bert", "--help"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert helped.returncode == 0 and helped.stdout.startswith("usage: bert/train.py"), helped.stderr[-2000:]
+
+
+def test_a_train_script_run_by_a_python_without_the_project_says_so_in_one_line():
+    # -S: no site-packages, so neither the installed project nor torch; the project is what it names first.
+    done = subprocess.run([sys.executable, "-S", str(REPO / "gpt2" / "train.py"), "--help"], cwd="/",
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1
+    [line] = done.stderr.splitlines()
+    assert line.startswith(f"error: {sys.executable} has no mosim-llms") and "pip install -e ." in line

@@ -198,6 +198,37 @@ def test_fresh_venv_is_created_without_system_packages_and_imports_chakra(tmp_pa
     assert again.returncode == 0 and "==> Reusing" in again.stdout
     assert time.monotonic() - started < 15
     print(f"fresh chakra-venv created in {created_in:.0f} s, {venv_megabytes(venv):.0f} MB")
+    # The laptop install of pyproject.toml's conversion side: the project's wheel in this torch-free environment
+    # gives mosim-convert, which converts a run from any folder.
+    wheel = build_wheel(tmp_path / "wheel")
+    installed = run([venv / "bin" / "python", "-m", "pip", "install", "-q", "--no-deps", wheel])
+    assert installed.returncode == 0, installed.stderr[-2000:]
+    assert run([venv / "bin" / "python", "-c", "import torch"]).returncode == 1
+    run_dir = tmp_path / "laptop" / "gpt2_tiny_1r"
+    shutil.copytree(DATA / "gpt2_tiny_1r", run_dir)
+    converted = run([venv / "bin" / "mosim-convert", run_dir], cwd=tmp_path)
+    assert converted.returncode == 0, converted.stdout[-2000:] + converted.stderr[-2000:]
+    assert (run_dir / "gpt2_tiny_1r.0.et").stat().st_size > 0
+
+
+def build_wheel(out: Path) -> Path:
+    """The project's wheel, built from a copy of what pyproject.toml packages (a build writes build/ and
+    *.egg-info beside its sources), with this interpreter's setuptools."""
+    import tomllib
+
+    source = out / "source"
+    settings = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    for name in ["pyproject.toml", "README.md", *(f.name for f in REPO.glob("requirements*.txt")),
+                 *(f"{m}.py" for m in settings["py-modules"])]:
+        source.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(REPO / name, source / name)
+    for package in settings["packages"]:
+        shutil.copytree(REPO / package.replace(".", "/"), source / package.replace(".", "/"), dirs_exist_ok=True,
+                        ignore=shutil.ignore_patterns("__pycache__"))
+    built = run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", out, source])
+    assert built.returncode == 0, built.stderr[-2000:]
+    [wheel] = out.glob("mosim_llms-*.whl")
+    return wheel
 
 
 def test_with_report_adds_matplotlib_to_the_environment(filled_venv):

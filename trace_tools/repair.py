@@ -91,10 +91,6 @@ def parse_json_fast(data: bytes) -> object:
         return orjson.loads(data)
 
 
-class HostTraceError(ValueError):
-    """A host trace that cannot be used as it is; str() is the one-line message naming the file."""
-
-
 @dataclass
 class Diagnosis:
     """What is wrong with a host trace, if anything, and whether fix_host_traces.py can repair it."""
@@ -749,14 +745,6 @@ def diagnose_host_trace(path, *, keep_document: bool = False, min_nodes: int = D
     """Check a host trace before linking. A valid file is parsed once with orjson (and returned as
     `.document` when keep_document is set); only a file that fails to parse is walked by the scanning decoder."""
     return _analyse(Path(path), min_nodes=min_nodes, keep_document=keep_document).diagnosis
-
-
-def require_valid_host_trace(path, *, keep_document: bool = False) -> Diagnosis:
-    """diagnose_host_trace(), raising HostTraceError with the one-line message when the file is not valid."""
-    diagnosis = diagnose_host_trace(path, keep_document=keep_document)
-    if not diagnosis.ok:
-        raise HostTraceError(diagnosis.message())
-    return diagnosis
 
 
 def _render(text: str, plan: _Plan) -> str:

@@ -103,10 +103,6 @@ class EtReport:
     def ok(self) -> bool:
         return not self.problems
 
-    @property
-    def critical_path_ratio(self) -> float:
-        return self.critical_path_us / self.traced_step_us if self.traced_step_us else 0.0
-
 
 def read_et_metadata(messages, path: str | Path) -> GlobalMetadata:
     """The global metadata, the first message of a .et (EtFormatError for an empty file)."""

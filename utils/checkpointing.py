@@ -21,6 +21,7 @@ import torch
 
 from trace_tools.atomic import process_is_alive
 from utils.errors import CheckpointError, UsageError
+from utils.families import FAMILIES
 
 try:
     import fcntl
@@ -392,7 +393,7 @@ def check_resumable(checkpoint: Path, model_type: Optional[str] = None, script: 
     config = _read_config(checkpoint)
     saved_type = config.get("model_type")
     if model_type and saved_type != model_type:
-        other = f"; resume it with {saved_type}/train.py" if saved_type in ("gpt2", "bert") else ""
+        other = f"; resume it with {FAMILIES[saved_type].train_script}" if saved_type in FAMILIES else ""
         raise CheckpointError(f"{checkpoint}/config.json: a {saved_type!r} checkpoint, but {script or 'this script'} "
                               f"trains {model_type!r} models{other}")
     for name in (TRAINER_STATE_FILE, TRAINING_INFO_FILE):

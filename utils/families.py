@@ -7,6 +7,7 @@ torch; `load_family(name)` imports the folder's training definition. Adding a mo
 from __future__ import annotations
 
 import importlib
+import sys
 from dataclasses import dataclass
 
 
@@ -68,3 +69,16 @@ def load_family(name: str):
         if hasattr(module, attribute):
             return getattr(module, attribute)
     raise ValueError(f"{module.__file__}: defines no {name.upper()}_FAMILY or FAMILY")
+
+
+def train_main(argv: list[str] | None = None) -> int:
+    """`mosim-train FAMILY [flags]`: one registered family's training, with its train.py's flags."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or argv[0] not in FAMILIES:
+        known = ",".join(FAMILIES)
+        print(f"error: unknown model family {argv[0]!r}" if argv and not argv[0].startswith("-") else
+              f"usage: mosim-train {{{known}}} [flags]  (`mosim-train gpt2 --help` lists the flags)", file=sys.stderr)
+        return 0 if argv[:1] in (["-h"], ["--help"]) else 2
+    from utils.trainer import main as train
+
+    return train(load_family(argv[0]), argv[1:])
