@@ -518,3 +518,5 @@ def test_run_json_holds_the_untraced_step_times_before_the_window(tmp_path):
     assert len(rank["untraced_step_wall_time_s"]) == 3 and len(rank["step_wall_time_s"]) == 2
     assert all(t > 0 for t in rank["untraced_step_wall_time_s"]) and info["untraced_steps"] == [0, 1, 2]
     assert rank["machine_load"]["window_s"] > 0 and info["machine_busy"] in (True, False, None)
+    # What recording one operator costs on this machine (a CPU run), measured before the window: a few µs, not 0.
+    assert 0.5 < rank["recording_cost_per_op_us"] < 1000

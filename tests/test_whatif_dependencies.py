@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from chakra.schema.protobuf.et_def_pb2 import COMP_NODE
 from conversion_helpers import CPU_FIXTURES, read_et_with_protolib, read_json, scaled_trace, write_json
 from trace_tools.graph import children_of, descendants as descendants_of
 from trace_tools.link import GPU_OP, link_host_and_device
@@ -274,3 +275,23 @@ def test_measured_cpu_time_sets_the_profiler_cost_even_when_the_network_hid_it(t
     removed = sum(p.duration_micros - n.duration_micros for n, p in zip(nodes, plain_nodes))
     assert removed == pytest.approx(cost_s * 1e6, rel=0.01)
     assert result.recording_overhead_us > 0 and result.critical_path_us < plain.critical_path_us
+
+
+def test_the_tracers_per_operator_measurement_sets_the_cost_over_the_steps_cpu_time(tmp_path):
+    """run.json's recording_cost_per_op_us (the tracer timed one op untraced and recorded) is what each recorded op
+    loses, however much more CPU the traced steps spent on other things (here ten times the step)."""
+    folder = rank0_copy(CPU_FIXTURES / "gpt2_tiny_2r", tmp_path / "run")
+    plain = convert_rank0(folder, tmp_path / "plain.0.et")
+    step_s, per_op_us = plain.traced_step_us / 1e6, 1.0
+    (folder / "run.json").write_text(json.dumps({"ranks": [{
+        "rank": 0, "step_wall_time_s": [step_s], "untraced_step_wall_time_s": [9 * step_s, step_s, step_s],
+        "step_cpu_time_s": [10 * step_s], "untraced_step_cpu_time_s": [5 * step_s, 0.5 * step_s, 0.5 * step_s],
+        "recording_cost_per_op_us": per_op_us}]}))
+    result = convert_rank0(folder, folder / "run.0.et")
+    assert result.overhead_rule == "calibrated" and result.overhead_per_op_us == per_op_us / 2
+    _, nodes = read_et_with_protolib(folder / "run.0.et")
+    _, plain_nodes = read_et_with_protolib(tmp_path / "plain.0.et")
+    removed = sum(p.duration_micros - n.duration_micros for n, p in zip(nodes, plain_nodes))
+    recorded_ops = sum(1 for n in plain_nodes if n.type == COMP_NODE and n.duration_micros > 0)
+    # Half of each op's cost in its own span, half in its caller's: between half and all of per_op_us x ops.
+    assert per_op_us * recorded_ops / 2 * 0.95 <= removed <= per_op_us * recorded_ops

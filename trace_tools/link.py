@@ -571,18 +571,22 @@ def use_median_durations(linked: LinkedTrace, kexcl: list[float]) -> None:
 
 
 def remove_recording_overhead(linked: LinkedTrace, traced_step_us: float, untraced_step_us: float,
-                              recording_cpu_us: float | None = None) -> float:
+                              recording_cpu_us: float | None = None, per_op_us: float | None = None) -> float:
     """Take the profiler's own cost out of the CPU durations; returns the cost c per recorded op (µs).
 
     Recording costs about the same for every op it records (the observer's and Kineto's callbacks at its start
     and end), and that cost lands both inside the op's span and in the time of what encloses it on its thread
     (the gaps between callees are the caller's exclusive time; between top-level ops, the step annotation's). So
     a CPU op loses min(c x (1 + the ops recorded directly inside it), its own time), for one cost c. GPU
-    durations are the device's and carry no recording cost. c comes from one of two measurements, named in the
+    durations are the device's and carry no recording cost. c comes from one of three measurements, named in the
     summary:
-    - "CPU time": the tracer timed the process's CPU time in untraced and traced steps; on a CPU-only run their
-      difference is what recording costs a step, whatever the step waited for (a slow network hides the cost in
-      the wall-clock step, not in the CPU time), so c takes exactly that much out of the step's CPU ops.
+    - "calibrated": on a CPU run the tracer timed one operator untraced and recorded, on this machine, before its
+      window (run.json's recording_cost_per_op_us); the formula counts each op's cost twice (in its own span and
+      in its caller's), so c is half of it. Measured apart from the training, it leaves in what else the traced
+      steps spent: the machine's other jobs come and go between steps, and are no recording cost.
+    - "CPU time": without that measurement, the tracer's CPU times of the process in untraced and traced steps; on
+      a CPU-only run their difference bounds what recording costs a step, whatever the step waited for (a slow
+      network hides the cost in the wall-clock step, not in the CPU time), and c takes that much out.
     - "critical path": otherwise (a GPU run, whose runtime may spin on the CPU while it waits for the device, or
       a run.json without CPU times), c is the cost at which the .et's critical path equals the untraced step:
       the path, not one thread, because on a GPU the backward runs on the autograd thread while the training
@@ -591,7 +595,8 @@ def remove_recording_overhead(linked: LinkedTrace, traced_step_us: float, untrac
     count = len(linked.kind)
     linked.overhead = [0.0] * count
     cpu_ops = [i for i in range(count) if linked.kind[i] != GPU_OP and i not in linked.comm]
-    if (recording_cpu_us is None and traced_step_us <= untraced_step_us) or not linked.traced_steps or not cpu_ops:
+    if (recording_cpu_us is None and per_op_us is None and traced_step_us <= untraced_step_us) or \
+            not linked.traced_steps or not cpu_ops:
         return 0.0
     own = {i: max(0.0, linked.excl[i] - linked.wait[i]) for i in cpu_ops}
     recorded = Counter(p for p in linked.lane_parent if p >= 0)
@@ -610,13 +615,16 @@ def remove_recording_overhead(linked: LinkedTrace, traced_step_us: float, untrac
         return sum(min(c * weight[i], own[i]) for i in cpu_ops)
 
     as_traced = path_with_cost(0.0)
-    if recording_cpu_us is not None and GPU_OP not in linked.kind:
-        rule, too_much = "CPU time", lambda c: removed_with_cost(c) > recording_cpu_us
+    if per_op_us is not None and GPU_OP not in linked.kind:
+        rule, cost = "calibrated", max(0.0, per_op_us / 2)
+    elif recording_cpu_us is not None and GPU_OP not in linked.kind:
+        rule = "CPU time"
+        cost = _smallest_cost(lambda c: removed_with_cost(c) > recording_cpu_us, max(own[i] / weight[i] for i in cpu_ops))
     else:
-        rule, too_much = "critical path", lambda c: path_with_cost(c) < untraced_step_us
+        rule = "critical path"
         if as_traced <= untraced_step_us:
             return 0.0
-    cost = _smallest_cost(too_much, max(own[i] / weight[i] for i in cpu_ops))
+        cost = _smallest_cost(lambda c: path_with_cost(c) < untraced_step_us, max(own[i] / weight[i] for i in cpu_ops))
     for i in cpu_ops:
         linked.overhead[i] = min(cost * weight[i], own[i])
     linked.stats["recording_overhead_rule"] = rule

@@ -251,7 +251,8 @@ def _correct_for_profiler(linked, result: RankResult, run_dir: Path, rank: int) 
     if times is None:
         return
     result.untraced_step_us = times.untraced_median_us
-    cost = remove_recording_overhead(linked, times.traced_median_us, times.untraced_median_us, times.recording_cpu_us)
+    cost = remove_recording_overhead(linked, times.traced_median_us, times.untraced_median_us, times.recording_cpu_us,
+                                     times.recording_cost_per_op_us)
     result.overhead_per_op_us = cost
     result.overhead_rule = linked.stats.get("recording_overhead_rule", "")
     result.recording_overhead_us = linked.stats.get("recording_overhead_us", 0.0)

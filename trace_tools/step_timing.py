@@ -21,6 +21,7 @@ class StepTimes:
     untraced_us: list[float]
     traced_cpu_us: list[float] | None = None    # CPU time of the rank's process in the same steps, when measured
     untraced_cpu_us: list[float] | None = None
+    recording_cost_per_op_us: float | None = None  # the tracer's measurement of one recorded operator's cost
 
     @property
     def recording_cpu_us(self) -> float | None:
@@ -58,5 +59,7 @@ def read_step_times(run_dir: str | Path, rank: int) -> StepTimes | None:
     traced, untraced = micros("step_wall_time_s"), micros("untraced_step_wall_time_s")[1:]
     if not traced or not untraced:
         return None
+    per_op = entries[0].get("recording_cost_per_op_us")
     return StepTimes(traced_us=traced, untraced_us=untraced, traced_cpu_us=micros("step_cpu_time_s"),
-                     untraced_cpu_us=micros("untraced_step_cpu_time_s")[1:])
+                     untraced_cpu_us=micros("untraced_step_cpu_time_s")[1:],
+                     recording_cost_per_op_us=float(per_op) if isinstance(per_op, (int, float)) else None)

@@ -46,7 +46,7 @@ class RankResult:
     untraced_step_us: float = 0.0          # measured before the profiler's window (run.json); 0 when unknown
     recording_overhead_us: float = 0.0     # profiler cost taken out of the step's CPU durations
     overhead_per_op_us: float = 0.0
-    overhead_rule: str = ""                # what the profiler's cost was measured by: "CPU time" or "critical path"
+    overhead_rule: str = ""                # what measured the profiler's cost: "calibrated", "CPU time", "critical path"
     traced_steps_us: list = field(default_factory=list)  # every traced step (the .et holds the median one)
     step_spread: float = 0.0               # (longest - shortest) / median traced step
     conversion_s: float = 0.0
@@ -134,7 +134,8 @@ def durations_text(rank: RankResult) -> str:
     text = f"{len(steps)} traced steps (spread {rank.step_spread:.1%}), per-operator medians" if len(steps) > 1 \
         else "one traced step"
     if rank.untraced_step_us:
-        measured = {"CPU time": "by the CPU time the tracer measured in traced and untraced steps",
+        measured = {"calibrated": "half the cost of recording one op, which the tracer measured on this machine",
+                    "CPU time": "by the CPU time the tracer measured in traced and untraced steps",
                     "critical path": "so the critical path takes the untraced step"}.get(rank.overhead_rule, "")
         text += (f"; profiler cost removed: {rank.recording_overhead_us / 1000:.1f} ms per step "
                  f"({rank.overhead_per_op_us:.1f} µs per op, {measured}; untraced step "
