@@ -22,6 +22,7 @@ from bench.common import (BUNDLED_SQUAD, OUR_LOG_FILE, REPO_ROOT, STEP_LINE, Ben
                           fail, format_table, machine_description, our_step_times, run_child)
 from bench.netem import (DEFAULT_MTU, QUEUE_LATENCY, Namespace, NetemUnavailable, Rate,
                          expected_goodput_share, format_bits, measure_throughput, missing_requirement, parse_rate)
+from trace_tools.atomic import write_text_atomic
 from trace_tools.layout import RUN_INFO, et_name
 
 RANKS = 2  # the loopback is one medium shared by both directions; the per-link equivalence below is for 2 ranks
@@ -559,11 +560,7 @@ def write_docs(path: Path, key: str, section: str) -> None:
     parts[key] = f"{MODEL_BEGIN.format(key=key)}\n{section.strip()}\n{MODEL_END.format(key=key)}"
     ordered = [parts.pop(k) for k in MODELS if k in parts] + [parts[k] for k in sorted(parts)]
     block = "\n" + DOCS_INTRO.strip() + "\n\n" + "\n\n".join(ordered) + "\n"
-    fd, tmp = tempfile.mkstemp(prefix="." + path.name, dir=path.parent)
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        f.write(head + DOCS_BEGIN + block + DOCS_END + tail)
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, path)
+    write_text_atomic(path, head + DOCS_BEGIN + block + DOCS_END + tail)
 
 
 DOCS_INTRO = """

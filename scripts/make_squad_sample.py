@@ -5,10 +5,11 @@
 import argparse
 import hashlib
 import json
-import os
 import random
 import sys
 from pathlib import Path
+
+from trace_tools.atomic import write_text_atomic
 
 DEFAULT_OUTPUT = Path(__file__).resolve().parent.parent / "data" / "squad_sample.json"
 
@@ -221,9 +222,7 @@ def main(argv=None) -> int:
         parser.error("--paragraphs-per-topic must be at least 1")
     sample = build_sample(args.paragraphs_per_topic, args.seed)
     args.output.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.output.with_name(args.output.name + f".tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(sample, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
-    os.replace(tmp, args.output)
+    write_text_atomic(args.output, json.dumps(sample, indent=1, ensure_ascii=False) + "\n")
     n_questions = sum(len(p["qas"]) for a in sample["data"] for p in a["paragraphs"])
     print(f"wrote {args.output}: {len(sample['data'])} paragraphs, {n_questions} question/answer pairs")
     return 0
