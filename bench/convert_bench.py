@@ -12,6 +12,7 @@ from pathlib import Path
 from bench.common import (BUNDLED_SQUAD, REPO_ROOT, BenchError, child_env, exit_on_sigterm, fail, format_table,
                           full_vocab_tokenizer, machine_description, median, one_core, ratio, run_child, train_script)
 from utils.families import FAMILIES
+from trace_tools.atomic import atomic_path
 from trace_tools.layout import RUN_INFO, device_trace_name, et_name, host_trace_name
 
 DEFAULT_CACHE = REPO_ROOT / "bench" / ".cache" / "traces"  # git-ignored (bench/.gitignore)
@@ -146,15 +147,13 @@ def merged_input(traces: TraceSet, rank: int, work: Path) -> Path:
         merged = work / f"{traces.folder.name}.merged.{rank}.json"
     if merged.is_file():
         return merged
-    merged.parent.mkdir(parents=True, exist_ok=True)
-    partial = merged.with_name("." + merged.name + ".partial")
-    run = run_child([sys.executable, REPO_ROOT / "bench" / "convert_child.py", "convert", traces.host(rank),
-                     traces.device(rank), "--out", work / "for_merged.et", "--merged", partial, "--rank", rank],
-                    env=child_env(threads=1), timeout_s=CONVERT_TIMEOUT_S)
-    if not run.ok or not partial.is_file():
-        raise BenchError(f"{traces.host(rank)}: our converter could not write the merged JSON for chakra_converter: "
-                         f"{run.reason()}")
-    os.replace(partial, merged)
+    with atomic_path(merged, stage="merged") as partial:
+        run = run_child([sys.executable, REPO_ROOT / "bench" / "convert_child.py", "convert", traces.host(rank),
+                         traces.device(rank), "--out", work / "for_merged.et", "--merged", partial, "--rank", rank],
+                        env=child_env(threads=1), timeout_s=CONVERT_TIMEOUT_S)
+        if not run.ok or not partial.stat().st_size:
+            raise BenchError(f"{traces.host(rank)}: our converter could not write the merged JSON for "
+                             f"chakra_converter: {run.reason()}")
     return merged
 
 

@@ -580,13 +580,13 @@ def remove_recording_overhead(linked: LinkedTrace, traced_step_us: float, untrac
     a CPU op loses min(c x (1 + the ops recorded directly inside it), its own time), for one cost c. GPU
     durations are the device's and carry no recording cost. c comes from one of three measurements, named in the
     summary:
-    - "calibrated": on a CPU run the tracer timed one operator untraced and recorded, on this machine, before its
-      window (run.json's recording_cost_per_op_us); the formula counts each op's cost twice (in its own span and
-      in its caller's), so c is half of it. Measured apart from the training, it leaves in what else the traced
-      steps spent: the machine's other jobs come and go between steps, and are no recording cost.
-    - "CPU time": without that measurement, the tracer's CPU times of the process in untraced and traced steps; on
-      a CPU-only run their difference bounds what recording costs a step, whatever the step waited for (a slow
-      network hides the cost in the wall-clock step, not in the CPU time), and c takes that much out.
+    - "CPU time": the tracer timed the process's CPU time in untraced and traced steps; on a CPU-only run their
+      difference is what recording costs a step, whatever the step waited for (a slow network hides the cost in
+      the wall-clock step, not in the CPU time), so c takes that much out of the step's CPU ops; at least the
+      work the tracer measured for one recorded op (run.json's recording_cost_per_op_us) times the ops.
+    - "calibrated": a CPU run with that per-op measurement but no CPU times: the formula counts each op's cost
+      twice (in its own span and in its caller's), so c is half of it. Timed on one small op in a loop, it is a
+      lower bound: nine traces of GPT-2 tiny and 124M spent 1-4x as much per op.
     - "critical path": otherwise (a GPU run, whose runtime may spin on the CPU while it waits for the device, or
       a run.json without CPU times), c is the cost at which the .et's critical path equals the untraced step:
       the path, not one thread, because on a GPU the backward runs on the autograd thread while the training
@@ -615,11 +615,12 @@ def remove_recording_overhead(linked: LinkedTrace, traced_step_us: float, untrac
         return sum(min(c * weight[i], own[i]) for i in cpu_ops)
 
     as_traced = path_with_cost(0.0)
-    if per_op_us is not None and GPU_OP not in linked.kind:
+    if recording_cpu_us is not None and GPU_OP not in linked.kind:
+        rule, least = "CPU time", (per_op_us or 0.0) * len(cpu_ops)  # recording costs at least its measured work
+        cost = _smallest_cost(lambda c: removed_with_cost(c) > max(recording_cpu_us, least),
+                              max(own[i] / weight[i] for i in cpu_ops))
+    elif per_op_us is not None and GPU_OP not in linked.kind:
         rule, cost = "calibrated", max(0.0, per_op_us / 2)
-    elif recording_cpu_us is not None and GPU_OP not in linked.kind:
-        rule = "CPU time"
-        cost = _smallest_cost(lambda c: removed_with_cost(c) > recording_cpu_us, max(own[i] / weight[i] for i in cpu_ops))
     else:
         rule = "critical path"
         if as_traced <= untraced_step_us:

@@ -135,7 +135,8 @@ def durations_text(rank: RankResult) -> str:
         else "one traced step"
     if rank.untraced_step_us:
         measured = {"calibrated": "half the cost of recording one op, which the tracer measured on this machine",
-                    "CPU time": "by the CPU time the tracer measured in traced and untraced steps",
+                    "CPU time": "by the CPU time the tracer measured in traced and untraced steps, and at "
+                                "least its measured cost per op",
                     "critical path": "so the critical path takes the untraced step"}.get(rank.overhead_rule, "")
         text += (f"; profiler cost removed: {rank.recording_overhead_us / 1000:.1f} ms per step "
                  f"({rank.overhead_per_op_us:.1f} µs per op, {measured}; untraced step "
