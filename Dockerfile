@@ -54,7 +54,7 @@ compiled = torch.compile(lambda x: torch.sin(x) * 2 + 1); x = torch.arange(8.0);
 assert torch.allclose(compiled(x), torch.sin(x) * 2 + 1), 'torch.compile gave a wrong result'; \
 print('torch', torch.__version__, '| CUDA', torch.version.cuda, '| transformers', transformers.__version__, \
 '| torch.compile ok')" \
-    && ./run_gpt2.sh --help > /dev/null && (cd / && mosim-convert --help > /dev/null) \
+    && ./run_gpt2.sh --help > /dev/null && mosim-convert --help > /dev/null \
     && mkdir -p outputs checkpoints logs
 
 HEALTHCHECK --interval=5m --timeout=60s --start-period=30s --retries=3 \
