@@ -76,8 +76,10 @@ def interrupt_when(script: str, args: list, ready: Callable[[], bool], timeout: 
                    signum: int = signal.SIGINT) -> Proc:
     """Run script in its own process group and press Ctrl-C (SIGINT to the group, as a terminal does; or send
     `signum`) once ready() is true."""
+    # preexec_fn: Ctrl-C acts as in a terminal even when the tests run as a background job (SIGINT inherited ignored)
     proc = subprocess.Popen([sys.executable, str(REPO / script), *map(str, args)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, cwd=REPO, start_new_session=True)
+                            stderr=subprocess.PIPE, text=True, cwd=REPO, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + timeout
     while proc.poll() is None and not ready() and time.monotonic() < deadline:
         time.sleep(0.02)
