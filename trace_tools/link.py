@@ -615,17 +615,17 @@ def remove_recording_overhead(linked: LinkedTrace, traced_step_us: float, untrac
         return sum(min(c * weight[i], own[i]) for i in cpu_ops)
 
     as_traced = path_with_cost(0.0)
-    if recording_cpu_us is not None and GPU_OP not in linked.kind:
+    cpu_run, highest = GPU_OP not in linked.kind, max(own[i] / weight[i] for i in cpu_ops)
+    if recording_cpu_us is not None and cpu_run:
         rule, least = "CPU time", (per_op_us or 0.0) * len(cpu_ops)  # recording costs at least its measured work
-        cost = _smallest_cost(lambda c: removed_with_cost(c) > max(recording_cpu_us, least),
-                              max(own[i] / weight[i] for i in cpu_ops))
-    elif per_op_us is not None and GPU_OP not in linked.kind:
+        cost = _smallest_cost(lambda c: removed_with_cost(c) > max(recording_cpu_us, least), highest)
+    elif per_op_us is not None and cpu_run:
         rule, cost = "calibrated", max(0.0, per_op_us / 2)
     else:
         rule = "critical path"
         if as_traced <= untraced_step_us:
             return 0.0
-        cost = _smallest_cost(lambda c: path_with_cost(c) < untraced_step_us, max(own[i] / weight[i] for i in cpu_ops))
+        cost = _smallest_cost(lambda c: path_with_cost(c) < untraced_step_us, highest)
     for i in cpu_ops:
         linked.overhead[i] = min(cost * weight[i], own[i])
     linked.stats["recording_overhead_rule"] = rule

@@ -151,8 +151,8 @@ class ChakraTracer:
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.use_cuda else [])
         # No record_shapes: the observer writes every input's shape already, and Kineto's shape recording keeps
         # the step's tensors from being freed until the window closes (GPT-2 124M on CPU: +650 MB of resident
-        # memory a traced step, every allocation on fresh pages the kernel must zero, traced steps 1.6-4.5x the
-        # untraced ones at 1 Gbit/s; without it 1.12x). Chakra's recipe turns it on; its linker does not read it.
+        # memory a traced step, every allocation on fresh pages the kernel must zero: traced steps 1.07-1.47x the
+        # untraced ones at 1 Gbit/s, without it 0.99-1.06x). Chakra's recipe turns it on; its linker does not read it.
         try:
             self._profiler = profile(
                 activities=activities,
@@ -456,9 +456,9 @@ class ChakraTracer:
 def measure_recording_cost_us(calls: int = 300) -> float:
     """CPU time the recording adds to one operator on this machine, in µs: a small operator timed untraced and
     recorded as the window records (Kineto's CPU events and an ExecutionTraceObserver writing a file), the fastest of
-    three rounds each. The recorder does the same work for every operator, whatever the operator computes, so this
-    is the cost the conversion takes out of each recorded op. Other CPU a traced step spends (the machine's own
-    jobs, the allocator) is no recording cost and stays."""
+    three rounds each. The recorder does the same work for every operator, whatever the operator computes; timed in
+    a tight loop it is a lower bound (training's operators cost it 1-4x as much), so the conversion takes at least
+    this much out of each recorded op, and otherwise the traced steps' extra CPU time."""
     x = torch.ones(4)
 
     def per_call_us() -> float:

@@ -74,11 +74,13 @@ def load_family(name: str):
 def train_main(argv: list[str] | None = None) -> int:
     """`mosim-train FAMILY [flags]`: one registered family's training, with its train.py's flags."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    if not argv or argv[0] not in FAMILIES:
-        known = ",".join(FAMILIES)
-        print(f"error: unknown model family {argv[0]!r}" if argv and not argv[0].startswith("-") else
-              f"usage: mosim-train {{{known}}} [flags]  (`mosim-train gpt2 --help` lists the flags)", file=sys.stderr)
+    if not argv or argv[0].startswith("-"):
+        print(f"usage: mosim-train {{{','.join(FAMILIES)}}} [flags]  (`mosim-train gpt2 --help` lists the flags)",
+              file=sys.stderr)
         return 0 if argv[:1] in (["-h"], ["--help"]) else 2
+    if argv[0] not in FAMILIES:
+        print(f"error: unknown model family {argv[0]!r}", file=sys.stderr)
+        return 2
     from utils.trainer import main as train
 
     return train(load_family(argv[0]), argv[1:])
