@@ -4,6 +4,7 @@ from __future__ import annotations
 import bisect
 import logging
 import re
+import statistics
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -81,6 +82,7 @@ class LinkedTrace:
     rule_edges: Counter = field(default_factory=Counter)            # cross-lane edges added, by the rule that added them
     traced_steps: list[int] = field(default_factory=list)           # Kineto indices of the steps traced
     traced_excl: list[float] = field(default_factory=list)          # exclusive times as traced, before medians
+    step_samples: dict[int, list] = field(default_factory=dict)     # node -> its time in each traced step (None: absent)
     overhead: list[float] = field(default_factory=list)             # profiler cost taken out of each node's time
     untraced_step_us: float = 0.0                                   # the run's step without the profiler, if measured
     step_name: str = ""
@@ -467,6 +469,7 @@ def link_host_and_device(host: HostTrace, dev: DeviceTrace, rank: int = 0,
     _classify_communication(linked, [i for i, k in enumerate(linked.kind) if k == GPU_OP], host_parent_idx)
     use_median_durations(linked, kexcl)
     _build_dependencies(linked, syncs)
+    keep_step_totals(linked)
     _assign_ids(linked)
     stats["nodes"] = len(linked.kind)
     stats["unmatched_host_ops"] = len(candidates) - stats["host_ops_matched"]
@@ -560,14 +563,35 @@ def use_median_durations(linked: LinkedTrace, kexcl: list[float]) -> None:
         if i in linked.comm:
             linked.excl[i] = values[0]
         else:
-            linked.excl[i] = values[len(values) // 2] if len(values) % 2 else \
-                (values[len(values) // 2 - 1] + values[len(values) // 2]) / 2
+            linked.excl[i] = statistics.median(values)
+            linked.step_samples[i] = [v[0] if v else None for v in samples[key]]
         replaced += 1
     # The step annotation's own time (the thread between operators) as the median over the steps too.
     for i, kind in enumerate(linked.kind):
         if kind != GPU_OP and linked.src[i] in steps:
             linked.excl[i] = sorted(kexcl[k] for k in steps)[len(steps) // 2]
     linked.stats["median_durations"] = replaced
+
+
+def keep_step_totals(linked: LinkedTrace) -> None:
+    """Scale the per-operator medians to the traced steps' typical total, CPU and GPU apart.
+
+    An op's time is skewed to the right (a descheduling, a cache refill or a page fault lands on one op in one step),
+    so a sum of per-operator medians falls short of every step: a step's total, the sum of thousands of such times,
+    sits at the sum of their means. The medians keep how the time is spread over the ops; the total becomes the
+    median over the traced steps of the same ops' total in each step. Collectives and ops that blocked in the chosen
+    step (their time is a wait, which the simulator makes itself) take no part."""
+    samples = linked.step_samples
+    for gpu in (False, True):
+        ops = [i for i in samples if (linked.kind[i] == GPU_OP) == gpu and linked.wait[i] <= 0.0 and i not in linked.comm]
+        current = sum(linked.excl[i] for i in ops)
+        if not ops or current <= 0.0:
+            continue
+        typical = statistics.median(sum(linked.excl[i] if samples[i][s] is None else samples[i][s] for i in ops)
+                                    for s in range(len(linked.traced_steps)))
+        for i in ops:
+            linked.excl[i] *= typical / current
+        linked.stats.setdefault("median_scales", {})["GPU" if gpu else "CPU"] = round(typical / current, 4)
 
 
 def remove_recording_overhead(linked: LinkedTrace, traced_step_us: float, untraced_step_us: float,

@@ -243,6 +243,7 @@ def _correct_for_profiler(linked, result: RankResult, run_dir: Path, rank: int) 
     """Durations that estimate the untraced run (when run.json measured it), and the spread of the traced steps."""
     result.traced_steps_us = list(linked.stats.get("step_durations_us", []))
     result.step_spread = round(linked.stats.get("step_spread", 0.0), 4)
+    result.median_scales = dict(linked.stats.get("median_scales", {}))
     if result.step_spread > STEP_SPREAD_BOUND:
         result.warnings.append(f"the {len(result.traced_steps_us)} traced steps differ by {result.step_spread:.1%} "
                                f"(more than {STEP_SPREAD_BOUND:.0%}): durations are per-operator medians, but "

@@ -49,6 +49,7 @@ class RankResult:
     overhead_rule: str = ""                # what measured the profiler's cost: "calibrated", "CPU time", "critical path"
     traced_steps_us: list = field(default_factory=list)  # every traced step (the .et holds the median one)
     step_spread: float = 0.0               # (longest - shortest) / median traced step
+    median_scales: dict[str, float] = field(default_factory=dict)  # "CPU"/"GPU": typical step total / sum of medians
     conversion_s: float = 0.0
     timings: dict[str, float] = field(default_factory=dict)
     peak_rss_mb: float = 0.0
@@ -131,7 +132,9 @@ def ratio_text(rank: RankResult) -> str:
 def durations_text(rank: RankResult) -> str:
     """What the durations of the .et are: which step, medians over how many, and the profiler's cost removed."""
     steps = rank.traced_steps_us
-    text = f"{len(steps)} traced steps (spread {rank.step_spread:.1%}), per-operator medians" if len(steps) > 1 \
+    scales = ", ".join(f"{kind} x{scale:.3f}" for kind, scale in sorted(rank.median_scales.items()))
+    text = (f"{len(steps)} traced steps (spread {rank.step_spread:.1%}), per-operator medians"
+            + (f" scaled to a typical step's total ({scales})" if scales else "")) if len(steps) > 1 \
         else "one traced step"
     if rank.untraced_step_us:
         measured = {"calibrated": "half the cost of recording one op, which the tracer measured on this machine",
