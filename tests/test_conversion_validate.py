@@ -45,6 +45,24 @@ def test_valid_graph_reports_its_critical_path(tmp_path):
     assert report.critical_path_us == 10 + 20 + 1
 
 
+def test_traced_path_counts_concurrent_collectives_of_one_group_once(tmp_path):
+    # gloo reduced two buckets at once, 0-10 ms and 1-11 ms, each slower for sharing the link; the .et chains them
+    # (one process group), so the pair must count 11 ms on the traced path, not 10 + 10.
+    def collective(node_id: int, start: int, deps=()) -> Node:
+        return Node(id=node_id, name=f"allreduce{node_id}", type=COMM_COLL_NODE, data_deps=list(deps),
+                    start_time_micros=start, duration_micros=4_000,
+                    attr=[AttributeProto(name="is_cpu_op", bool_val=False),
+                          AttributeProto(name="comm_type", int64_val=ALL_REDUCE),
+                          AttributeProto(name="comm_size", int64_val=1 << 20),
+                          AttributeProto(name="traced_micros", int64_val=10_000)])
+
+    report = validate_et(write_et_file(tmp_path / "a.0.et", [collective(1, 0), collective(2, 1_000, [1]),
+                                                             comp(3, [2], 500)]))
+    assert report.ok
+    assert report.traced_critical_path_us == 11_000 + 500
+    assert report.critical_path_us == 5_000 + 500  # the durations as written: 0-4 ms and 1-5 ms
+
+
 def test_validator_finds_a_dangling_dependency(tmp_path):
     report = validate_et(write_et_file(tmp_path / "a.0.et", [comp(1), comp(2, [7])]))
     assert not report.ok and "missing node 7" in report.problems[0]

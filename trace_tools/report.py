@@ -26,7 +26,7 @@ from .layout import STEP_PREFIX, et_sets
 from .link import COMM_TYPE_NAMES
 from .load import read_trace_bytes
 from .summary import format_bytes
-from .validate import EtFormatError, read_et
+from .validate import EtFormatError, read_et, serve_in_turn
 
 logger = logging.getLogger(__name__)
 
@@ -414,7 +414,10 @@ def critical_path(trace: RankTrace) -> dict[str, Any]:
     if visited < len(nodes):
         result.update(critical_path_us=None, problem=f"{len(nodes) - visited} nodes sit on a dependency cycle")
         return result
-    finish, best_pred = longest_path(parents, [node.dur for node in nodes], order)
+    durations = [node.dur for node in nodes]
+    serve_in_turn(sorted((node.start, str(node.attrs.get("pg_name", "")), i) for i, node in enumerate(nodes)
+                         if node.type == COMM_COLL_NODE), durations)
+    finish, best_pred = longest_path(parents, durations, order)
     end = max(range(len(nodes)), key=lambda i: finish[i])
     path = []
     i = end
@@ -424,7 +427,7 @@ def critical_path(trace: RankTrace) -> dict[str, Any]:
     by_category: dict[str, int] = defaultdict(int)
     for i in path:
         side = "gpu" if nodes[i].on_gpu else "cpu"
-        by_category[f"{side}_{nodes[i].category}"] += nodes[i].dur
+        by_category[f"{side}_{nodes[i].category}"] += durations[i]
     cp = finish[end]
     step = trace.step_dur
     result.update(critical_path_us=cp, step_us=step, gap_us=step - cp, ratio=cp / step if step else None,
@@ -942,7 +945,8 @@ def _breakdown_lines(ranks: dict[int, dict], gpu_run: bool) -> list[str]:
 def _critical_path_lines(ranks: dict[int, dict]) -> list[str]:
     """The critical path of each .et beside the traced step."""
     lines = ["", "## Critical path of each .et", "",
-              "Longest chain of node durations (collectives at their traced durations) through the data and "
+              "Longest chain of node durations (collectives at their traced durations, one after another in a "
+              "process group as the .et runs them) through the data and "
               "control dependencies: the time a simulator replaying the .et as traced would take. Beside it the "
               "traced step time; a path longer than the step means the .et serialises work that overlapped, a "
               "much shorter one that it lost waits.", "",

@@ -218,7 +218,8 @@ def render_run_summary(result: RunResult) -> str:
     lines.append("- every .et was decoded after writing: all dependencies resolve, no cycle, every node is issued by "
                  "a dependency-respecting walk, only node types ASTRA-sim accepts")
     lines.append("- ratio = critical path of the .et's graph with the traced durations of its step (collectives at "
-                 "their traced durations) / that traced step (`" + STEP_PREFIX + "N` in the device trace, or the traced "
+                 "their traced durations, one after another in a process group as the .et runs them: two that "
+                 "overlapped count once) / that traced step (`" + STEP_PREFIX + "N` in the device trace, or the traced "
                  "span when there is none): near 1.0, replaying the graph gives back the step it came from; the .et "
                  "itself holds per-operator medians with the profiler's cost removed (see the details)")
     for r in result.ranks:

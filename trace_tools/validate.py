@@ -139,7 +139,7 @@ def validate_et(path: str | Path) -> EtReport:
             traced_durations.append(next((a.int64_val for a in node.attr if a.name == "traced_micros"),
                                          node.duration_micros))
             type_counts[NODE_TYPE_NAMES.get(node.type, str(node.type))] += 1
-            _check_node(node, report, collectives)
+            _check_node(node, report, collectives, len(ids) - 1)
     except (EtFormatError, OSError) as e:
         report.problems.append(str(e))
         return report
@@ -167,14 +167,28 @@ def validate_et(path: str | Path) -> EtReport:
     report.visited = len(order)
     if len(order) != len(ids):
         report.problems.append(f"only {len(order)} of {len(ids)} nodes can be issued: a dependency cycle")
+    collectives.sort()
+    for column in (durations, traced_durations):
+        serve_in_turn([(start, pg, index) for start, _, pg, _, _, index in collectives], column)
     report.critical_path_us = float(max(longest_path(parents, durations, order)[0], default=0))
     report.traced_critical_path_us = float(max(longest_path(parents, traced_durations, order)[0], default=0))
-    collectives.sort()
-    report.collectives = [(pg, comm_type, size) for _, _, pg, comm_type, size in collectives]
+    report.collectives = [(pg, comm_type, size) for _, _, pg, comm_type, size, _ in collectives]
     return report
 
 
-def _check_node(node: Node, report: EtReport, collectives: list) -> None:
+def serve_in_turn(collectives: list[tuple[int, str, int]], durations: list[int]) -> None:
+    """Each collective's duration as the .et runs them: one after another in its process group. gloo works on two
+    buckets at once on two threads, each slower for sharing the link; chained, the later one counts only from the
+    earlier one's end, so the pair takes the time it took (a simulator times each at the full link, one after the
+    other: the same total). `collectives`: (start, process group, node index), in start order."""
+    last_end: dict[str, int] = {}
+    for start, pg, index in collectives:
+        end = start + durations[index]
+        durations[index] = max(0, end - max(start, last_end.get(pg, start)))
+        last_end[pg] = max(end, last_end.get(pg, end))
+
+
+def _check_node(node: Node, report: EtReport, collectives: list, index: int) -> None:
     if node.type not in ACCEPTED_NODE_TYPES:
         report.problems.append(f"node {node.id} ({node.name}) has type {node.type}, which ASTRA-sim rejects")
     if node.type not in (COMM_COLL_NODE, COMM_SEND_NODE, COMM_RECV_NODE):
@@ -198,7 +212,7 @@ def _check_node(node: Node, report: EtReport, collectives: list) -> None:
             report.problems.append(f"collective {node.id} ({node.name}) has comm_type {comm_type}, which ASTRA-sim "
                                    "does not implement")
         collectives.append((node.start_time_micros, node.id, str(attrs.get("pg_name", "")),
-                            COMM_TYPE_NAMES.get(comm_type, str(comm_type)), size))
+                            COMM_TYPE_NAMES.get(comm_type, str(comm_type)), size, index))
     else:
         report.p2p += 1
 
