@@ -7,6 +7,7 @@ import json
 import os
 import re
 import shutil
+import site
 import socket
 import subprocess
 import sys
@@ -595,15 +596,16 @@ def free_port() -> int:
 
 
 def command_env(root: Path) -> dict[str, str]:
-    """The environment of a documented command: this interpreter as python/python3 (PYTHON for the launchers),
-    offline, one thread per process, and torchrun's default port moved off 29500 (other runs may hold it)."""
+    """The environment of a documented command: this interpreter as python/python3, the sandbox's .venv for the
+    launchers (PYTHON; they install the sandbox into it, not into the environment running these tests), offline,
+    one thread per process, and torchrun's default port moved off 29500 (other runs may hold it)."""
     env = dict(os.environ)
-    for name in ("CHAKRA_VENV", "CHAKRA_PYTHON"):
+    for name in ("CHAKRA_VENV", "CHAKRA_PYTHON", "VIRTUAL_ENV"):
         env.pop(name, None)
-    bin_dir = root.parent / "bin"
+    bin_dir, venv_bin = root.parent / "bin", root / ".venv" / "bin"
     env.update({
-        "PATH": os.pathsep.join([str(bin_dir), str(Path(sys.executable).parent), env.get("PATH", "")]),
-        "PYTHON": sys.executable, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+        "PATH": os.pathsep.join([str(bin_dir), str(venv_bin), str(Path(sys.executable).parent), env.get("PATH", "")]),
+        "PYTHON": str(venv_bin / "python"), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1", "WANDB_MODE": "offline", "MPLBACKEND": "Agg", "PYTHONUNBUFFERED": "1",
         "PET_MASTER_PORT": str(free_port()),
     })
@@ -659,12 +661,17 @@ def sandbox_template(tmp_path_factory, chakra_venv) -> Path:
 
 
 def project_venv(tmp_path_factory) -> Path:
-    """.venv as ./run_tests.sh leaves it: the environment running these tests when it is a virtual environment,
-    else one that sees this interpreter's packages."""
-    if sys.prefix != sys.base_prefix and (Path(sys.prefix) / "bin" / "activate").exists():
-        return Path(sys.prefix)
+    """.venv as ./run_tests.sh leaves it, the sandbox's own: a venv that sees the packages of the environment running
+    these tests by path, not through its .pth files. The documented commands install the sandbox into .venv
+    (editable); into the running environment itself, that would re-point it from this checkout to the sandbox,
+    which pytest deletes later."""
     venv = tmp_path_factory.mktemp("project") / ".venv"
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)], check=True)
+    subprocess.run([getattr(sys, "_base_executable", sys.executable), "-m", "venv", "--system-site-packages",
+                    "--without-pip", str(venv)], check=True)
+    inner = subprocess.run([str(venv / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                           check=True, capture_output=True, text=True).stdout.strip()
+    paths = [p for p in site.getsitepackages() if Path(p).is_dir()]
+    (Path(inner) / "running_environment.pth").write_text("".join(f"{p}\n" for p in paths))
     return venv
 
 
