@@ -157,25 +157,23 @@ def test_one_slow_traced_step_does_not_make_the_et(tmp_path):
     assert total == pytest.approx(sum(n.duration_micros for n in single_nodes), rel=0.02)
 
 
-def _steps_with_a_slow_third(tmp_path: Path, name: str, slow_thirds: list[int]) -> Path:
-    """The bundled GPT-2 step once per entry of `slow_thirds`: in each, one third of the step (0, 1 or 2) runs at
-    half speed (every CPU event in it twice as long, what follows it later), as a descheduling or a page fault
-    slows some ops of one step and not the same ops in the next."""
+def _steps_stretched(tmp_path: Path, name: str, windows: list, factor: float = 2.0) -> Path:
+    """The bundled GPT-2 step (rank 0) once per entry of `windows`: in each, the part of the step between the two
+    fractions of it that the entry gives (None: no part) runs `factor` times slower (every CPU event in it longer,
+    what follows it later), as a descheduling or a late peer slows one step and not the next."""
     source = CPU_FIXTURES / "gpt2_tiny_2r"
     host, device = scaled_trace(read_json(source / "host.0.json.gz"), read_json(source / "device.0.json.gz"),
-                                len(slow_thirds))
+                                len(windows))
     events = [e for e in device["traceEvents"] if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "user_annotation")]
     steps = sorted((e for e in events if e["name"].startswith("ProfilerStep#")), key=lambda e: e["ts"])
     bounds = [s["ts"] for s in steps[1:]] + [float("inf")]
-    windows = []
-    for step, third in zip(steps, slow_thirds):
-        a = step["ts"] + third * step["dur"] / 3
-        windows.append((a, a + step["dur"] / 3))
+    slow = [(step["ts"] + w[0] * step["dur"], step["ts"] + w[1] * step["dur"]) if w else (0.0, 0.0)
+            for step, w in zip(steps, windows)]
 
     def moved(t: float) -> float:
         shift = 0.0
-        for (a, b), bound in zip(windows, bounds):
-            shift += max(0.0, min(t, b) - a)
+        for (a, b), bound in zip(slow, bounds):
+            shift += (factor - 1) * max(0.0, min(t, b) - a)
             if t < bound:
                 break
         return t + shift
@@ -191,21 +189,40 @@ def _steps_with_a_slow_third(tmp_path: Path, name: str, slow_thirds: list[int]) 
     return folder
 
 
+def _et_total(folder: Path) -> int:
+    host, device = sorted(folder.glob("host.0.json*"))[0], sorted(folder.glob("device.0.json*"))[0]
+    assert convert_rank(host, device, folder / "run.0.et").status == "ok"
+    _, nodes = read_et_with_protolib(folder / "run.0.et")
+    return sum(n.duration_micros for n in nodes if n.type == COMP_NODE)
+
+
 def test_per_operator_medians_keep_the_time_of_a_typical_step(tmp_path):
     # Three steps, each with a different third slowed: every op is slow in one step of three, so its median is its
     # fast time, yet every step took longer. The .et must take about as long as one of those steps, not the fast
     # sum of the medians (which the old per-operator medians gave: 8% over the unslowed step, 11% under all three).
-    def et_total(folder: Path) -> int:
-        host, device = sorted(folder.glob("host.0.json*"))[0], sorted(folder.glob("device.0.json*"))[0]
-        assert convert_rank(host, device, folder / "run.0.et").status == "ok"
-        _, nodes = read_et_with_protolib(folder / "run.0.et")
-        return sum(n.duration_micros for n in nodes if n.type == COMP_NODE)
-
-    mixed = et_total(_steps_with_a_slow_third(tmp_path, "mixed", [0, 1, 2]))
-    alone = [et_total(_steps_with_a_slow_third(tmp_path, f"alone{third}", [third])) for third in range(3)]
-    unslowed = et_total(rank0_copy(CPU_FIXTURES / "gpt2_tiny_2r", tmp_path / "unslowed"))
+    thirds = [(k / 3, (k + 1) / 3) for k in range(3)]
+    mixed = _et_total(_steps_stretched(tmp_path, "mixed", thirds))
+    alone = [_et_total(_steps_stretched(tmp_path, f"alone{k}", [third])) for k, third in enumerate(thirds)]
+    unslowed = _et_total(rank0_copy(CPU_FIXTURES / "gpt2_tiny_2r", tmp_path / "unslowed"))
     assert min(alone) > 1.15 * unslowed
     assert 0.99 * min(alone) <= mixed <= 1.01 * max(alone)
+
+
+def test_a_longer_wait_in_another_step_is_not_taken_for_compute(tmp_path):
+    # Rank 0's thread idles 54 ms in its step while the all-reduce runs (it waits for rank 1). A second step where
+    # that wait took twice as long: the .et holds the first (the shorter) step, whose wait is measured; its idle
+    # time must not become the median of both steps' idle time, 54 ms of which would then count as compute.
+    linked = link_folder(CPU_FIXTURES / "gpt2_tiny_2r")
+    waiter = max(range(len(linked.kind)), key=lambda i: linked.wait[i])
+    assert linked.wait[waiter] > 40_000
+    collective = next(iter(linked.comm))
+    span = ((linked.ts[collective] - linked.step_start) / linked.step_dur,
+            (linked.ts[collective] + linked.dur[collective] - linked.step_start) / linked.step_dur)
+    two = _steps_stretched(tmp_path, "two", [None, span])
+    one = rank0_copy(CPU_FIXTURES / "gpt2_tiny_2r", tmp_path / "one")
+    assert convert_rank(two / "host.0.json", two / "device.0.json", two / "run.0.et").traced_steps_us[1] > \
+        1.15 * convert_rank0(one, one / "run.0.et").traced_step_us
+    assert _et_total(two) == pytest.approx(_et_total(one), rel=0.03)
 
 
 def test_profiler_cost_measured_by_the_tracer_is_taken_out_of_the_durations(tmp_path):

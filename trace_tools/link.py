@@ -1100,7 +1100,8 @@ def _build_dependencies(linked: LinkedTrace, syncs: list[tuple[int, int, float]]
     free to. Every edge goes from an earlier start to a later one, so the graph is acyclic.
 
     Time a CPU op spent blocked (idle or inside a synchronising call while the lane it then depends on was busy) is
-    recorded in `wait` and left out of its .et duration, so the critical path does not count it twice.
+    recorded in `wait` and left out of its .et duration, so the critical path does not count it twice; such an op
+    keeps the time of the chosen step, where its wait was measured, rather than its median over the steps.
     """
     timeline = order_lanes(linked)
     link_launches(timeline)
@@ -1116,6 +1117,10 @@ def _build_dependencies(linked: LinkedTrace, syncs: list[tuple[int, int, float]]
     for i in range(len(linked.kind)):
         if len(deps[i]) > 1:
             deps[i] = list(dict.fromkeys(deps[i]))
+        if wait[i] > 0.0 and linked.traced_excl:
+            # Its wait was measured in the chosen step: so is its time (a median over the steps would mix in other
+            # steps' waits, as the step annotation's idle time at a slow rate, and leave some of them as compute).
+            linked.excl[i] = linked.traced_excl[i]
         if wait[i] > linked.excl[i]:
             wait[i] = linked.excl[i]
     linked.deps = deps
