@@ -511,7 +511,9 @@ def use_median_durations(linked: LinkedTrace, kexcl: list[float]) -> None:
     occurrence of that name in the step), so one slow sample does not make the .et. A collective gets its shortest
     sample instead: its time on one rank is the transfer plus the wait for the last rank to arrive, a wait the
     simulator makes itself from the other ranks' graphs, and the least-waited sample is the nearest to the
-    transfer alone. The raw durations stay in the `traced_micros` attribute of each node."""
+    transfer alone. keep_step_totals then scales the medians to a typical step's total, and an op that waited takes
+    back the chosen step's time (_build_dependencies). The raw durations stay in the `traced_micros` attribute of
+    each node."""
     steps = linked.traced_steps
     if len(steps) < 2:
         return
