@@ -1,4 +1,5 @@
 """The benchmarks: each prints its table and exits 0 on small sizes, and exits non-zero when it cannot measure."""
+import json
 import os
 import re
 import subprocess
@@ -235,6 +236,18 @@ def test_whatif_rates_read_as_tc_reads_them_and_map_to_half_a_ring_link():
     # 2-NPU ring of per-link bandwidth B; so B = R/2 (in ASTRA-sim's GB/s of 2^30 bytes).
     rate = 1e9
     assert ring_allreduce_s(10_000_000, rate) == pytest.approx(10_000_000 / (link_gbs(rate) * GIB))
+
+
+def test_whatif_untraced_step_of_a_trace_leaves_out_the_first_step_as_the_converter_does(tmp_path):
+    from bench.whatif_bench import read_run_json
+
+    # Step 0 holds the allocator's and DDP's one-time costs (3.4 s here); the converter corrects towards the
+    # later untraced steps, and the bench's column must name the same steps: the slower rank's, step by step.
+    ranks = [{"rank": 0, "step_wall_time_s": [2.6, 2.8], "untraced_step_wall_time_s": [3.4, 2.0, 2.2, 2.1]},
+             {"rank": 1, "step_wall_time_s": [2.7, 2.7], "untraced_step_wall_time_s": [3.3, 2.1, 2.0, 2.4]}]
+    (tmp_path / "run.json").write_text(json.dumps({"ranks": ranks, "step_wall_time_s_max": [2.7, 2.8]}))
+    traced_ms, untraced_ms = read_run_json(tmp_path)
+    assert traced_ms == pytest.approx(2750) and untraced_ms == pytest.approx(2200)
 
 
 def test_whatif_docs_block_rewrites_only_its_models_part(tmp_path):
