@@ -145,6 +145,10 @@ class Namespace:
         match = re.search(r"dropped (\d+)", shown.stdout)
         return int(match.group(1)) if match else 0
 
+    def queue_state(self) -> str:
+        """What lo's qdisc holds and has sent, in a few words, for an error message ('' without a qdisc)."""
+        return describe_queue(_run(self.command(["tc", "-s", "qdisc", "show", "dev", "lo"])).stdout)
+
     def close(self) -> None:
         if not self._created:
             return
@@ -173,6 +177,20 @@ class Namespace:
         done = _run(argv)
         if done.returncode != 0:
             raise NetemUnavailable(f"could not {what}: {' '.join(argv)}: {_first_line(done)}")
+
+
+def describe_queue(shown: str) -> str:
+    """`tc -s qdisc show` in a few words: the qdisc, what it sent and what it holds. A tbf that holds packets and
+    whose overlimits climb while its sent count stands still is stalled: its head packet never fits the bucket
+    (seen once here, at a change from 1 Gbit/s to 400 Mbit/s: 52 packets held for 14 minutes)."""
+    kind = re.search(r"qdisc (\w+)", shown)
+    sent = re.search(r"Sent (\d+) bytes (\d+) pkt \(dropped (\d+), overlimits (\d+)", shown)
+    backlog = re.search(r"backlog (\d+)b (\d+)p", shown)
+    if not kind or not sent:
+        return ""
+    text = (f"lo's qdisc {kind.group(1)}: sent {int(sent.group(1)):,} bytes in {int(sent.group(2)):,} packets, "
+            f"dropped {sent.group(3)}, overlimits {int(sent.group(4)):,}")
+    return text + (f", holding {int(backlog.group(1)):,} bytes in {backlog.group(2)} packets" if backlog else "")
 
 
 def _run(argv: list[str]) -> subprocess.CompletedProcess:

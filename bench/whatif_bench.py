@@ -216,7 +216,9 @@ def run_training(ns: Namespace, setup: ModelSetup, work: Path, env: dict, extra:
     after = load1()
     shutil.rmtree(work / "checkpoints", ignore_errors=True)  # the final model: 0.35 GB for the 124M shape
     if not run.ok:
-        raise BenchError(f"{what} failed: {run.reason()}")
+        # A run that hung on the network says what lo's queue held: a stalled tbf keeps its packets forever.
+        queue = ns.queue_state() if ns.rate is not None and ns.rate.throttled else ""
+        raise BenchError(f"{what} failed: {run.reason()}" + (f" ({queue}, at {ns.rate.label})" if queue else ""))
     return our_step_times(work / "logs"), (before, after)
 
 

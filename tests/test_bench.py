@@ -250,6 +250,18 @@ def test_whatif_untraced_step_of_a_trace_leaves_out_the_first_step_as_the_conver
     assert traced_ms == pytest.approx(2750) and untraced_ms == pytest.approx(2200)
 
 
+def test_a_hung_run_names_what_los_queue_holds():
+    from bench.netem import describe_queue
+
+    # `tc -s qdisc show dev lo` where a run hung (2026-11-23): tbf held 52 packets and sent nothing more.
+    shown = ("qdisc tbf 8022: root refcnt 2 rate 400Mbit burst 21Kb lat 1s \n"
+             " Sent 17646467 bytes 3118 pkt (dropped 0, overlimits 2446677 requeues 0) \n"
+             " backlog 384119b 52p requeues 0\n")
+    assert describe_queue(shown) == ("lo's qdisc tbf: sent 17,646,467 bytes in 3,118 packets, dropped 0, "
+                                     "overlimits 2,446,677, holding 384,119 bytes in 52 packets")
+    assert describe_queue("") == ""
+
+
 def test_whatif_docs_block_rewrites_only_its_models_part(tmp_path):
     from bench.whatif_bench import DOCS_BEGIN, DOCS_END, write_docs
 
