@@ -139,15 +139,18 @@ class Namespace:
         self.rate = rate
         return " ".join(argv)
 
+    def queue_stats(self) -> str:
+        """`tc -s qdisc show dev lo`: lo's qdisc with its counters."""
+        return _run(self.command(["tc", "-s", "qdisc", "show", "dev", "lo"])).stdout
+
     def drops(self) -> int:
         """Packets the qdisc dropped since it was set (0 without a qdisc)."""
-        shown = _run(self.command(["tc", "-s", "qdisc", "show", "dev", "lo"]))
-        match = re.search(r"dropped (\d+)", shown.stdout)
+        match = re.search(r"dropped (\d+)", self.queue_stats())
         return int(match.group(1)) if match else 0
 
     def queue_state(self) -> str:
         """What lo's qdisc holds and has sent, in a few words, for an error message ('' without a qdisc)."""
-        return describe_queue(_run(self.command(["tc", "-s", "qdisc", "show", "dev", "lo"])).stdout)
+        return describe_queue(self.queue_stats())
 
     def close(self) -> None:
         if not self._created:
