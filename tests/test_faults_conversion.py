@@ -253,30 +253,21 @@ def test_every_device_trace_and_run_json_carry_one_run_id(tmp_path):
 
 def test_two_ranks_agree_on_the_run_id(tmp_path):
     torch = pytest.importorskip("torch")
-    port = _free_port()
-    torch.multiprocessing.spawn(_two_rank_worker, args=(2, port, str(tmp_path)), nprocs=2, join=True)
+    rendezvous = f"file://{tmp_path / 'rendezvous'}"  # no port to pick that another process could take first
+    torch.multiprocessing.spawn(_two_rank_worker, args=(2, rendezvous, str(tmp_path)), nprocs=2, join=True)
     run = tmp_path / "mlp"
     ids = {json.loads((run / f"device.{r}.json").read_text())["mosim_run"]["id"] for r in (0, 1)}
     assert ids == {json.loads((run / "run.json").read_text())["run_id"]}
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _two_rank_worker(rank: int, world_size: int, port: int, out: str) -> None:
+def _two_rank_worker(rank: int, world_size: int, init_method: str, out: str) -> None:
     import torch
     import torch.distributed as dist
 
     from utils.chakra_tracer import ChakraTracer
 
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size)
     try:
         train_mlp(ChakraTracer(out, "mlp", rank=rank, world_size=world_size, local_rank=rank,
                                run_info={"model": "mlp"}), steps=3)

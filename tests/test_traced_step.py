@@ -6,7 +6,6 @@ broadcast every step): run this file in an environment with either, e.g. `python
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -37,12 +36,6 @@ MODEL_READS = {"gpt2": (), "bert": ("DistributedDataParallel.forward",)}
 HOST_SYNC = "aten::_local_scalar_dense"  # what .item() / float(tensor) run
 
 
-def free_port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def traced_run(family: str, tmp: Path, ranks: int) -> Path:
     env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     flags = [*TRACED_RUN, "--save-dir", str(tmp / "ckpt"), "--log-dir", str(tmp / "logs"),
@@ -50,8 +43,8 @@ def traced_run(family: str, tmp: Path, ranks: int) -> Path:
     if ranks == 1:
         command = [sys.executable, f"{family}/train.py", *flags]
     else:
-        command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}", "--nnodes=1",
-                   f"--master_port={free_port()}", f"{family}/train.py", "--num-gpus", str(ranks), *flags]
+        command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}", "--standalone",
+                   f"{family}/train.py", "--num-gpus", str(ranks), *flags]
     done = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return tmp / "outputs" / f"{family}_{ranks}r"

@@ -2,7 +2,6 @@
 import gc
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -90,21 +89,20 @@ def step_annotations(trace_events):
     return sorted(e["name"] for e in trace_events if e.get("name", "").startswith("ProfilerStep#"))
 
 
-def free_port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def file_store(folder) -> str:
+    """A rendezvous for spawned ranks through a file in the test's folder: no port to pick that another process
+    could take before the ranks bind it."""
+    return f"file://{Path(folder) / 'rendezvous'}"
 
 
 # The window these tests reason about: one step skipped, one warm-up, one recorded (the default records three).
 ONE_STEP_WINDOW = ("--trace-wait-steps", "1", "--trace-warmup-steps", "1", "--trace-active-steps", "1")
 
 
-def ddp_worker(rank, world_size, port, out_dir, steps):
+def ddp_worker(rank, world_size, init_method, out_dir, steps):
     """One gloo rank training a tiny GPT-2 under DDP with tracing on."""
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size)
     try:
         model = torch.nn.parallel.DistributedDataParallel(tiny_gpt2())
         args = parse_tracing_args("--enable-tracing", "--trace-output-dir", out_dir, *ONE_STEP_WINDOW)
@@ -213,7 +211,7 @@ def test_tensors_of_a_traced_step_are_freed_when_the_step_is_done(tmp_path):
 @pytest.fixture(scope="module")
 def two_rank_gpt2(tmp_path_factory):
     out = tmp_path_factory.mktemp("two_ranks")
-    mp.spawn(ddp_worker, args=(2, free_port(), str(out), 4), nprocs=2, join=True)
+    mp.spawn(ddp_worker, args=(2, file_store(out), str(out), 4), nprocs=2, join=True)
     return out / "gpt2-tiny_2cpu"
 
 
@@ -419,8 +417,8 @@ def gpt2_one_rank_run(tmp_path_factory):
 @pytest.fixture(scope="module")
 def bert_two_rank_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("bert_2r")
-    run_trainer([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--nnodes=1",
-                 f"--master_port={free_port()}", "bert/train.py", "--num-gpus", "2",
+    run_trainer([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",
+                 "bert/train.py", "--num-gpus", "2",
                  *trainer_flags(tmp, "--enable-tracing", "--trace-output-dir", str(tmp / "outputs"),
                                 *ONE_STEP_WINDOW[:4], "--trace-active-steps", "2")], tmp)
     [trace_dir] = (tmp / "outputs").iterdir()

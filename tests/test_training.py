@@ -4,7 +4,6 @@ import json
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import unicodedata
@@ -84,12 +83,6 @@ def fingerprint_lines(log_dir, rank):
 
 def error_lines(stderr):
     return [line for line in stderr.splitlines() if line.startswith("error:")]
-
-
-def free_port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 # ---- learning ---------------------------------------------------------------------------------------------------
@@ -197,8 +190,8 @@ def test_training_writes_tensorboard_scalars(uninterrupted_gpt2):
 @pytest.mark.slow
 def test_two_gloo_ranks_under_torchrun_end_with_identical_weights(tmp_path):
     from transformers import BertForMaskedLM
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--nnodes=1",
-               f"--master_port={free_port()}", "bert/train.py", *QUICK, "--max-steps", "6", "--num-gpus", "2",
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",
+               "bert/train.py", *QUICK, "--max-steps", "6", "--num-gpus", "2",
                "--gradient-accumulation-steps", "2", "--save-steps", "3", "--eval-steps", "3", "--no-save-initial",
                "--learning-rate", "1e-3", "--save-dir", str(tmp_path / "ckpt"), "--log-dir", str(tmp_path / "logs")]
     result = subprocess.run(command, cwd=REPO_ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=600)

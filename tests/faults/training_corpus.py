@@ -90,7 +90,7 @@ def train_command(family: str, save_dir: Path, log_dir: Path, *flags) -> list:
 
 def torchrun_command(launcher: list, family: str, save_dir: Path, log_dir: Path, *flags) -> list:
     """`launcher` is [python, -m, torch.distributed.run] (what users type) or [python, -m, utils.torchrun]."""
-    return [*launcher, "--nproc_per_node=2", "--nnodes=1", f"--master_port={free_port()}",
+    return [*launcher, "--nproc_per_node=2", "--standalone",
             *train_command(family, save_dir, log_dir, *flags)[1:]]
 
 
@@ -137,12 +137,6 @@ def start(command: list, log: Path) -> subprocess.Popen:
     handle = open(log, "w")
     return subprocess.Popen(command, cwd=REPO_ROOT, env=child_env(), stdout=handle, stderr=subprocess.STDOUT,
                             start_new_session=True, preexec_fn=default_signals)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 # ---- fault builders (the tests use them too) ---------------------------------------------------------------------
