@@ -18,13 +18,14 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.common import (BUNDLED_SQUAD, OUR_LOG_FILE, REPO_ROOT, STEP_LINE, BenchError, child_env, exit_on_sigterm,
-                          fail, format_table, machine_description, our_step_times, run_child)
+from bench.common import (BUNDLED_SQUAD, OUR_LOG_FILE, REPO_ROOT, STEP_LINE, TRACE_WINDOW_NOTE, BenchError, child_env,
+                          exit_on_sigterm, fail, format_table, machine_description, our_step_times, run_child)
 from bench.netem import (DEFAULT_MTU, QUEUE_LATENCY, Namespace, NetemUnavailable, Rate,
                          expected_goodput_share, format_bits, measure_throughput, missing_requirement, parse_rate)
 from trace_tools.atomic import write_text_atomic
 from trace_tools.layout import RUN_INFO, et_name
 from trace_tools.step_timing import read_step_times
+from utils.run_config import DEFAULT_ACTIVE_STEPS, DEFAULT_WARMUP_STEPS
 
 RANKS = 2  # the loopback is one medium shared by both directions; the per-link equivalence below is for 2 ranks
 NICE = -5  # the measured ranks ahead of the other (nice 0 and 10) jobs on a shared machine
@@ -51,6 +52,7 @@ class ModelSetup:
     settle: int         # steps left out after each change of rate (TCP windows, a full tbf bucket)
     cycles: int         # passes over all rates in one untraced run, alternating their order
     warmup_cycles: int  # passes before those, thrown away
+    after_window_cycles: int  # passes over all rates in each traced run once its window has closed
     rates: tuple        # default network rates, from compute- to communication-dominated
     burst_slack_s: float  # tbf burst beyond one packet, as time at the rate (bench/netem.py says why)
     repeats: int        # untraced runs, pooled
@@ -60,7 +62,7 @@ class ModelSetup:
 MODELS = {
     # The CPU quick runs' configuration (utils/launch/: tiny, batch 4, 128 tokens, one thread a rank).
     "tiny": ModelSetup("tiny", "GPT-2 tiny", "tiny", 4, 128, skip=10, block=10, settle=2, cycles=4,
-                       warmup_cycles=1,
+                       warmup_cycles=1, after_window_cycles=2,
                        rates=("unthrottled", "1gbit", "400mbit", "100mbit"), burst_slack_s=250e-6, repeats=1,
                        timeout_s=900),
     # GPT-2 124M's layers (12 x 768, 12 heads) with the trainer's offline stand-in tokenizer (no --tokenizer-path):
@@ -68,7 +70,7 @@ MODELS = {
     # 11 s at 500 Mbit/s, against 1.5-6 s of compute (quiet to busy machine). Its ~14 buckets a step leave few idle
     # pauses, so a larger tbf burst costs little and keeps the busy rate at R.
     "gpt2-124m-shape": ModelSetup("gpt2-124m-shape", "GPT-2 124M shape (offline vocabulary)", "gpt2", 1, 128,
-                                  skip=3, block=4, settle=1, cycles=4, warmup_cycles=1,
+                                  skip=3, block=4, settle=1, cycles=4, warmup_cycles=1, after_window_cycles=2,
                                   rates=("unthrottled", "2gbit", "1gbit", "500mbit"),
                                   burst_slack_s=2e-3, repeats=1, timeout_s=3600),
 }
@@ -120,6 +122,8 @@ class TracedRun:
     traced_ms: float | None = None            # the tracer's own time of the traced step(s) (run.json)
     untraced_ms: float | None = None          # run.json untraced_step_wall_time_s, when the tracer records it
     before_window_ms: float | None = None     # the trainer's log, steps before the window
+    # The same process's untraced steps at every rate once the window has closed: rate label -> RealRuns
+    after_window: dict = field(default_factory=dict)
     load: tuple = ()
     parameters: int | None = None
     predictions: dict = field(default_factory=dict)   # rate label -> SimulationResult
@@ -287,20 +291,39 @@ def simulate_allreduce(sim: Simulator, size: int, bits_per_s: float, scratch: Pa
     return result.step_ms / 1000
 
 
-def traced_runs(ns: Namespace, setup: ModelSetup, rate: Rate, count: int, args, env: dict, root: Path) -> list:
-    """`count` traced runs at `rate`, each converted to .et files."""
+def traced_runs(ns: Namespace, setup: ModelSetup, rate: Rate, count: int, args, env: dict, root: Path,
+                rates: list) -> list:
+    """`count` traced runs at `rate`, each converted to .et files. With --after-window-cycles, each run goes on
+    untraced once its window has closed (the tracer has written run.json), changing the rate as the untraced run
+    does: the same process's real steps at every rate, so a prediction can also be set against the run it came
+    from, apart from how the machine's speed changed between processes."""
     ns.set_rate(rate)
     runs = []
+    schedule = [rate] + cycle_schedule(rates, args.after_window_cycles)
+    window_end = args.trace_wait_steps + DEFAULT_WARMUP_STEPS + (args.trace_active_steps or DEFAULT_ACTIVE_STEPS)
     for index in range(count):
         name = TRACE_NAME.format(model=setup.key, rate=rate.label.replace(" ", "").replace("/", ""), index=index)
         work = root / f"traced-{index}"
+        folder = work / "traces" / name
         extra = ["--enable-tracing", "--trace-output-dir", work / "traces", "--trace-name", name,
                  "--trace-wait-steps", args.trace_wait_steps]
         if args.trace_active_steps:
             extra += ["--trace-active-steps", args.trace_active_steps]
-        times, load = run_training(ns, setup, work, env, extra, None, f"traced run {index + 1} at {rate.label}")
-        folder = work / "traces" / name
+        what = f"traced run {index + 1} at {rate.label}"
+        if len(schedule) == 1:
+            times, load = run_training(ns, setup, work, env, extra, None, what)
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+            # The steps right after the window (the trace files being written) stay at the trace rate, left out.
+            cycler = RateCycler(ns, schedule, args.settle + 1, args.block, work / "logs" / OUR_LOG_FILE,
+                                after_window=True)
+            steps = window_end + args.settle + 1 + (len(schedule) - 1) * args.block + 1
+            times, load = cycled_run(ns, setup, work, env, extra, steps, cycler, what)
         run = TracedRun(index, rate, folder, load=load, parameters=parameter_count(work / "logs"))
+        if len(schedule) > 1:
+            run.after_window = {r.label: RealRuns(r) for r in rates}
+            add_blocks(run.after_window, cycler.switches, timed_steps(work / "logs" / OUR_LOG_FILE), ns.drops(),
+                       first_measured=1, skip=window_end, settle=args.settle)
         skip = min(args.skip, args.trace_wait_steps - 1)
         before = [times[s] for s in range(skip + 1, args.trace_wait_steps + 1) if s in times]
         run.before_window_ms = 1000 * statistics.median(before) if before else None
@@ -311,6 +334,9 @@ def traced_runs(ns: Namespace, setup: ModelSetup, rate: Rate, count: int, args, 
             raise BenchError(f"convert_to_et.py {folder} failed: {convert.reason()}")
         print(f"    trace {index + 1}: traced step {fmt_ms(run.traced_ms)} ms, steps before the window "
               f"{fmt_ms(run.before_window_ms)} ms; converted", flush=True)
+        for entry in run.after_window.values():
+            print(f"      after the window, {entry.rate.label}: {fmt_ms(entry.step_ms if entry.steps else None)} "
+                  f"ms/step ({len(entry.steps)} steps)", flush=True)
         runs.append(run)
     return runs
 
@@ -332,12 +358,17 @@ def read_run_json(folder: Path) -> tuple:
 
 class RateCycler(threading.Thread):
     """Moves lo to the next rate of `schedule` every `block` steps of a running trainer (rank 0's log), and
-    records when each rate took effect."""
+    records when each rate took effect. The first change comes `first_block` steps into the run or, with
+    `after_window`, `first_block` steps after the trace window's last step."""
 
-    def __init__(self, ns: Namespace, schedule: list, first_block: int, block: int, log_path: Path):
+    def __init__(self, ns: Namespace, schedule: list, first_block: int, block: int, log_path: Path,
+                 after_window: bool = False):
         super().__init__(daemon=True)
         self.ns, self.schedule, self.block, self.log_path = ns, schedule, block, log_path
-        self.boundary = first_block
+        self.first_block = first_block
+        self.boundary = None if after_window else first_block
+        self.in_window = False
+        self.seen = 0  # step lines read so far
         self.switches = []  # (wall clock after tc returned, rate, load, drops of the previous rate)
         self.finished = threading.Event()
         self.error = None
@@ -349,7 +380,7 @@ class RateCycler(threading.Thread):
 
     def run(self) -> None:
         try:
-            index, seen, offset, tail = 0, 0, 0, ""
+            index, offset, tail = 0, 0, ""
             while not self.finished.wait(0.02) and index + 1 < len(self.schedule):
                 if not self.log_path.is_file():
                     continue
@@ -358,8 +389,16 @@ class RateCycler(threading.Thread):
                     tail += log.read()
                     offset = log.tell()
                 lines, tail = tail.rsplit("\n", 1) if "\n" in tail else ("", tail)
-                seen += sum(1 for line in lines.splitlines() if STEP_LINE.search(line))
-                if seen >= self.boundary:
+                for line in lines.splitlines():
+                    if not STEP_LINE.search(line):
+                        continue
+                    if self.boundary is None:  # waiting for the first step line after the window's
+                        if TRACE_WINDOW_NOTE in line:
+                            self.in_window = True
+                        elif self.in_window:
+                            self.boundary = self.seen + self.first_block
+                    self.seen += 1
+                if self.boundary is not None and self.seen >= self.boundary:
                     drops = self.ns.drops()
                     index += 1
                     self.ns.set_rate(self.schedule[index])
@@ -382,6 +421,55 @@ def timed_steps(log_path: Path) -> list:
     return steps
 
 
+def cycle_schedule(rates: list, cycles: int) -> list:
+    """The rates of `cycles` passes, the order alternating each pass (A B C | C B A | ...), so a load that rises or
+    falls steadily during a run weighs on every rate alike."""
+    return [rate for cycle in range(cycles) for rate in (rates if cycle % 2 == 0 else rates[::-1])]
+
+
+def cycled_run(ns: Namespace, setup: ModelSetup, work: Path, env: dict, extra: list, steps: int,
+               cycler: RateCycler, what: str) -> tuple:
+    """A training run of `steps` steps while `cycler` changes lo's rate; its step times and load, as run_training.
+    Every change of the cycler's schedule must have happened."""
+    cycler.start_first()
+    try:
+        result = run_training(ns, setup, work, env, extra, steps, what, fresh=False)
+    finally:
+        cycler.finished.set()
+        cycler.join()
+    if cycler.error:
+        raise BenchError(f"changing the rate during the {what} failed: {cycler.error}")
+    if len(cycler.switches) != len(cycler.schedule):
+        raise BenchError(f"{what}: {len(cycler.switches)} of {len(cycler.schedule)} rate changes happened; the "
+                         "trainer's log was not followed")
+    return result
+
+
+def add_blocks(results: dict, switches: list, steps: list, end_drops: int, first_measured: int, skip: int,
+               settle: int) -> None:
+    """Add each block of a cycled run to results (rate label -> RealRuns): the steps after `skip` that began after
+    the block's rate took effect and ended before the next change, less the first `settle` of them; the blocks
+    before `first_measured` are left out. `switches` are the cycler's, `steps` timed_steps' of the run's log."""
+    windows = switches + [(math.inf, None, None, end_drops)]
+    # Where the order turns round (... B A | A B ...) a block repeats its predecessor's rate: nothing changed
+    # there, so no step straddles it and none needs to settle.
+    rate_since = 0.0
+    for index, ((began, rate, load, _), (ended, _, _, drops)) in enumerate(zip(windows, windows[1:])):
+        changed = index == 0 or windows[index - 1][1] != rate
+        rate_since = began if changed else rate_since
+        if index < first_measured:
+            continue
+        inside = [end - start for step, start, end in steps
+                  if step > skip and start >= rate_since and began <= end <= ended]
+        kept = inside[settle:] if changed else inside
+        entry = results[rate.label]
+        entry.loads.append(load)
+        entry.drops += drops
+        if kept:
+            entry.steps += kept
+            entry.segment_ms.append(1000 * statistics.median(kept))
+
+
 def real_runs(ns: Namespace, setup: ModelSetup, rates: list, args, env: dict, root: Path) -> dict:
     """Untraced runs that cycle through the rates in blocks of steps, alternating the order each cycle, so a
     machine getting busier or quieter during the run weighs on every rate alike. The first `warmup_cycles` cycles
@@ -389,45 +477,16 @@ def real_runs(ns: Namespace, setup: ModelSetup, rates: list, args, env: dict, ro
     and the machine settling). A step counts for a rate when it began after that rate took effect and ended before
     the next change; the first `settle` such steps of each block are left out too."""
     results = {rate.label: RealRuns(rate) for rate in rates}
-    cycles = args.warmup_cycles + args.cycles
-    schedule = [rate for cycle in range(cycles) for rate in (rates if cycle % 2 == 0 else rates[::-1])]
-    first_measured = args.warmup_cycles * len(rates)
+    schedule = cycle_schedule(rates, args.warmup_cycles + args.cycles)
     total = args.skip + len(schedule) * args.block + 1  # one more step: the last block ends cleanly
     for repeat in range(args.repeats):
         work = root / f"real-{repeat}"
         shutil.rmtree(work, ignore_errors=True)
         cycler = RateCycler(ns, schedule, args.skip + args.block, args.block, work / "logs" / OUR_LOG_FILE)
-        cycler.start_first()
-        try:
-            run_training(ns, setup, work, env, [], total, f"untraced run {repeat + 1} (rates changing every "
-                         f"{args.block} steps)", fresh=False)
-        finally:
-            cycler.finished.set()
-            cycler.join()
-        if cycler.error:
-            raise BenchError(f"changing the rate during the untraced run failed: {cycler.error}")
-        if len(cycler.switches) != len(schedule):
-            raise BenchError(f"untraced run {repeat + 1}: {len(cycler.switches)} of {len(schedule)} rate changes "
-                             "happened; the trainer's log was not followed")
-        steps = timed_steps(work / "logs" / OUR_LOG_FILE)
-        windows = cycler.switches + [(math.inf, None, None, ns.drops())]
-        # Where the order turns round (... B A | A B ...) a block repeats its predecessor's rate: nothing changed
-        # there, so no step straddles it and none needs to settle.
-        rate_since = 0.0
-        for index, ((began, rate, load, _), (ended, _, _, drops)) in enumerate(zip(windows, windows[1:])):
-            changed = index == 0 or windows[index - 1][1] != rate
-            rate_since = began if changed else rate_since
-            if index < first_measured:
-                continue
-            inside = [end - start for step, start, end in steps
-                      if step > args.skip and start >= rate_since and began <= end <= ended]
-            kept = inside[args.settle:] if changed else inside
-            entry = results[rate.label]
-            entry.loads.append(load)
-            entry.drops += drops
-            if kept:
-                entry.steps += kept
-                entry.segment_ms.append(1000 * statistics.median(kept))
+        cycled_run(ns, setup, work, env, [], total, cycler,
+                   f"untraced run {repeat + 1} (rates changing every {args.block} steps)")
+        add_blocks(results, cycler.switches, timed_steps(work / "logs" / OUR_LOG_FILE), ns.drops(),
+                   first_measured=args.warmup_cycles * len(rates), skip=args.skip, settle=args.settle)
         for entry in results.values():
             print(f"    {entry.rate.label}: {fmt_ms(entry.step_ms if entry.steps else None)} ms/step (mean of the block "
                   f"medians {', '.join(f'{ms:,.0f}' for ms in entry.segment_ms)}; {len(entry.steps)} steps)",
@@ -519,8 +578,17 @@ def report(setup: ModelSetup, args, sim: Simulator, verification: list, micro: l
     lines += ["Traced runs (converted with `convert_to_et.py`):", "",
               format_table(["trace", "trace rate", "traced step ms (run.json)", "untraced step ms (run.json)",
                             "log: steps before the window ms", "load before->after"], trace_rows), ""]
+    after_window = any(t.after_window for t in traces)
+    if after_window:
+        rows = [[t.index + 1] + [f"{fmt_ms(t.after_window[r].step_ms if t.after_window[r].steps else None)} "
+                                 f"({len(t.after_window[r].steps)})" for r in real] for t in traces]
+        lines += [f"The traced runs' own untraced steps after their window: each run went on through every rate "
+                  f"({args.after_window_cycles} cycle(s) of {args.block} steps a rate, as the untraced run, the steps "
+                  "straddling a change and the first ones after it left out), so each prediction can also be set "
+                  "against the process it was traced in. Mean of the block medians, ms (steps):", "",
+                  format_table(["trace"] + list(real), rows), ""]
     if sim.ok:
-        rows, replay, whatif = [], [], []
+        rows, replay, whatif, same_replay, same_whatif = [], [], [], [], []
         for trace in traces:
             own_real, own_predicted = real[trace.rate.label].step_ms, trace.predictions[trace.rate.label].step_ms
             for label, result in trace.predictions.items():
@@ -529,17 +597,30 @@ def report(setup: ModelSetup, args, sim: Simulator, verification: list, micro: l
                 (replay if label == trace.rate.label else whatif).append(ratio)
                 note = "replay (trace simulated at its own rate)" if label == trace.rate.label else ""
                 per_rank = " / ".join(f"{ms:,.1f}" for ms in result.per_rank_ms)
-                rows.append([setup.label, f"{trace.index + 1} @ {trace.rate.label}", label, fmt_ms(measured),
-                             fmt_ms(result.step_ms), f"{ratio:.2f}x", f"{measured - own_real:+,.1f}",
-                             f"{result.step_ms - own_predicted:+,.1f}", per_rank, note])
+                row = [setup.label, f"{trace.index + 1} @ {trace.rate.label}", label, fmt_ms(measured),
+                       fmt_ms(result.step_ms), f"{ratio:.2f}x", f"{measured - own_real:+,.1f}",
+                       f"{result.step_ms - own_predicted:+,.1f}", per_rank]
+                if after_window:
+                    same = trace.after_window.get(label)
+                    same_ms = same.step_ms if same and same.steps else None
+                    if same_ms:
+                        (same_replay if label == trace.rate.label else same_whatif).append(result.step_ms / same_ms)
+                    row += [fmt_ms(same_ms), f"{result.step_ms / same_ms:.2f}x" if same_ms else "n/a"]
+                rows.append(row + [note])
+        same_columns = ["same run ms", "predicted / same run"] if after_window else []
         lines += ["Predictions: ASTRA-sim on each trace's `.et` at R/2 per link (the slower rank's finish) against "
                   "the real untraced step at R. The two change columns are the step's change from the trace's own "
                   "rate, real and predicted: what the network alone adds, apart from how well the `.et` replays its "
-                  "own step.", "",
+                  "own step." + (" The same-run columns set the prediction against the traced run's own untraced "
+                                 "steps after its window." if after_window else ""), "",
                   format_table(["model", "trace", "network rate", "real step ms", "predicted ms", "predicted / real",
-                                "real change ms", "predicted change ms", "per rank ms", "note"], rows), "",
+                                "real change ms", "predicted change ms", "per rank ms", *same_columns, "note"], rows),
+                  "",
                   f"Replay check (target within 5%): predicted / real {ratio_range(replay)}. What-if at the other rates "
                   f"(target within 10%): {ratio_range(whatif)}.", ""]
+        if same_replay or same_whatif:
+            lines += [f"Against each traced run's own untraced steps after its window (the same process): replay "
+                      f"{ratio_range(same_replay)}, what-if at the other rates {ratio_range(same_whatif)}.", ""]
         # The same replay against the traced run's own untraced steps: the same process on the same machine
         # minutes earlier, so what the two runs' machines differed by (next line) is out of it. On a CPU run the
         # converter's recording cost comes from CPU time, not from these wall-clock steps, so this is no tautology.
@@ -557,6 +638,11 @@ def report(setup: ModelSetup, args, sim: Simulator, verification: list, micro: l
                   f"{ratio_range(pace)} the untraced run's step at the same rate"
                   + (f"; more than {100 * DRIFT_WARNING:.0f}% apart, so part of every ratio above is the machine's "
                      "changing speed, not the `.et`." if max(abs(r - 1) for r in pace) > DRIFT_WARNING else "."), ""]
+    pace_after = [t.after_window[label].step_ms / entry.step_ms for t in traces for label, entry in real.items()
+                  if label in t.after_window and t.after_window[label].steps]
+    if pace_after:
+        lines += [f"After their windows, the traced runs' untraced steps took {ratio_range(pace_after)} the untraced "
+                  "run's step at each rate.", ""]
     return "\n".join(lines)
 
 
@@ -587,7 +673,10 @@ directions: a 2-rank ring all-reduce of S bytes moves 2S through it, so rate R i
 per link; the all-reduce micro-benchmark checks that equivalence, and a TCP stream checks tbf's rate. The real steps
 come from one run that changes the rate every few steps in alternating order, so a shared machine's changing load
 weighs on every rate alike (one run per rate did not: the load fell from 12 to 6 between them and the unthrottled
-step came out slower than the 2 Gbit/s one). Each part below is rewritten by a run of its `--model`.
+step came out slower than the 2 Gbit/s one). Each traced run also goes on untraced through every rate once its
+window has closed (`--after-window-cycles`): two processes of the same run on this 2-core machine can differ by a
+tenth in speed minutes apart, so each prediction is set both against the untraced run and against the process it
+was traced in ("same run"). Each part below is rewritten by a run of its `--model`.
 """
 
 
@@ -623,6 +712,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--warmup-cycles", type=int, default=None,
                         help="passes over all rates before those, thrown away " + _per_model("warmup_cycles"))
     parser.add_argument("--repeats", type=int, default=None, help="untraced runs, pooled " + _per_model("repeats"))
+    parser.add_argument("--after-window-cycles", type=int, default=None,
+                        help="passes over all rates in each traced run once its window has closed: the same "
+                             "process's untraced steps, which the predictions are also set against (0: none) "
+                             + _per_model("after_window_cycles"))
     parser.add_argument("--micro-rate", default="1gbit",
                         help="rate of the all-reduce micro-benchmark (default: %(default)s)")
     parser.add_argument("--micro-sizes", default=",".join(str(s) for s in MICRO_SIZES),
@@ -651,24 +744,27 @@ def build_parser() -> argparse.ArgumentParser:
 def resolve(args) -> tuple:
     """The model setup and the parsed rates, after --quick and the per-model defaults."""
     if args.quick:  # smaller defaults; flags given on the command line still win
-        quick = dict(repeats=1, cycles=1, warmup_cycles=0, block=5, settle=1, skip=3, rates=",".join(QUICK_RATES))
+        quick = dict(repeats=1, cycles=1, warmup_cycles=0, after_window_cycles=1, block=5, settle=1, skip=3,
+                     rates=",".join(QUICK_RATES))
         for name, value in quick.items():
             if getattr(args, name) is None:
                 setattr(args, name, value)
         args.model, args.traces, args.micro_repeats, args.check_seconds = "tiny", 1, 1, 0.3
         args.micro_rate, args.micro_sizes = "100mbit", "10000000"
     setup = MODELS[args.model]
-    for name in ("skip", "block", "settle", "cycles", "warmup_cycles", "repeats"):
+    for name in ("skip", "block", "settle", "cycles", "warmup_cycles", "after_window_cycles", "repeats"):
         if getattr(args, name) is None:
             setattr(args, name, getattr(setup, name))
     if args.trace_wait_steps is None:
         args.trace_wait_steps = 4 if args.quick else setup.skip + 2
-    if min(args.skip, args.settle, args.warmup_cycles) < 0 or args.settle + 1 >= args.block:
+    if min(args.skip, args.settle, args.warmup_cycles, args.after_window_cycles) < 0 or args.settle + 1 >= args.block:
         raise ValueError(f"--settle {args.settle} must leave steps in a --block of {args.block} (a step straddling "
-                         "each change is left out too); --skip must be 0 or more")
-    if args.cycles > 1 and args.cycles % 2:
-        raise ValueError(f"--cycles {args.cycles}: use an even number (or 1), so every rate sits as early as late "
-                         "in the run on average")
+                         "each change is left out too); --skip, --warmup-cycles and --after-window-cycles must be 0 "
+                         "or more")
+    for name in ("cycles", "after_window_cycles"):
+        if getattr(args, name) > 1 and getattr(args, name) % 2:
+            raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)}: use an even number (or 1), so every "
+                             "rate sits as early as late in the run on average")
     if min(args.traces, args.repeats, args.cycles, args.micro_repeats, args.trace_wait_steps) < 1:
         raise ValueError("--traces, --repeats, --cycles, --micro-repeats and --trace-wait-steps must be at least 1")
     rates = [parse_rate(text) for text in (args.rates or ",".join(setup.rates)).split(",") if text.strip()]
@@ -717,7 +813,7 @@ def main(argv=None) -> int:
             unthrottled_bits, source = ((allreduce_bits, "a gloo all-reduce's 2S/t, unthrottled") if allreduce_bits
                                         else (socket_bits, "one TCP stream's payload rate"))
             phase(f"{args.traces} traced run(s) at {trace_rate.label}")
-            traces = traced_runs(ns, setup, trace_rate, args.traces, args, env, root)
+            traces = traced_runs(ns, setup, trace_rate, args.traces, args, env, root, rates)
             phase("untraced runs")
             real = real_runs(ns, setup, rates, args, env, root)
             if sim.ok:

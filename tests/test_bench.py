@@ -212,6 +212,10 @@ def test_whatif_bench_measures_real_steps_at_every_rate_on_a_rate_limited_loopba
                if rate == "100 Mbit/s"]
     assert 0.95 < ratio_value(micro[5]) < 2.0
     assert "traced step" in result.stdout and ("Predictions:" in result.stdout or "Predictions skipped" in result.stdout)
+    # The traced run went on untraced through both rates once its window had closed.
+    after = markdown_table_after(result.stdout, "The traced runs' own untraced steps after their window")
+    cells = dict(zip(after["trace"], after["1"]))
+    assert float(cells["100 Mbit/s"].split()[0].replace(",", "")) > float(cells["unthrottled"].split()[0]) + 50
 
 
 def test_whatif_bench_says_what_is_missing_where_it_cannot_limit_the_network(tmp_path):
@@ -248,6 +252,71 @@ def test_whatif_untraced_step_of_a_trace_leaves_out_the_first_step_as_the_conver
     (tmp_path / "run.json").write_text(json.dumps({"ranks": ranks, "step_wall_time_s_max": [2.7, 2.8]}))
     traced_ms, untraced_ms = read_run_json(tmp_path)
     assert traced_ms == pytest.approx(2750) and untraced_ms == pytest.approx(2200)
+
+
+class RecordedRates:
+    """A stand-in for bench.netem.Namespace that only records the rates it is set to."""
+
+    def __init__(self):
+        self.rates = []
+
+    def set_rate(self, rate):
+        self.rates.append(rate.label)
+
+    def drops(self):
+        return 0
+
+
+def test_the_rate_cycler_of_a_traced_run_starts_after_the_window_and_its_blocks_leave_the_window_out(tmp_path):
+    import time
+
+    from bench.netem import parse_rate
+    from bench.whatif_bench import RateCycler, RealRuns, add_blocks, cycle_schedule, timed_steps
+
+    fast, slow = parse_rate("unthrottled"), parse_rate("100mbit")
+    schedule = [fast] + cycle_schedule([fast, slow], 2)  # the trace's rate, then fast slow | slow fast
+    assert [r.label for r in schedule] == ["unthrottled", "unthrottled", "100 Mbit/s", "100 Mbit/s", "unthrottled"]
+    log = tmp_path / "training_rank_0.log"
+    ns = RecordedRates()
+    cycler = RateCycler(ns, schedule, first_block=2, block=4, log_path=log, after_window=True)
+    cycler.start_first()
+
+    def step(n: int, ms: float, in_window: bool = False) -> None:
+        """A step of `ms` that ends now, as the trainer logs it; then the cycler reads the line."""
+        time.sleep(ms / 1000)
+        now = time.time()
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(now)) + f",{int(now % 1 * 1000):03d}"
+        tail = f"{ms:.1f} ms/step | in the trace window: loss read after it" if in_window else \
+            f"100 tok/s | {ms:.1f} ms/step"
+        with open(log, "a", encoding="utf-8") as out:
+            out.write(f"{stamp} rank 0/2 INFO utils.trainer: step {n}/30 | epoch 0.10 | lr 1e-05 | {tail}\n")
+        deadline = time.monotonic() + 10
+        while cycler.is_alive() and cycler.seen < n and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.03)  # a change of rate comes right after the line that completes a block
+
+    try:
+        for n in range(1, 5):
+            step(n, 30)                   # before the window: no change of rate, however many steps
+        assert ns.rates == ["unthrottled"]
+        for n in range(5, 9):
+            step(n, 90, in_window=True)   # the window
+        assert ns.rates == ["unthrottled"]
+        step(9, 600)                      # the last traced step, with the trace written, then one more
+        step(10, 60)
+        assert ns.rates == ["unthrottled", "unthrottled"]  # first_block=2 steps after the window: the first pass
+        for n in range(11, 25):
+            step(n, 30 if ns.rates[-1] == "unthrottled" else 180)
+    finally:
+        cycler.finished.set()
+        cycler.join()
+    assert cycler.error is None and [r.label for _, r, _, _ in cycler.switches] == [r.label for r in schedule]
+    blocks = {r.label: RealRuns(r) for r in (fast, slow)}
+    add_blocks(blocks, cycler.switches, timed_steps(log), 0, first_measured=1, skip=8, settle=1)
+    # Nothing of the window (90 ms) or of the step that wrote the trace (600 ms) counts as a real step.
+    assert blocks["unthrottled"].steps and blocks["100 Mbit/s"].steps
+    assert {round(s * 1000) for s in blocks["unthrottled"].steps} == {30}
+    assert {round(s * 1000) for s in blocks["100 Mbit/s"].steps} == {180}
 
 
 def test_a_hung_run_names_what_los_queue_holds():
