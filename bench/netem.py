@@ -139,6 +139,13 @@ class Namespace:
         self.rate = rate
         return " ".join(argv)
 
+    def reset_rate(self) -> str:
+        """Replace lo's qdisc by a new one of the same rate (delete, then add): whatever the old one held is dropped
+        and TCP sends it again. What clears a stalled tbf (describe_queue); returns the tc commands."""
+        deleted = " ".join(["tc", "qdisc", "del", "dev", "lo", "root"])
+        _run(self.command(deleted.split()))
+        return f"{deleted}; {self.set_rate(self.rate)}"
+
     def queue_stats(self) -> str:
         """`tc -s qdisc show dev lo`: lo's qdisc with its counters."""
         return _run(self.command(["tc", "-s", "qdisc", "show", "dev", "lo"])).stdout
@@ -182,13 +189,26 @@ class Namespace:
             raise NetemUnavailable(f"could not {what}: {' '.join(argv)}: {_first_line(done)}")
 
 
+_SENT = re.compile(r"Sent (\d+) bytes (\d+) pkt \(dropped (\d+), overlimits (\d+)")
+_BACKLOG = re.compile(r"backlog (\d+)b (\d+)p")
+
+
+def queue_counters(shown: str) -> tuple[int, int] | None:
+    """(bytes sent, packets held) of `tc -s qdisc show`, or None without a qdisc's counters. A qdisc that holds
+    packets while its sent count stands still for a second is stalled (a link of our rates sends a packet in
+    under a millisecond)."""
+    sent, backlog = _SENT.search(shown), _BACKLOG.search(shown)
+    if not sent:
+        return None
+    return int(sent.group(1)), int(backlog.group(2)) if backlog else 0
+
+
 def describe_queue(shown: str) -> str:
     """`tc -s qdisc show` in a few words: the qdisc, what it sent and what it holds. A tbf that holds packets and
     whose overlimits climb while its sent count stands still is stalled: its head packet never fits the bucket
     (seen once here, at a change from 1 Gbit/s to 400 Mbit/s: 52 packets held for 14 minutes)."""
     kind = re.search(r"qdisc (\w+)", shown)
-    sent = re.search(r"Sent (\d+) bytes (\d+) pkt \(dropped (\d+), overlimits (\d+)", shown)
-    backlog = re.search(r"backlog (\d+)b (\d+)p", shown)
+    sent, backlog = _SENT.search(shown), _BACKLOG.search(shown)
     if not kind or not sent:
         return ""
     text = (f"lo's qdisc {kind.group(1)}: sent {int(sent.group(1)):,} bytes in {int(sent.group(2)):,} packets, "

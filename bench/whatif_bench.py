@@ -20,8 +20,9 @@ from pathlib import Path
 
 from bench.common import (BUNDLED_SQUAD, OUR_LOG_FILE, REPO_ROOT, STEP_LINE, TRACE_WINDOW_NOTE, BenchError, child_env,
                           exit_on_sigterm, fail, format_table, machine_description, our_step_times, run_child)
-from bench.netem import (DEFAULT_MTU, QUEUE_LATENCY, Namespace, NetemUnavailable, Rate,
-                         expected_goodput_share, format_bits, measure_throughput, missing_requirement, parse_rate)
+from bench.netem import (DEFAULT_MTU, QUEUE_LATENCY, Namespace, NetemUnavailable, Rate, describe_queue,
+                         expected_goodput_share, format_bits, measure_throughput, missing_requirement, parse_rate,
+                         queue_counters)
 from trace_tools.atomic import write_text_atomic
 from trace_tools.layout import RUN_INFO, et_name
 from trace_tools.step_timing import read_step_times
@@ -89,6 +90,7 @@ class RealRuns:
     segment_ms: list = field(default_factory=list)  # median of each segment at this rate, in run order
     loads: list = field(default_factory=list)       # 1-minute load average when each segment began
     drops: int = 0
+    stalls: list = field(default_factory=list)      # what lo's qdisc held each time it stalled at this rate
 
     @property
     def step_ms(self) -> float:
@@ -323,7 +325,7 @@ def traced_runs(ns: Namespace, setup: ModelSetup, rate: Rate, count: int, args, 
         if len(schedule) > 1:
             run.after_window = {r.label: RealRuns(r) for r in rates}
             add_blocks(run.after_window, cycler.switches, timed_steps(work / "logs" / OUR_LOG_FILE), ns.drops(),
-                       first_measured=1, skip=window_end, settle=args.settle)
+                       first_measured=1, skip=window_end, settle=args.settle, stalls=cycler.stalls)
         skip = min(args.skip, args.trace_wait_steps - 1)
         before = [times[s] for s in range(skip + 1, args.trace_wait_steps + 1) if s in times]
         run.before_window_ms = 1000 * statistics.median(before) if before else None
@@ -359,16 +361,23 @@ def read_run_json(folder: Path) -> tuple:
 class RateCycler(threading.Thread):
     """Moves lo to the next rate of `schedule` every `block` steps of a running trainer (rank 0's log), and
     records when each rate took effect. The first change comes `first_block` steps into the run or, with
-    `after_window`, `first_block` steps after the trace window's last step."""
+    `after_window`, `first_block` steps after the trace window's last step.
+
+    It also clears a stalled tbf: once no step line has come for `stall_after_s` plus three of the slowest steps so
+    far, it reads lo's qdisc, and if the qdisc holds packets and has sent nothing `stall_check_s` later, it replaces
+    the qdisc by a new one of the same rate (TCP sends the dropped packets again). A run once hung 14 minutes that
+    way, at a change from 1 Gbit/s to 400 Mbit/s, and could not be made to stall again."""
 
     def __init__(self, ns: Namespace, schedule: list, first_block: int, block: int, log_path: Path,
-                 after_window: bool = False):
+                 after_window: bool = False, stall_after_s: float = 10.0, stall_check_s: float = 1.0):
         super().__init__(daemon=True)
         self.ns, self.schedule, self.block, self.log_path = ns, schedule, block, log_path
         self.first_block = first_block
         self.boundary = None if after_window else first_block
         self.in_window = False
         self.seen = 0  # step lines read so far
+        self.stall_after_s, self.stall_check_s = stall_after_s, stall_check_s
+        self.stalls = []  # (wall clock when the qdisc was replaced, rate, what it held)
         self.switches = []  # (wall clock after tc returned, rate, load, drops of the previous rate)
         self.finished = threading.Event()
         self.error = None
@@ -381,7 +390,11 @@ class RateCycler(threading.Thread):
     def run(self) -> None:
         try:
             index, offset, tail = 0, 0, ""
-            while not self.finished.wait(0.02) and index + 1 < len(self.schedule):
+            last_line, slowest_s = time.monotonic(), 0.0
+            while not self.finished.wait(0.02):
+                if time.monotonic() - last_line > self.stall_after_s + 3 * slowest_s:
+                    self.clear_stall()
+                    last_line = time.monotonic()
                 if not self.log_path.is_file():
                     continue
                 with open(self.log_path, encoding="utf-8", errors="replace") as log:
@@ -390,15 +403,18 @@ class RateCycler(threading.Thread):
                     offset = log.tell()
                 lines, tail = tail.rsplit("\n", 1) if "\n" in tail else ("", tail)
                 for line in lines.splitlines():
-                    if not STEP_LINE.search(line):
+                    match = STEP_LINE.search(line)
+                    if not match:
                         continue
+                    last_line = time.monotonic()
+                    slowest_s = max(slowest_s, float(match.group(3).replace(",", "")) / 1000)
                     if self.boundary is None:  # waiting for the first step line after the window's
                         if TRACE_WINDOW_NOTE in line:
                             self.in_window = True
                         elif self.in_window:
                             self.boundary = self.seen + self.first_block
                     self.seen += 1
-                if self.boundary is not None and self.seen >= self.boundary:
+                if index + 1 < len(self.schedule) and self.boundary is not None and self.seen >= self.boundary:
                     drops = self.ns.drops()
                     index += 1
                     self.ns.set_rate(self.schedule[index])
@@ -406,6 +422,23 @@ class RateCycler(threading.Thread):
                     self.boundary += self.block
         except Exception as exc:  # reported by the caller after the run
             self.error = exc
+
+    def clear_stall(self) -> None:
+        """Replace lo's qdisc when it holds packets and sends none (see the class)."""
+        rate = self.ns.rate
+        if rate is None or not rate.throttled:
+            return
+        before = queue_counters(self.ns.queue_stats())
+        if not before or not before[1]:
+            return
+        time.sleep(self.stall_check_s)
+        shown = self.ns.queue_stats()
+        after = queue_counters(shown)
+        if not after or not after[1] or after[0] != before[0]:
+            return
+        self.ns.reset_rate()
+        self.stalls.append((time.time(), rate, describe_queue(shown)))
+        print(f"    lo's tbf at {rate.label} stalled ({describe_queue(shown)}); replaced by a new one", flush=True)
 
 
 def timed_steps(log_path: Path) -> list:
@@ -446,10 +479,15 @@ def cycled_run(ns: Namespace, setup: ModelSetup, work: Path, env: dict, extra: l
 
 
 def add_blocks(results: dict, switches: list, steps: list, end_drops: int, first_measured: int, skip: int,
-               settle: int) -> None:
+               settle: int, stalls: list = ()) -> None:
     """Add each block of a cycled run to results (rate label -> RealRuns): the steps after `skip` that began after
     the block's rate took effect and ended before the next change, less the first `settle` of them; the blocks
-    before `first_measured` are left out. `switches` are the cycler's, `steps` timed_steps' of the run's log."""
+    before `first_measured` are left out. `switches` and `stalls` are the cycler's, `steps` timed_steps' of the
+    run's log; a step during which a stalled qdisc was replaced is left out, and the stall noted at its rate."""
+    for _, rate, held in stalls:
+        if rate.label in results:
+            results[rate.label].stalls.append(held)
+    steps = [(step, start, end) for step, start, end in steps if not any(start <= when <= end for when, _, _ in stalls)]
     windows = switches + [(math.inf, None, None, end_drops)]
     # Where the order turns round (... B A | A B ...) a block repeats its predecessor's rate: nothing changed
     # there, so no step straddles it and none needs to settle.
@@ -486,7 +524,8 @@ def real_runs(ns: Namespace, setup: ModelSetup, rates: list, args, env: dict, ro
         cycled_run(ns, setup, work, env, [], total, cycler,
                    f"untraced run {repeat + 1} (rates changing every {args.block} steps)")
         add_blocks(results, cycler.switches, timed_steps(work / "logs" / OUR_LOG_FILE), ns.drops(),
-                   first_measured=args.warmup_cycles * len(rates), skip=args.skip, settle=args.settle)
+                   first_measured=args.warmup_cycles * len(rates), skip=args.skip, settle=args.settle,
+                   stalls=cycler.stalls)
         for entry in results.values():
             print(f"    {entry.rate.label}: {fmt_ms(entry.step_ms if entry.steps else None)} ms/step (mean of the block "
                   f"medians {', '.join(f'{ms:,.0f}' for ms in entry.segment_ms)}; {len(entry.steps)} steps)",
@@ -568,6 +607,12 @@ def report(setup: ModelSetup, args, sim: Simulator, verification: list, micro: l
               "the real step is the mean of the block medians, which cancels a steady drift of the load.",
               "", format_table(["network", "steps", "real step ms", "pooled median ms", "p10-p90 ms",
                                 "block medians ms", "load 1-min at each block", "drops"], real_rows), ""]
+    stalls = [(label, held) for label, r in real.items() for held in r.stalls] + \
+        [(label, held) for t in traces for label, r in t.after_window.items() for held in r.stalls]
+    if stalls:
+        lines += [f"**lo's tbf stalled {len(stalls)} time(s)** (it held packets and sent none for a second) and was "
+                  "replaced by a new qdisc of the same rate; the step during which it was replaced is left out: "
+                  + "; ".join(f"at {label}: {held}" for label, held in stalls) + ".", ""]
     if drifting.drift > DRIFT_WARNING:
         lines += [f"**The step changed during the run at a fixed rate:** the block medians at {drifting.rate.label} "
                   f"are {100 * drifting.drift:.0f}% apart (other jobs' load, or the ranks' own variation on a machine "

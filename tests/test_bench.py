@@ -259,9 +259,11 @@ class RecordedRates:
 
     def __init__(self):
         self.rates = []
+        self.rate = None
 
     def set_rate(self, rate):
         self.rates.append(rate.label)
+        self.rate = rate
 
     def drops(self):
         return 0
@@ -317,6 +319,64 @@ def test_the_rate_cycler_of_a_traced_run_starts_after_the_window_and_its_blocks_
     assert blocks["unthrottled"].steps and blocks["100 Mbit/s"].steps
     assert {round(s * 1000) for s in blocks["unthrottled"].steps} == {30}
     assert {round(s * 1000) for s in blocks["100 Mbit/s"].steps} == {180}
+
+
+class HeldQueue(RecordedRates):
+    """lo's qdisc at 400 Mbit/s holding 52 packets: stalled (its sent count stands still) until it is replaced, or
+    busy (its sent count grows at every look)."""
+
+    def __init__(self, stalled: bool):
+        from bench.netem import parse_rate
+
+        super().__init__()
+        self.rate, self.stalled, self.sent, self.resets = parse_rate("400mbit"), stalled, 17646467, 0
+
+    def queue_stats(self):
+        self.sent += 0 if self.stalled else 9014
+        held = "backlog 384119b 52p requeues 0" if self.stalled or not self.resets else "backlog 0b 0p requeues 0"
+        return (f"qdisc tbf 8022: root refcnt 2 rate 400Mbit burst 21Kb lat 1s \n Sent {self.sent} bytes 3118 pkt "
+                f"(dropped 0, overlimits 2446677 requeues 0) \n {held}\n")
+
+    def reset_rate(self):
+        self.resets += 1
+        self.stalled = False
+
+
+@pytest.mark.parametrize("stalled", [True, False])
+def test_the_rate_cycler_replaces_a_tbf_that_holds_packets_and_sends_none(stalled, tmp_path):
+    import time
+
+    from bench.whatif_bench import RateCycler
+
+    ns = HeldQueue(stalled)
+    # No step line for 0.2 s: the cycler looks at the qdisc, and again 0.05 s later.
+    cycler = RateCycler(ns, [ns.rate], first_block=5, block=5, log_path=tmp_path / "training_rank_0.log",
+                        stall_after_s=0.2, stall_check_s=0.05)
+    cycler.start_first()
+    time.sleep(1.0)
+    cycler.finished.set()
+    cycler.join()
+    assert cycler.error is None
+    if stalled:
+        assert ns.resets == 1 and len(cycler.stalls) == 1  # replaced once; the new qdisc sends
+        assert cycler.stalls[0][1] == ns.rate and "holding 384,119 bytes in 52 packets" in cycler.stalls[0][2]
+    else:
+        assert ns.resets == 0 and cycler.stalls == []      # a busy link is left alone, however long the step
+
+
+def test_a_step_during_which_a_stalled_qdisc_was_replaced_is_left_out_of_its_block():
+    from bench.netem import parse_rate
+    from bench.whatif_bench import RealRuns, add_blocks
+
+    rate = parse_rate("400mbit")
+    switches = [(100.0, rate, 1.0, 0)]
+    steps = [(n, 100.0 + n - 1, 100.0 + n - 0.9) for n in range(1, 6)]  # 100 ms steps, one a second
+    steps[3] = (4, 103.0, 110.0)  # the stalled one: 7 s, until the qdisc was replaced at 109.5 s
+    blocks = {rate.label: RealRuns(rate)}
+    add_blocks(blocks, switches, steps, 0, first_measured=0, skip=0, settle=0,
+               stalls=[(109.5, rate, "lo's qdisc tbf: ... holding 384,119 bytes in 52 packets")])
+    assert [round(s, 3) for s in blocks[rate.label].steps] == [0.1, 0.1, 0.1, 0.1]
+    assert blocks[rate.label].stalls == ["lo's qdisc tbf: ... holding 384,119 bytes in 52 packets"]
 
 
 def test_a_hung_run_names_what_los_queue_holds():
