@@ -296,8 +296,8 @@ def simulate_allreduce(sim: Simulator, size: int, bits_per_s: float, scratch: Pa
 def traced_runs(ns: Namespace, setup: ModelSetup, rate: Rate, count: int, args, env: dict, root: Path,
                 rates: list) -> list:
     """`count` traced runs at `rate`, each converted to .et files. With --after-window-cycles, each run goes on
-    untraced once its window has closed (the tracer has written run.json), changing the rate as the untraced run
-    does: the same process's real steps at every rate, so a prediction can also be set against the run it came
+    untraced once its window has closed (the first step line of rank 0's log without the window's note),
+    changing the rate as the untraced run does: the same process's real steps at every rate, so a prediction can also be set against the run it came
     from, apart from how the machine's speed changed between processes."""
     ns.set_rate(rate)
     runs = []
