@@ -86,6 +86,13 @@ check_tree() {
     done
     [ -f "$tree/extern/graph_frontend/chakra/schema/protobuf/et_def.proto" ] ||
         die "$what $tree: extern/graph_frontend/chakra has no schema/protobuf/et_def.proto"
+    # Two look-alikes build for minutes before failing: astra-sim/chakra's main branch has no feeder_v3 (ASTRA-sim's
+    # pinned chakra commit, and that fork's stage branch, have it), and astra-sim/analytical is not the
+    # astra-network-analytical repository the submodule names.
+    [ -f "$tree/extern/graph_frontend/chakra/src/feeder_v3/et_feeder.h" ] ||
+        die "$what $tree: extern/graph_frontend/chakra has no src/feeder_v3/et_feeder.h (a chakra without the feeder ASTRA-sim reads: check out the commit the tree pins)"
+    [ -d "$tree/extern/network_backend/analytical/include/astra-network-analytical" ] ||
+        die "$what $tree: extern/network_backend/analytical has no include/astra-network-analytical (not astra-sim/astra-network-analytical, the repository the submodule names)"
 }
 
 # True when `using NAME = FeederV3::NAME;` is declared in namespace Chakra (after FeederV3 closes) in a header.

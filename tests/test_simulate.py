@@ -313,6 +313,7 @@ def run_install(*args, env=None):
 def fake_astra_tree(root: Path, *, fixed: bool) -> Path:
     """The files of an ASTRA-sim tree the installer looks at, with or without the two compatibility fixes."""
     for path in ("build/astra_analytical/CMakeLists.txt", "extern/network_backend/analytical/common/x.cpp",
+                 "extern/network_backend/analytical/include/astra-network-analytical/common/Event.h",
                  "extern/remote_memory_backend/analytical/AnalyticalRemoteMemory.cc",
                  "extern/helper/fmt/CMakeLists.txt", "extern/helper/spdlog/CMakeLists.txt",
                  "extern/graph_frontend/chakra/schema/protobuf/et_def.proto"):
@@ -365,6 +366,20 @@ def test_installer_refuses_a_tree_without_its_submodules(tmp_path):
     proc = run_install("--source", tree, "--prefix", tmp_path / "prefix", "--dry-run")
     assert proc.returncode == 1
     assert proc.stderr.startswith(f"error: --source {tree}: extern/helper/spdlog is empty")
+
+
+@pytest.mark.parametrize("missing, says", [
+    ("extern/graph_frontend/chakra/src/feeder_v3", "extern/graph_frontend/chakra has no src/feeder_v3/et_feeder.h"),
+    ("extern/network_backend/analytical/include",
+     "extern/network_backend/analytical has no include/astra-network-analytical"),
+])
+def test_installer_refuses_look_alike_submodules_before_building(missing, says, tmp_path):
+    # astra-sim/chakra's main branch and astra-sim/analytical: a build from them failed after minutes of compiling.
+    tree = fake_astra_tree(tmp_path / "astra-sim", fixed=True)
+    shutil.rmtree(tree / missing)
+    proc = run_install("--source", tree, "--prefix", tmp_path / "prefix", "--dry-run")
+    assert proc.returncode == 1 and len(proc.stderr.strip().splitlines()) == 1
+    assert proc.stderr.startswith(f"error: --source {tree}: {says}")
 
 
 def test_installer_dry_run_from_a_tree_needing_the_fixes_says_so_and_changes_nothing(tmp_path):
