@@ -311,7 +311,7 @@ def traced_runs(ns: Namespace, setup: ModelSetup, rate: Rate, count: int, args, 
                  "--trace-wait-steps", args.trace_wait_steps]
         if args.trace_active_steps:
             extra += ["--trace-active-steps", args.trace_active_steps]
-        what = f"traced run {index + 1} at {rate.label}"
+        what, after_window = f"traced run {index + 1} at {rate.label}", {}
         if len(schedule) == 1:
             times, load = run_training(ns, setup, work, env, extra, None, what)
         else:
@@ -321,11 +321,11 @@ def traced_runs(ns: Namespace, setup: ModelSetup, rate: Rate, count: int, args, 
                                 after_window=True)
             steps = window_end + args.settle + 1 + (len(schedule) - 1) * args.block + 1
             times, load = cycled_run(ns, setup, work, env, extra, steps, cycler, what)
-        run = TracedRun(index, rate, folder, load=load, parameters=parameter_count(work / "logs"))
-        if len(schedule) > 1:
-            run.after_window = {r.label: RealRuns(r) for r in rates}
-            add_blocks(run.after_window, cycler.switches, timed_steps(work / "logs" / OUR_LOG_FILE), ns.drops(),
+            after_window = {r.label: RealRuns(r) for r in rates}
+            add_blocks(after_window, cycler.switches, timed_steps(work / "logs" / OUR_LOG_FILE), ns.drops(),
                        first_measured=1, skip=window_end, settle=args.settle, stalls=cycler.stalls)
+        run = TracedRun(index, rate, folder, load=load, parameters=parameter_count(work / "logs"),
+                        after_window=after_window)
         skip = min(args.skip, args.trace_wait_steps - 1)
         before = [times[s] for s in range(skip + 1, args.trace_wait_steps + 1) if s in times]
         run.before_window_ms = 1000 * statistics.median(before) if before else None
