@@ -142,9 +142,9 @@ class Namespace:
     def reset_rate(self) -> str:
         """Replace lo's qdisc by a new one of the same rate (delete, then add): whatever the old one held is dropped
         and TCP sends it again. What clears a stalled tbf (describe_queue); returns the tc commands."""
-        deleted = " ".join(["tc", "qdisc", "del", "dev", "lo", "root"])
-        _run(self.command(deleted.split()))
-        return f"{deleted}; {self.set_rate(self.rate)}"
+        deleted = ["tc", "qdisc", "del", "dev", "lo", "root"]
+        _run(self.command(deleted))
+        return f"{' '.join(deleted)}; {self.set_rate(self.rate)}"
 
     def queue_stats(self) -> str:
         """`tc -s qdisc show dev lo`: lo's qdisc with its counters."""
