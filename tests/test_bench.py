@@ -364,6 +364,24 @@ def test_the_rate_cycler_replaces_a_tbf_that_holds_packets_and_sends_none(stalle
         assert ns.resets == 0 and cycler.stalls == []      # a busy link is left alone, however long the step
 
 
+def test_resetting_the_rate_puts_a_new_qdisc_of_the_same_rate_on_lo():
+    from bench.netem import Namespace, missing_requirement, parse_rate, queue_counters
+
+    problem = missing_requirement()
+    if problem:
+        pytest.skip(f"needs a rate-limited network namespace: {problem}")
+    with Namespace() as ns:
+        ns.set_rate(parse_rate("100mbit"))
+        send = ("import socket; s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); "
+                "[s.sendto(b'x' * 1000, ('127.0.0.1', 9)) for _ in range(10)]")
+        subprocess.run(ns.command([sys.executable, "-c", send]), check=True, capture_output=True, timeout=30)
+        assert queue_counters(ns.queue_stats())[0] > 0  # the old qdisc sent the datagrams
+        ns.reset_rate()
+        shown = ns.queue_stats()
+        assert "tbf" in shown and "rate 100Mbit" in shown and queue_counters(shown) == (0, 0)
+        assert ns.rate == parse_rate("100mbit")
+
+
 def test_a_step_during_which_a_stalled_qdisc_was_replaced_is_left_out_of_its_block():
     from bench.netem import parse_rate
     from bench.whatif_bench import RealRuns, add_blocks
