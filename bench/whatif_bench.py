@@ -93,11 +93,12 @@ class RealRuns:
     stalls: list = field(default_factory=list)      # what lo's qdisc held each time it stalled at this rate
 
     @property
-    def step_ms(self) -> float:
-        """The real step: the mean of the block medians. Each rate's blocks sit symmetrically in the run (the order
-        alternates every cycle), so a load that rises or falls steadily during the run cancels out of this mean;
-        within a block the median leaves out the odd step another job slowed down."""
-        return statistics.fmean(self.segment_ms)
+    def step_ms(self) -> float | None:
+        """The real step: the mean of the block medians (None without a clean step). Each rate's blocks sit
+        symmetrically in the run (the order alternates every cycle), so a load that rises or falls steadily during
+        the run cancels out of this mean; within a block the median leaves out the odd step another job slowed
+        down."""
+        return statistics.fmean(self.segment_ms) if self.segment_ms else None
 
     @property
     def median_ms(self) -> float:
@@ -337,8 +338,8 @@ def traced_runs(ns: Namespace, setup: ModelSetup, rate: Rate, count: int, args, 
         print(f"    trace {index + 1}: traced step {fmt_ms(run.traced_ms)} ms, steps before the window "
               f"{fmt_ms(run.before_window_ms)} ms; converted", flush=True)
         for entry in run.after_window.values():
-            print(f"      after the window, {entry.rate.label}: {fmt_ms(entry.step_ms if entry.steps else None)} "
-                  f"ms/step ({len(entry.steps)} steps)", flush=True)
+            print(f"      after the window, {entry.rate.label}: {fmt_ms(entry.step_ms)} ms/step "
+                  f"({len(entry.steps)} steps)", flush=True)
         runs.append(run)
     return runs
 
@@ -374,7 +375,6 @@ class RateCycler(threading.Thread):
         self.ns, self.schedule, self.block, self.log_path = ns, schedule, block, log_path
         self.first_block = first_block
         self.boundary = None if after_window else first_block
-        self.in_window = False
         self.seen = 0  # step lines read so far
         self.stall_after_s, self.stall_check_s = stall_after_s, stall_check_s
         self.stalls = []  # (wall clock when the qdisc was replaced, rate, what it held)
@@ -389,7 +389,7 @@ class RateCycler(threading.Thread):
 
     def run(self) -> None:
         try:
-            index, offset, tail = 0, 0, ""
+            index, offset, tail, in_window = 0, 0, "", False
             last_line, slowest_s = time.monotonic(), 0.0
             while not self.finished.wait(0.02):
                 if time.monotonic() - last_line > self.stall_after_s + 3 * slowest_s:
@@ -410,8 +410,8 @@ class RateCycler(threading.Thread):
                     slowest_s = max(slowest_s, float(match.group(3).replace(",", "")) / 1000)
                     if self.boundary is None:  # waiting for the first step line after the window's
                         if TRACE_WINDOW_NOTE in line:
-                            self.in_window = True
-                        elif self.in_window:
+                            in_window = True
+                        elif in_window:
                             self.boundary = self.seen + self.first_block
                     self.seen += 1
                 if index + 1 < len(self.schedule) and self.boundary is not None and self.seen >= self.boundary:
@@ -437,8 +437,9 @@ class RateCycler(threading.Thread):
         if not after or not after[1] or after[0] != before[0]:
             return
         self.ns.reset_rate()
-        self.stalls.append((time.time(), rate, describe_queue(shown)))
-        print(f"    lo's tbf at {rate.label} stalled ({describe_queue(shown)}); replaced by a new one", flush=True)
+        held = describe_queue(shown)
+        self.stalls.append((time.time(), rate, held))
+        print(f"    lo's tbf at {rate.label} stalled ({held}); replaced by a new one", flush=True)
 
 
 def timed_steps(log_path: Path) -> list:
@@ -527,7 +528,7 @@ def real_runs(ns: Namespace, setup: ModelSetup, rates: list, args, env: dict, ro
                    first_measured=args.warmup_cycles * len(rates), skip=args.skip, settle=args.settle,
                    stalls=cycler.stalls)
         for entry in results.values():
-            print(f"    {entry.rate.label}: {fmt_ms(entry.step_ms if entry.steps else None)} ms/step (mean of the block "
+            print(f"    {entry.rate.label}: {fmt_ms(entry.step_ms)} ms/step (mean of the block "
                   f"medians {', '.join(f'{ms:,.0f}' for ms in entry.segment_ms)}; {len(entry.steps)} steps)",
                   flush=True)
     missing = [label for label, entry in results.items() if not entry.steps]
@@ -625,7 +626,7 @@ def report(setup: ModelSetup, args, sim: Simulator, verification: list, micro: l
                             "log: steps before the window ms", "load before->after"], trace_rows), ""]
     after_window = any(t.after_window for t in traces)
     if after_window:
-        rows = [[t.index + 1] + [f"{fmt_ms(t.after_window[r].step_ms if t.after_window[r].steps else None)} "
+        rows = [[t.index + 1] + [f"{fmt_ms(t.after_window[r].step_ms)} "
                                  f"({len(t.after_window[r].steps)})" for r in real] for t in traces]
         lines += [f"The traced runs' own untraced steps after their window: each run went on through every rate "
                   f"({args.after_window_cycles} cycle(s) of {args.block} steps a rate, as the untraced run, the steps "
@@ -646,8 +647,7 @@ def report(setup: ModelSetup, args, sim: Simulator, verification: list, micro: l
                        fmt_ms(result.step_ms), f"{ratio:.2f}x", f"{measured - own_real:+,.1f}",
                        f"{result.step_ms - own_predicted:+,.1f}", per_rank]
                 if after_window:
-                    same = trace.after_window.get(label)
-                    same_ms = same.step_ms if same and same.steps else None
+                    same_ms = trace.after_window[label].step_ms if label in trace.after_window else None
                     if same_ms:
                         (same_replay if label == trace.rate.label else same_whatif).append(result.step_ms / same_ms)
                     row += [fmt_ms(same_ms), f"{result.step_ms / same_ms:.2f}x" if same_ms else "n/a"]
@@ -684,7 +684,7 @@ def report(setup: ModelSetup, args, sim: Simulator, verification: list, micro: l
                   + (f"; more than {100 * DRIFT_WARNING:.0f}% apart, so part of every ratio above is the machine's "
                      "changing speed, not the `.et`." if max(abs(r - 1) for r in pace) > DRIFT_WARNING else "."), ""]
     pace_after = [t.after_window[label].step_ms / entry.step_ms for t in traces for label, entry in real.items()
-                  if label in t.after_window and t.after_window[label].steps]
+                  if label in t.after_window and t.after_window[label].step_ms]
     if pace_after:
         lines += [f"After their windows, the traced runs' untraced steps took {ratio_range(pace_after)} the untraced "
                   "run's step at each rate.", ""]
