@@ -710,7 +710,7 @@ class Trainer:
         if self.step >= self.max_steps:
             logger.info("already at step %d of %d: nothing to train", self.step, self.max_steps)
             return False
-        window_start, window_steps = time.perf_counter(), 0
+        window_start, window_steps, cpu_start = time.perf_counter(), 0, time.process_time()
         self._loop_first_step, self._rate_started = self.step, window_start
         # The bar shows only on a terminal (disable=None); there, log lines are routed around it. Elsewhere
         # (nohup, pipes) the handlers stay as they are: info on stdout, warnings on stderr.
@@ -733,13 +733,14 @@ class Trainer:
                         self.last_loss, stop = self._agree_on_loss_and_stop(loss)
                         progress.set_postfix(loss=f"{self.last_loss:.4f}", refresh=False)
                         if self._is_logging_step() or stop:
-                            now = time.perf_counter()
-                            self._log_step(self.last_loss, grad_norm, window_steps, now - window_start)
-                            window_start, window_steps = now, 0
+                            now, cpu_now = time.perf_counter(), time.process_time()
+                            self._log_step(self.last_loss, grad_norm, window_steps, now - window_start,
+                                           cpu_now - cpu_start)
+                            window_start, window_steps, cpu_start = now, 0, cpu_now
                     elif self._is_logging_step():  # inside the trace window: the time only, nothing read back
                         now = time.perf_counter()
                         self._log_traced_step(window_steps, now - window_start)
-                        window_start, window_steps = now, 0
+                        window_start, window_steps, cpu_start = now, 0, time.process_time()
                     if every.eval_steps and self.step % every.eval_steps == 0:
                         self._evaluate_and_keep_best()
                     if every.save_steps and self.step % every.save_steps == 0:
@@ -756,7 +757,9 @@ class Trainer:
         logger.info("step %d/%d | epoch %.2f | lr %.3g | %.1f ms/step | in the trace window: loss read after it",
                     self.step, self.max_steps, self.stream.epochs_done, self.last_lr, 1000 * seconds / steps)
 
-    def _log_step(self, loss: float, grad_norm, steps: int, seconds: float) -> None:
+    def _log_step(self, loss: float, grad_norm, steps: int, seconds: float, cpu_seconds: float) -> None:
+        """The step line: loss, rates and the wall-clock time per step, then the process's CPU time per step (all
+        its threads: on a CPU run the work itself, without the waits for the network or another rank)."""
         # Real tokens only (padding left out), of all ranks, since the last line with a loss (window lines skip it).
         now = time.perf_counter()
         tokens_per_s = self._tokens_since_log / max(now - self._rate_started, 1e-9)
@@ -767,7 +770,8 @@ class Trainer:
         if grad_norm is not None:
             scalars["train/grad_norm"] = float(grad_norm)
             parts.append(f"grad norm {float(grad_norm):.3f}")
-        parts += [f"{tokens_per_s:,.0f} tok/s", f"{1000 * seconds / steps:.1f} ms/step"]
+        parts += [f"{tokens_per_s:,.0f} tok/s", f"{1000 * seconds / steps:.1f} ms/step",
+                  f"cpu {1000 * cpu_seconds / steps:.1f} ms/step"]
         if self.peak_flops:
             mfu = self.flops_per_token * tokens_per_s / (self.peak_flops * self.ctx.world_size)
             scalars["train/mfu"] = mfu
