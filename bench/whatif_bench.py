@@ -18,7 +18,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.common import (BUNDLED_SQUAD, OUR_LOG_FILE, REPO_ROOT, STEP_LINE, TRACE_WINDOW_NOTE, BenchError, child_env,
+from bench.common import (BUNDLED_SQUAD, OUR_LOG_FILE, REPO_ROOT, STEP_CPU, STEP_LINE, TRACE_WINDOW_NOTE, BenchError,
+                          child_env,
                           exit_on_sigterm, fail, format_table, machine_description, our_step_times, run_child)
 from bench.netem import (DEFAULT_MTU, QUEUE_LATENCY, Namespace, NetemUnavailable, Rate, describe_queue,
                          expected_goodput_share, format_bits, measure_throughput, missing_requirement, parse_rate,
@@ -91,6 +92,7 @@ class RealRuns:
     loads: list = field(default_factory=list)       # 1-minute load average when each segment began
     drops: int = 0
     stalls: list = field(default_factory=list)      # what lo's qdisc held each time it stalled at this rate
+    cpu_segment_ms: list = field(default_factory=list)  # median CPU time per step of rank 0's process, each block
 
     @property
     def step_ms(self) -> float | None:
@@ -99,6 +101,11 @@ class RealRuns:
         the run cancels out of this mean; within a block the median leaves out the odd step another job slowed
         down."""
         return statistics.fmean(self.segment_ms) if self.segment_ms else None
+
+    @property
+    def cpu_ms(self) -> float | None:
+        """Rank 0's CPU time per step, as step_ms (None when the trainer's log has no CPU times)."""
+        return statistics.fmean(self.cpu_segment_ms) if self.cpu_segment_ms else None
 
     @property
     def median_ms(self) -> float:
@@ -125,6 +132,7 @@ class TracedRun:
     traced_ms: float | None = None            # the tracer's own time of the traced step(s) (run.json)
     untraced_ms: float | None = None          # run.json untraced_step_wall_time_s, when the tracer records it
     before_window_ms: float | None = None     # the trainer's log, steps before the window
+    before_window_cpu_ms: float | None = None  # rank 0's CPU time per step in the same steps: the .et's compute
     # The same process's untraced steps at every rate once the window has closed: rate label -> RealRuns
     after_window: dict = field(default_factory=dict)
     load: tuple = ()
@@ -324,22 +332,26 @@ def traced_runs(ns: Namespace, setup: ModelSetup, rate: Rate, count: int, args, 
             times, load = cycled_run(ns, setup, work, env, extra, steps, cycler, what)
             after_window = {r.label: RealRuns(r) for r in rates}
             add_blocks(after_window, cycler.switches, timed_steps(work / "logs" / OUR_LOG_FILE), ns.drops(),
-                       first_measured=1, skip=window_end, settle=args.settle, stalls=cycler.stalls)
+                       first_measured=1, skip=window_end, settle=args.settle, stalls=cycler.stalls,
+                       cpu=step_cpu(work / "logs" / OUR_LOG_FILE))
         run = TracedRun(index, rate, folder, load=load, parameters=parameter_count(work / "logs"),
                         after_window=after_window)
         skip = min(args.skip, args.trace_wait_steps - 1)
         before = [times[s] for s in range(skip + 1, args.trace_wait_steps + 1) if s in times]
         run.before_window_ms = 1000 * statistics.median(before) if before else None
+        cpu = step_cpu(work / "logs" / OUR_LOG_FILE)
+        before_cpu = [cpu[s] for s in range(skip + 1, args.trace_wait_steps + 1) if s in cpu]
+        run.before_window_cpu_ms = 1000 * statistics.median(before_cpu) if before_cpu else None
         run.traced_ms, run.untraced_ms = read_run_json(folder)
         convert = run_child([sys.executable, REPO_ROOT / "convert_to_et.py", folder, "--no-progress"], env=env,
                             timeout_s=3600)
         if not convert.ok:
             raise BenchError(f"convert_to_et.py {folder} failed: {convert.reason()}")
         print(f"    trace {index + 1}: traced step {fmt_ms(run.traced_ms)} ms, steps before the window "
-              f"{fmt_ms(run.before_window_ms)} ms; converted", flush=True)
+              f"{fmt_ms(run.before_window_ms)} ms (cpu {fmt_ms(run.before_window_cpu_ms)} ms); converted", flush=True)
         for entry in run.after_window.values():
-            print(f"      after the window, {entry.rate.label}: {fmt_ms(entry.step_ms)} ms/step "
-                  f"({len(entry.steps)} steps)", flush=True)
+            print(f"      after the window, {entry.rate.label}: {fmt_ms(entry.step_ms)} ms/step, cpu "
+                  f"{fmt_ms(entry.cpu_ms)} ms/step ({len(entry.steps)} steps)", flush=True)
         runs.append(run)
     return runs
 
@@ -455,6 +467,16 @@ def timed_steps(log_path: Path) -> list:
     return steps
 
 
+def step_cpu(log_path: Path) -> dict:
+    """{step: CPU seconds of rank 0's process in that step} from the step lines of rank 0's log that carry it."""
+    cpu = {}
+    for line in log_path.read_text(encoding="utf-8", errors="replace").splitlines():
+        match, spent = STEP_LINE.search(line), STEP_CPU.search(line)
+        if match and spent:
+            cpu[int(match.group(1))] = float(spent.group(1).replace(",", "")) / 1000
+    return cpu
+
+
 def cycle_schedule(rates: list, cycles: int) -> list:
     """The rates of `cycles` passes, the order alternating each pass (A B C | C B A | ...), so a load that rises or
     falls steadily during a run weighs on every rate alike."""
@@ -480,11 +502,12 @@ def cycled_run(ns: Namespace, setup: ModelSetup, work: Path, env: dict, extra: l
 
 
 def add_blocks(results: dict, switches: list, steps: list, end_drops: int, first_measured: int, skip: int,
-               settle: int, stalls: list = ()) -> None:
+               settle: int, stalls: list = (), cpu: dict | None = None) -> None:
     """Add each block of a cycled run to results (rate label -> RealRuns): the steps after `skip` that began after
     the block's rate took effect and ended before the next change, less the first `settle` of them; the blocks
     before `first_measured` are left out. `switches` and `stalls` are the cycler's, `steps` timed_steps' of the
-    run's log; a step during which a stalled qdisc was replaced is left out, and the stall noted at its rate."""
+    run's log; a step during which a stalled qdisc was replaced is left out, and the stall noted at its rate.
+    `cpu` (step_cpu's) gives the same blocks' CPU time per step."""
     for _, rate, held in stalls:
         if rate.label in results:
             results[rate.label].stalls.append(held)
@@ -498,15 +521,18 @@ def add_blocks(results: dict, switches: list, steps: list, end_drops: int, first
         rate_since = began if changed else rate_since
         if index < first_measured:
             continue
-        inside = [end - start for step, start, end in steps
+        inside = [(step, end - start) for step, start, end in steps
                   if step > skip and start >= rate_since and began <= end <= ended]
         kept = inside[settle:] if changed else inside
         entry = results[rate.label]
         entry.loads.append(load)
         entry.drops += drops
         if kept:
-            entry.steps += kept
-            entry.segment_ms.append(1000 * statistics.median(kept))
+            entry.steps += [seconds for _, seconds in kept]
+            entry.segment_ms.append(1000 * statistics.median(seconds for _, seconds in kept))
+            spent = [cpu[step] for step, _ in kept if step in cpu] if cpu else []
+            if spent:
+                entry.cpu_segment_ms.append(1000 * statistics.median(spent))
 
 
 def real_runs(ns: Namespace, setup: ModelSetup, rates: list, args, env: dict, root: Path) -> dict:
@@ -526,11 +552,11 @@ def real_runs(ns: Namespace, setup: ModelSetup, rates: list, args, env: dict, ro
                    f"untraced run {repeat + 1} (rates changing every {args.block} steps)")
         add_blocks(results, cycler.switches, timed_steps(work / "logs" / OUR_LOG_FILE), ns.drops(),
                    first_measured=args.warmup_cycles * len(rates), skip=args.skip, settle=args.settle,
-                   stalls=cycler.stalls)
+                   stalls=cycler.stalls, cpu=step_cpu(work / "logs" / OUR_LOG_FILE))
         for entry in results.values():
-            print(f"    {entry.rate.label}: {fmt_ms(entry.step_ms)} ms/step (mean of the block "
-                  f"medians {', '.join(f'{ms:,.0f}' for ms in entry.segment_ms)}; {len(entry.steps)} steps)",
-                  flush=True)
+            print(f"    {entry.rate.label}: {fmt_ms(entry.step_ms)} ms/step, cpu {fmt_ms(entry.cpu_ms)} ms/step (mean "
+                  f"of the block medians {', '.join(f'{ms:,.0f}' for ms in entry.segment_ms)}; {len(entry.steps)} "
+                  "steps)", flush=True)
     missing = [label for label, entry in results.items() if not entry.steps]
     if missing:
         raise BenchError(f"no clean step at {', '.join(missing)}: every step straddled a rate change; raise --block")
@@ -596,7 +622,7 @@ def report(setup: ModelSetup, args, sim: Simulator, verification: list, micro: l
               "and ASTRA-sim on a 2-rank `.et` of one ALL_REDUCE at R/2 per link.", "",
               format_table(["rate", "MB", "repeats", "real ms", "ring 2S/R ms", "real / ring", "ASTRA-sim ms",
                             "ASTRA-sim / real"], micro), ""]
-    real_rows = [[label, len(r.steps), fmt_ms(r.step_ms), fmt_ms(r.median_ms), r.spread(),
+    real_rows = [[label, len(r.steps), fmt_ms(r.step_ms), fmt_ms(r.cpu_ms), fmt_ms(r.median_ms), r.spread(),
                   ", ".join(f"{ms:,.0f}" for ms in r.segment_ms), ", ".join(f"{load:.1f}" for load in r.loads), r.drops]
                  for label, r in real.items()]
     drifting = max(real.values(), key=lambda r: r.drift)
@@ -605,8 +631,9 @@ def report(setup: ModelSetup, args, sim: Simulator, verification: list, micro: l
               f"cycle, so load drift weighs on every rate alike; the first {args.skip} steps, the first "
               f"{args.warmup_cycles} cycle(s), steps that straddle a change and the first {args.settle} after it are "
               "left out. Step = the trainer's `ms/step` log line (`--logging-steps 1`); "
-              "the real step is the mean of the block medians, which cancels a steady drift of the load.",
-              "", format_table(["network", "steps", "real step ms", "pooled median ms", "p10-p90 ms",
+              "the real step is the mean of the block medians, which cancels a steady drift of the load. CPU = the "
+              "`cpu` ms/step of the same lines (rank 0's process, all threads), averaged the same way.",
+              "", format_table(["network", "steps", "real step ms", "CPU ms/step", "pooled median ms", "p10-p90 ms",
                                 "block medians ms", "load 1-min at each block", "drops"], real_rows), ""]
     stalls = [(label, held) for label, r in real.items() for held in r.stalls] + \
         [(label, held) for t in traces for label, r in t.after_window.items() for held in r.stalls]
@@ -620,21 +647,23 @@ def report(setup: ModelSetup, args, sim: Simulator, verification: list, micro: l
                   "with as many cores as ranks). Read the ratios below with that uncertainty; more cycles or a "
                   "quieter machine narrow it.", ""]
     trace_rows = [[t.index + 1, t.rate.label, fmt_ms(t.traced_ms), fmt_ms(t.untraced_ms), fmt_ms(t.before_window_ms),
-                   loads_text([t.load])] for t in traces]
+                   fmt_ms(t.before_window_cpu_ms), loads_text([t.load])] for t in traces]
     lines += ["Traced runs (converted with `convert_to_et.py`):", "",
               format_table(["trace", "trace rate", "traced step ms (run.json)", "untraced step ms (run.json)",
-                            "log: steps before the window ms", "load before->after"], trace_rows), ""]
+                            "log: steps before the window ms", "log: CPU ms/step before the window",
+                            "load before->after"], trace_rows), ""]
     after_window = any(t.after_window for t in traces)
     if after_window:
-        rows = [[t.index + 1] + [f"{fmt_ms(t.after_window[r].step_ms)} "
+        rows = [[t.index + 1] + [f"{fmt_ms(t.after_window[r].step_ms)} / cpu {fmt_ms(t.after_window[r].cpu_ms)} "
                                  f"({len(t.after_window[r].steps)})" for r in real] for t in traces]
         lines += [f"The traced runs' own untraced steps after their window: each run went on through every rate "
                   f"({args.after_window_cycles} cycle(s) of {args.block} steps a rate, as the untraced run, the steps "
                   "straddling a change and the first ones after it left out), so each prediction can also be set "
-                  "against the process it was traced in. Mean of the block medians, ms (steps):", "",
+                  "against the process it was traced in. Mean of the block medians, ms: step / CPU time of rank 0's "
+                  "process (steps):", "",
                   format_table(["trace"] + list(real), rows), ""]
     if sim.ok:
-        rows, replay, whatif, same_replay, same_whatif = [], [], [], [], []
+        rows, replay, whatif, same_replay, same_whatif, compute = [], [], [], [], [], []
         for trace in traces:
             own_real, own_predicted = real[trace.rate.label].step_ms, trace.predictions[trace.rate.label].step_ms
             for label, result in trace.predictions.items():
@@ -643,8 +672,13 @@ def report(setup: ModelSetup, args, sim: Simulator, verification: list, micro: l
                 (replay if label == trace.rate.label else whatif).append(ratio)
                 note = "replay (trace simulated at its own rate)" if label == trace.rate.label else ""
                 per_rank = " / ".join(f"{ms:,.1f}" for ms in result.per_rank_ms)
+                cpu_ratio = real[label].cpu_ms / trace.before_window_cpu_ms \
+                    if real[label].cpu_ms and trace.before_window_cpu_ms else None
+                if cpu_ratio:
+                    compute.append(cpu_ratio)
                 row = [setup.label, f"{trace.index + 1} @ {trace.rate.label}", label, fmt_ms(measured),
-                       fmt_ms(result.step_ms), f"{ratio:.2f}x", f"{measured - own_real:+,.1f}",
+                       fmt_ms(result.step_ms), f"{ratio:.2f}x", f"{cpu_ratio:.2f}x" if cpu_ratio else "n/a",
+                       f"{measured - own_real:+,.1f}",
                        f"{result.step_ms - own_predicted:+,.1f}", per_rank]
                 if after_window:
                     same_ms = trace.after_window[label].step_ms if label in trace.after_window else None
@@ -656,13 +690,19 @@ def report(setup: ModelSetup, args, sim: Simulator, verification: list, micro: l
         lines += ["Predictions: ASTRA-sim on each trace's `.et` at R/2 per link (the slower rank's finish) against "
                   "the real untraced step at R. The two change columns are the step's change from the trace's own "
                   "rate, real and predicted: what the network alone adds, apart from how well the `.et` replays its "
-                  "own step." + (" The same-run columns set the prediction against the traced run's own untraced "
+                  "own step. CPU real / trace: the real run's CPU time per step at that rate over the traced run's "
+                  "before its window (rank 0's process; the `.et`'s compute is the latter's): below 1, the same work "
+                  "took less CPU in the real run." + (" The same-run columns set the prediction against the traced run's own untraced "
                                  "steps after its window." if after_window else ""), "",
                   format_table(["model", "trace", "network rate", "real step ms", "predicted ms", "predicted / real",
-                                "real change ms", "predicted change ms", "per rank ms", *same_columns, "note"], rows),
+                                "CPU real / trace", "real change ms", "predicted change ms", "per rank ms", *same_columns, "note"], rows),
                   "",
                   f"Replay check (target within 5%): predicted / real {ratio_range(replay)}. What-if at the other rates "
                   f"(target within 10%): {ratio_range(whatif)}.", ""]
+        if compute:
+            lines += [f"Compute: the real runs spent {ratio_range(compute)} the traced runs' CPU time per step (before "
+                      "their windows) on the same work. The `.et`'s compute is the traced runs', so that difference is "
+                      "the machine's (its speed at another time, or at another rate), not the conversion's.", ""]
         if same_replay or same_whatif:
             lines += [f"Against each traced run's own untraced steps after its window (the same process): replay "
                       f"{ratio_range(same_replay)}, what-if at the other rates {ratio_range(same_whatif)}.", ""]

@@ -207,6 +207,9 @@ def test_whatif_bench_measures_real_steps_at_every_rate_on_a_rate_limited_loopba
     assert all(int(real[rate][1]) >= 1 and steps[rate] > 0 for rate in steps)
     # 2 x 0.9 MB of gradients a step through 100 Mbit/s take 140 ms: the throttled step cannot hide them.
     assert steps["100 Mbit/s"] > steps["unthrottled"] + 50
+    # The process's CPU time per step is the work without the wait: far below the throttled step.
+    cpu = {rate: float(real[rate][3].replace(",", "")) for rate in steps}
+    assert 0 < cpu["100 Mbit/s"] < steps["100 Mbit/s"] - 50 and cpu["unthrottled"] > 0
     # tbf really limits lo: a 10 MB all-reduce takes at least the ring's 2S/R (a larger burst would beat it).
     [micro] = [row for rate, row in markdown_table_after(result.stdout, "All-reduce micro-benchmark").items()
                if rate == "100 Mbit/s"]
@@ -216,6 +219,7 @@ def test_whatif_bench_measures_real_steps_at_every_rate_on_a_rate_limited_loopba
     after = markdown_table_after(result.stdout, "The traced runs' own untraced steps after their window")
     cells = dict(zip(after["trace"], after["1"]))
     assert float(cells["100 Mbit/s"].split()[0].replace(",", "")) > float(cells["unthrottled"].split()[0]) + 50
+    assert all(" / cpu " in cell and "n/a" not in cell for cell in cells.values() if cell != "1")
 
 
 def test_whatif_bench_says_what_is_missing_where_it_cannot_limit_the_network(tmp_path):
@@ -273,7 +277,7 @@ def test_the_rate_cycler_of_a_traced_run_starts_after_the_window_and_its_blocks_
     import time
 
     from bench.netem import parse_rate
-    from bench.whatif_bench import RateCycler, RealRuns, add_blocks, cycle_schedule, timed_steps
+    from bench.whatif_bench import RateCycler, RealRuns, add_blocks, cycle_schedule, step_cpu, timed_steps
 
     fast, slow = parse_rate("unthrottled"), parse_rate("100mbit")
     schedule = [fast] + cycle_schedule([fast, slow], 2)  # the trace's rate, then fast slow | slow fast
@@ -289,7 +293,7 @@ def test_the_rate_cycler_of_a_traced_run_starts_after_the_window_and_its_blocks_
         now = time.time()
         stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(now)) + f",{int(now % 1 * 1000):03d}"
         tail = f"{ms:.1f} ms/step | in the trace window: loss read after it" if in_window else \
-            f"100 tok/s | {ms:.1f} ms/step"
+            f"100 tok/s | {ms:.1f} ms/step | cpu {0.8 * ms:.1f} ms/step"
         with open(log, "a", encoding="utf-8") as out:
             out.write(f"{stamp} rank 0/2 INFO utils.trainer: step {n}/30 | epoch 0.10 | lr 1e-05 | {tail}\n")
         deadline = time.monotonic() + 10
@@ -314,11 +318,15 @@ def test_the_rate_cycler_of_a_traced_run_starts_after_the_window_and_its_blocks_
         cycler.join()
     assert cycler.error is None and [r.label for _, r, _, _ in cycler.switches] == [r.label for r in schedule]
     blocks = {r.label: RealRuns(r) for r in (fast, slow)}
-    add_blocks(blocks, cycler.switches, timed_steps(log), 0, first_measured=1, skip=8, settle=1)
+    add_blocks(blocks, cycler.switches, timed_steps(log), 0, first_measured=1, skip=8, settle=1, cpu=step_cpu(log))
     # Nothing of the window (90 ms) or of the step that wrote the trace (600 ms) counts as a real step.
     assert blocks["unthrottled"].steps and blocks["100 Mbit/s"].steps
     assert {round(s * 1000) for s in blocks["unthrottled"].steps} == {30}
     assert {round(s * 1000) for s in blocks["100 Mbit/s"].steps} == {180}
+    # The same blocks' CPU time per step, from the lines' cpu part (the window's lines have none).
+    assert blocks["unthrottled"].cpu_ms == pytest.approx(24) and blocks["100 Mbit/s"].cpu_ms == pytest.approx(144)
+    assert len(blocks["100 Mbit/s"].cpu_segment_ms) == len(blocks["100 Mbit/s"].segment_ms)
+    assert not set(step_cpu(log)) & set(range(5, 9))
 
 
 class HeldQueue(RecordedRates):
