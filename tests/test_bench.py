@@ -193,13 +193,14 @@ def markdown_table_after(stdout: str, caption: str) -> dict:
 
 
 @pytest.mark.slow
-def test_whatif_bench_measures_real_steps_at_every_rate_on_a_rate_limited_loopback():
+def test_whatif_bench_measures_real_steps_at_every_rate_on_a_rate_limited_loopback(tmp_path):
     from bench.netem import missing_requirement
 
     problem = missing_requirement()
     if problem:
         pytest.skip(f"whatif_bench needs a rate-limited network namespace: {problem}")
-    result = run_bench("whatif_bench.py", "--quick", timeout=900)
+    kept = tmp_path / "kept"
+    result = run_bench("whatif_bench.py", "--quick", "--keep", str(kept), timeout=900)
     assert result.returncode == 0, result.stderr
     real = markdown_table_after(result.stdout, "Untraced real runs")
     assert set(real) == {"network", "unthrottled", "100 Mbit/s"}
@@ -220,6 +221,35 @@ def test_whatif_bench_measures_real_steps_at_every_rate_on_a_rate_limited_loopba
     cells = dict(zip(after["trace"], after["1"]))
     assert float(cells["100 Mbit/s"].split()[0].replace(",", "")) > float(cells["unthrottled"].split()[0]) + 50
     assert all(" / cpu " in cell and "n/a" not in cell for cell in cells.values() if cell != "1")
+    # The kept folder records what its traces are judged by; whatif_repredict converts them again and judges them.
+    results = json.loads((kept / "whatif_results.json").read_text())
+    assert [r["label"] for r in results["rates"]] == ["unthrottled", "100 Mbit/s"] and len(results["traces"]) == 1
+    assert all(r["real_ms"] > 0 and r["bits_per_s"] > 0 for r in results["rates"])
+    again = run_bench("whatif_repredict.py", str(kept), timeout=600)
+    if not os.access(os.environ.get("ASTRA_SIM", ""), os.X_OK):
+        assert again.returncode == 1 and "ASTRA_SIM" in again.stderr
+        return
+    assert again.returncode == 0, again.stderr
+    # The same traces, converted again by the same checkout and simulated the same way: the bench's own predictions.
+    bench_predicted = {row[2]: row[4] for row in table_rows(result.stdout, "GPT-2 tiny")}
+    judged = table_rows(again.stdout, "kept")
+    assert {row[2]: row[4] for row in judged} == {"unthrottled (replay)": bench_predicted["unthrottled"],
+                                                 "100 Mbit/s": bench_predicted["100 Mbit/s"]}
+    assert re.search(r"Against the untraced runs: \d of 2 within the bands", again.stdout)
+    assert re.search(r"Against the same processes after their windows: \d of 2 within the bands", again.stdout)
+
+
+@pytest.mark.parametrize("content", [None, "{\"rates\": []}", "not json"])
+def test_whatif_repredict_names_a_kept_folder_without_results(tmp_path, content):
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    if content is not None:
+        (kept / "whatif_results.json").write_text(content)
+    result = run_bench("whatif_repredict.py", str(kept), timeout=120)
+    assert result.returncode == 1
+    [line] = result.stderr.strip().splitlines()
+    assert str(kept / "whatif_results.json") in line
+    assert ("--keep" in line) if content is None else ("not a what-if results file" in line)
 
 
 def test_whatif_bench_says_what_is_missing_where_it_cannot_limit_the_network(tmp_path):

@@ -1,0 +1,145 @@
+"""Judge this checkout's converter on the traces earlier what-if benchmarks kept.
+
+`bench/whatif_bench.py --keep DIR` leaves each traced run's host and device traces in DIR with whatif_results.json:
+every rate's real step as that run measured it, and each trace's own steps after its window. This converts those
+traces again with this checkout's convert_to_et.py (into --work, the kept folders stay as they are), simulates them
+in ASTRA-sim at every rate as the benchmark does, and prints predicted / real with how many points are within the
+issue's bands (a replay within 5%, another rate within 10%). A change to the converter's rules is judged on many
+traces of several runs this way, without tracing again: a rule that only helps the trace it was tuned on shows.
+
+    python bench/whatif_repredict.py /tmp/run1 /tmp/run2 [--astra-sim PATH] [--work DIR]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from bench.common import REPO_ROOT, BenchError, child_env, fail, format_table, run_child
+from bench.whatif_bench import RESULTS_FILE, bands_count, find_simulator, link_gbs
+from trace_tools.layout import RUN_INFO, TRACE_FILE_RE
+
+
+
+@dataclass
+class Point:
+    """One trace simulated at one rate, against the real step there and the same process's."""
+
+    run: str
+    trace: int
+    rate: str
+    replay: bool
+    real_ms: float
+    predicted_ms: float
+    same_run_ms: float | None
+
+
+def read_results(folder: Path) -> dict:
+    path = folder / RESULTS_FILE
+    try:
+        results = json.loads(path.read_text(encoding="utf-8"))
+        if not (isinstance(results, dict) and results["rates"] and results["traces"]):
+            raise ValueError("no rates or no traces")
+    except FileNotFoundError:
+        raise BenchError(f"{path}: not found; keep a run with `bench/whatif_bench.py --keep {folder}` "
+                         "(runs kept before the file existed cannot be judged again)") from None
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise BenchError(f"{path}: not a what-if results file ({exc})") from None
+    return results
+
+
+def reconvert(trace_folder: Path, work: Path, env: dict) -> Path:
+    """A copy of the trace folder's inputs in `work`, converted by this checkout."""
+    if not trace_folder.is_dir():
+        raise BenchError(f"{trace_folder}: the kept trace folder is missing")
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    for path in trace_folder.iterdir():
+        if path.is_file() and (TRACE_FILE_RE.match(path.name) or path.name == RUN_INFO):  # what a conversion reads
+            shutil.copy2(path, work / path.name)
+    done = run_child([sys.executable, REPO_ROOT / "convert_to_et.py", work, "--no-progress"], env=env,
+                     timeout_s=3600)
+    if not done.ok:
+        raise BenchError(f"convert_to_et.py {work} failed: {done.reason()}")
+    return work
+
+
+def repredict(folder: Path, results: dict, work: Path, sim, env: dict) -> list:
+    points = []
+    for trace in results["traces"]:
+        converted = reconvert(folder / trace["folder"], work / folder.name / f"trace-{trace['index']}", env)
+        for rate in results["rates"]:
+            label = rate["label"]
+            sim_dir = converted / f"astra-sim-{label.replace(' ', '').replace('/', '')}"
+            simulated = sim.module.simulate_run(converted, bandwidth_gbs=link_gbs(rate["bits_per_s"]),
+                                                latency_ns=results["latency_ns"], binary=sim.binary, work_dir=sim_dir)
+            points.append(Point(folder.name, trace["index"], label, label == results["trace_rate"], rate["real_ms"],
+                                simulated.step_ms, (trace.get("same_run_ms") or {}).get(label)))
+        print(f"    {folder.name} trace {trace['index']}: converted and simulated at {len(results['rates'])} rates",
+              flush=True)
+    return points
+
+
+def report(points: list) -> str:
+    rows = [[p.run, p.trace, p.rate + (" (replay)" if p.replay else ""), f"{p.real_ms:,.1f}", f"{p.predicted_ms:,.1f}",
+             f"{p.predicted_ms / p.real_ms:.2f}x",
+             f"{p.same_run_ms:,.1f}" if p.same_run_ms else "n/a",
+             f"{p.predicted_ms / p.same_run_ms:.2f}x" if p.same_run_ms else "n/a"] for p in points]
+    def count(against) -> str:
+        judged = [p for p in points if against(p)]
+        return bands_count([p.predicted_ms / against(p) for p in judged if p.replay],
+                           [p.predicted_ms / against(p) for p in judged if not p.replay])
+
+    lines = [format_table(["run", "trace", "network rate", "real step ms", "predicted ms", "predicted / real",
+                           "same run ms", "predicted / same run"], rows), "",
+             f"Against the untraced runs: {count(lambda p: p.real_ms)} within the bands (replay 5%, other rates 10%)."]
+    if any(p.same_run_ms for p in points):
+        lines.append(f"Against the same processes after their windows: {count(lambda p: p.same_run_ms)} within the "
+                     "bands.")
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("kept", nargs="+", type=Path, help="folders kept by bench/whatif_bench.py --keep")
+    parser.add_argument("--astra-sim", default=None, metavar="PATH",
+                        help="the ASTRA-sim analytical binary (default: $ASTRA_SIM)")
+    parser.add_argument("--work", type=Path, default=None,
+                        help="where the traces are converted again (default: a temporary folder, removed after)")
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        kept = {folder: read_results(folder) for folder in args.kept}
+    except BenchError as exc:
+        return fail(str(exc))
+    sim = find_simulator(args.astra_sim)
+    if not sim.ok:
+        return fail(f"bench/whatif_repredict.py: {sim.missing}")
+    work = args.work or Path(tempfile.mkdtemp(prefix="whatif_repredict-"))
+    try:
+        points = []
+        for folder, results in kept.items():
+            points += repredict(folder, results, work, sim, child_env(threads=1))
+    except BenchError as exc:
+        return fail(str(exc))
+    except Exception as exc:  # the simulator's errors (SimulationError): one line, exit 1
+        if type(exc).__name__ != "SimulationError":
+            raise
+        return fail(str(exc))
+    finally:
+        if args.work is None:
+            shutil.rmtree(work, ignore_errors=True)
+    print()
+    print(report(points))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
