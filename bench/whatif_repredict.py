@@ -24,7 +24,6 @@ from bench.whatif_bench import RESULTS_FILE, bands_count, find_simulator, link_g
 from trace_tools.layout import RUN_INFO, TRACE_FILE_RE
 
 
-
 @dataclass
 class Point:
     """One trace simulated at one rate, against the real step there and the same process's."""
@@ -44,6 +43,12 @@ def read_results(folder: Path) -> dict:
         results = json.loads(path.read_text(encoding="utf-8"))
         if not (isinstance(results, dict) and results["rates"] and results["traces"]):
             raise ValueError("no rates or no traces")
+        if not isinstance(results["trace_rate"], str) or float(results["latency_ns"]) < 0:
+            raise ValueError("no trace rate or simulated latency")
+        if not all(float(r["bits_per_s"]) > 0 and float(r["real_ms"]) > 0 and r["label"] for r in results["rates"]):
+            raise ValueError("a rate without its bandwidth or real step")
+        if not all(int(t["index"]) and t["folder"] for t in results["traces"]):
+            raise ValueError("a trace without its folder")
     except FileNotFoundError:
         raise BenchError(f"{path}: not found; keep a run with `bench/whatif_bench.py --keep {folder}` "
                          "(runs kept before the file existed cannot be judged again)") from None
@@ -71,7 +76,7 @@ def reconvert(trace_folder: Path, work: Path, env: dict) -> Path:
 def repredict(folder: Path, results: dict, work: Path, sim, env: dict) -> list:
     points = []
     for trace in results["traces"]:
-        converted = reconvert(folder / trace["folder"], work / folder.name / f"trace-{trace['index']}", env)
+        converted = reconvert(folder / trace["folder"], work / f"trace-{trace['index']}", env)
         for rate in results["rates"]:
             label = rate["label"]
             sim_dir = converted / f"astra-sim-{label.replace(' ', '').replace('/', '')}"
@@ -125,8 +130,8 @@ def main(argv=None) -> int:
     work = args.work or Path(tempfile.mkdtemp(prefix="whatif_repredict-"))
     try:
         points = []
-        for folder, results in kept.items():
-            points += repredict(folder, results, work, sim, child_env(threads=1))
+        for number, (folder, results) in enumerate(kept.items(), 1):
+            points += repredict(folder, results, work / f"{number}-{folder.name}", sim, child_env(threads=1))
     except BenchError as exc:
         return fail(str(exc))
     except Exception as exc:  # the simulator's errors (SimulationError): one line, exit 1

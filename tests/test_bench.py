@@ -239,7 +239,9 @@ def test_whatif_bench_measures_real_steps_at_every_rate_on_a_rate_limited_loopba
     assert re.search(r"Against the same processes after their windows: \d of 2 within the bands", again.stdout)
 
 
-@pytest.mark.parametrize("content", [None, "{\"rates\": []}", "not json"])
+@pytest.mark.parametrize("content", [None, "{\"rates\": []}", "not json",
+                                     '{"trace_rate": "unthrottled", "latency_ns": 500, "rates": [{"label": "x"}], '
+                                     '"traces": [{"index": 1, "folder": "t"}]}'])
 def test_whatif_repredict_names_a_kept_folder_without_results(tmp_path, content):
     kept = tmp_path / "kept"
     kept.mkdir()
