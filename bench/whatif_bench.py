@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench.common import (BUNDLED_SQUAD, OUR_LOG_FILE, REPO_ROOT, STEP_CPU, STEP_LINE, TRACE_WINDOW_NOTE, BenchError,
-                          child_env,
-                          exit_on_sigterm, fail, format_table, machine_description, our_step_times, run_child)
+                          child_env, exit_on_sigterm, fail, format_table, machine_description, our_step_times,
+                          run_child)
 from bench.netem import (DEFAULT_MTU, QUEUE_LATENCY, Namespace, NetemUnavailable, Rate, describe_queue,
                          expected_goodput_share, format_bits, measure_throughput, missing_requirement, parse_rate,
                          queue_counters)
@@ -315,40 +315,36 @@ def traced_runs(ns: Namespace, setup: ModelSetup, rate: Rate, count: int, args, 
     schedule = [rate] + cycle_schedule(rates, args.after_window_cycles)
     window_end = args.trace_wait_steps + DEFAULT_WARMUP_STEPS + (args.trace_active_steps or DEFAULT_ACTIVE_STEPS)
     for index in range(count):
-        name = TRACE_NAME.format(model=setup.key, rate=rate.label.replace(" ", "").replace("/", ""), index=index)
+        name = TRACE_NAME.format(model=setup.key, rate=label_slug(rate.label), index=index)
         work = root / f"traced-{index}"
         folder = work / "traces" / name
         extra = ["--enable-tracing", "--trace-output-dir", work / "traces", "--trace-name", name,
                  "--trace-wait-steps", args.trace_wait_steps]
         if args.trace_active_steps:
             extra += ["--trace-active-steps", args.trace_active_steps]
-        what, after_window = f"traced run {index + 1} at {rate.label}", {}
+        what, after_window, log = f"traced run {index + 1} at {rate.label}", {}, work / "logs" / OUR_LOG_FILE
         if len(schedule) == 1:
             times, load = run_training(ns, setup, work, env, extra, None, what)
+            cpu = step_cpu(log)
         else:
             shutil.rmtree(work, ignore_errors=True)
             # The steps right after the window (the trace files being written) stay at the trace rate, left out.
-            cycler = RateCycler(ns, schedule, args.settle + 1, args.block, work / "logs" / OUR_LOG_FILE,
-                                after_window=True)
+            cycler = RateCycler(ns, schedule, args.settle + 1, args.block, log, after_window=True)
             steps = window_end + args.settle + 1 + (len(schedule) - 1) * args.block + 1
             times, load = cycled_run(ns, setup, work, env, extra, steps, cycler, what)
+            cpu = step_cpu(log)
             after_window = {r.label: RealRuns(r) for r in rates}
-            add_blocks(after_window, cycler.switches, timed_steps(work / "logs" / OUR_LOG_FILE), ns.drops(),
-                       first_measured=1, skip=window_end, settle=args.settle, stalls=cycler.stalls,
-                       cpu=step_cpu(work / "logs" / OUR_LOG_FILE))
+            add_blocks(after_window, cycler.switches, timed_steps(log), ns.drops(), first_measured=1,
+                       skip=window_end, settle=args.settle, stalls=cycler.stalls, cpu=cpu)
         run = TracedRun(index, rate, folder, load=load, parameters=parameter_count(work / "logs"),
                         after_window=after_window)
         skip = min(args.skip, args.trace_wait_steps - 1)
         before = [times[s] for s in range(skip + 1, args.trace_wait_steps + 1) if s in times]
         run.before_window_ms = 1000 * statistics.median(before) if before else None
-        cpu = step_cpu(work / "logs" / OUR_LOG_FILE)
         before_cpu = [cpu[s] for s in range(skip + 1, args.trace_wait_steps + 1) if s in cpu]
         run.before_window_cpu_ms = 1000 * statistics.median(before_cpu) if before_cpu else None
         run.traced_ms, run.untraced_ms = read_run_json(folder)
-        convert = run_child([sys.executable, REPO_ROOT / "convert_to_et.py", folder, "--no-progress"], env=env,
-                            timeout_s=3600)
-        if not convert.ok:
-            raise BenchError(f"convert_to_et.py {folder} failed: {convert.reason()}")
+        convert(folder, env)
         print(f"    trace {index + 1}: traced step {fmt_ms(run.traced_ms)} ms, steps before the window "
               f"{fmt_ms(run.before_window_ms)} ms (cpu {fmt_ms(run.before_window_cpu_ms)} ms); converted", flush=True)
         for entry in run.after_window.values():
@@ -594,14 +590,30 @@ def write_results(folder: Path, setup: ModelSetup, trace_rate: Rate, rates: list
     return path
 
 
+def label_slug(label: str) -> str:
+    """A rate's label as part of a file name: "100 Mbit/s" -> "100Mbits"."""
+    return label.replace(" ", "").replace("/", "")
+
+
+def convert(folder: Path, env: dict) -> None:
+    """convert_to_et.py on a traced run's folder; BenchError when it fails."""
+    done = run_child([sys.executable, REPO_ROOT / "convert_to_et.py", folder, "--no-progress"], env=env,
+                     timeout_s=3600)
+    if not done.ok:
+        raise BenchError(f"convert_to_et.py {folder} failed: {done.reason()}")
+
+
+def simulate_at(sim: Simulator, folder: Path, label: str, bits_per_s: float, latency_ns: float):
+    """ASTRA-sim on a converted run at a rate through the loopback (R/2 per link of a 2-NPU ring)."""
+    return sim.module.simulate_run(folder, bandwidth_gbs=link_gbs(bits_per_s), latency_ns=latency_ns,
+                                   binary=sim.binary, work_dir=folder / f"astra-sim-{label_slug(label)}")
+
+
 def predict(sim: Simulator, traces: list, rates: list, unthrottled_bits: float, latency_ns: float) -> None:
     for trace in traces:
         for rate in rates:
-            bits = rate.bits_per_s or unthrottled_bits
-            work = trace.folder / f"astra-sim-{rate.label.replace(' ', '').replace('/', '')}"
-            trace.predictions[rate.label] = sim.module.simulate_run(trace.folder, bandwidth_gbs=link_gbs(bits),
-                                                                    latency_ns=latency_ns, binary=sim.binary,
-                                                                    work_dir=work)
+            trace.predictions[rate.label] = simulate_at(sim, trace.folder, rate.label,
+                                                        rate.bits_per_s or unthrottled_bits, latency_ns)
 
 
 # -------------------------------------------------------------------------------------------------- report

@@ -19,8 +19,9 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.common import REPO_ROOT, BenchError, child_env, fail, format_table, run_child
-from bench.whatif_bench import RESULTS_FILE, bands_count, find_simulator, link_gbs
+from bench.common import BenchError, child_env, fail, format_table
+from bench.whatif_bench import (REPLAY_BAND, RESULTS_FILE, WHATIF_BAND, bands_count, convert, find_simulator,
+                                simulate_at)
 from trace_tools.layout import RUN_INFO, TRACE_FILE_RE
 
 
@@ -66,10 +67,7 @@ def reconvert(trace_folder: Path, work: Path, env: dict) -> Path:
     for path in trace_folder.iterdir():
         if path.is_file() and (TRACE_FILE_RE.match(path.name) or path.name == RUN_INFO):  # what a conversion reads
             shutil.copy2(path, work / path.name)
-    done = run_child([sys.executable, REPO_ROOT / "convert_to_et.py", work, "--no-progress"], env=env,
-                     timeout_s=3600)
-    if not done.ok:
-        raise BenchError(f"convert_to_et.py {work} failed: {done.reason()}")
+    convert(work, env)
     return work
 
 
@@ -79,9 +77,7 @@ def repredict(folder: Path, results: dict, work: Path, sim, env: dict) -> list:
         converted = reconvert(folder / trace["folder"], work / f"trace-{trace['index']}", env)
         for rate in results["rates"]:
             label = rate["label"]
-            sim_dir = converted / f"astra-sim-{label.replace(' ', '').replace('/', '')}"
-            simulated = sim.module.simulate_run(converted, bandwidth_gbs=link_gbs(rate["bits_per_s"]),
-                                                latency_ns=results["latency_ns"], binary=sim.binary, work_dir=sim_dir)
+            simulated = simulate_at(sim, converted, label, rate["bits_per_s"], results["latency_ns"])
             points.append(Point(folder.name, trace["index"], label, label == results["trace_rate"], rate["real_ms"],
                                 simulated.step_ms, (trace.get("same_run_ms") or {}).get(label)))
         print(f"    {folder.name} trace {trace['index']}: converted and simulated at {len(results['rates'])} rates",
@@ -94,6 +90,7 @@ def report(points: list) -> str:
              f"{p.predicted_ms / p.real_ms:.2f}x",
              f"{p.same_run_ms:,.1f}" if p.same_run_ms else "n/a",
              f"{p.predicted_ms / p.same_run_ms:.2f}x" if p.same_run_ms else "n/a"] for p in points]
+
     def count(against) -> str:
         judged = [p for p in points if against(p)]
         return bands_count([p.predicted_ms / against(p) for p in judged if p.replay],
@@ -101,7 +98,8 @@ def report(points: list) -> str:
 
     lines = [format_table(["run", "trace", "network rate", "real step ms", "predicted ms", "predicted / real",
                            "same run ms", "predicted / same run"], rows), "",
-             f"Against the untraced runs: {count(lambda p: p.real_ms)} within the bands (replay 5%, other rates 10%)."]
+             f"Against the untraced runs: {count(lambda p: p.real_ms)} within the bands (replay {REPLAY_BAND:.0%}, "
+             f"other rates {WHATIF_BAND:.0%})."]
     if any(p.same_run_ms for p in points):
         lines.append(f"Against the same processes after their windows: {count(lambda p: p.same_run_ms)} within the "
                      "bands.")
