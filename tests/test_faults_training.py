@@ -472,36 +472,9 @@ def test_sigterm_to_utils_torchrun_saves_on_every_rank_and_ends_in_one_line(tmp_
     assert info(saved)["kind"] == "interrupted" and info(saved)["world_size"] == 2
 
 
-def test_torchrun_names_the_error_of_a_rank_that_failed_before_rank_0_could(tmp_path, monkeypatch, capsys):
-    """Rank 1 ends on an error every rank shares (so only rank 0 would print it), and torchrun stops rank 0 before
-    rank 0 gets there: rank 1's message, left for torchrun, ends run_torchrun's one line."""
-    import torch.distributed.run
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
-
-    from utils.distributed import run_torchrun, tell_torchrun
-
-    error_file = tmp_path / "error.json"
-    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
-    tell_torchrun("/data/missing.jsonl: file not found (--dataset-path)")
-
-    def rank_1_failed(argv):
-        raise ChildFailedError("train.py", {1: ProcessFailure(local_rank=1, pid=4321, exitcode=1,
-                                                              error_file=str(error_file))})
-
-    monkeypatch.setattr(torch.distributed.run, "main", rank_1_failed)
-    assert run_torchrun([]) == 1
-    assert error_lines(capsys.readouterr().err) == [
-        "error: torchrun: rank 1 (pid 4321) stopped with exit status 1: /data/missing.jsonl: file not found "
-        "(--dataset-path); its messages are above and in its training_rank_1.log in --log-dir"]
-
-
 @pytest.mark.slow
 def test_failing_rank_under_utils_torchrun_ends_without_a_traceback(tmp_path):
     done = run(torchrun_command([sys.executable, "-m", "utils.torchrun"], "gpt2", tmp_path / "ckpt",
                                 tmp_path / "logs", "--max-steps", "2", "--dataset-path", tmp_path / "missing.jsonl"))
     assert done.status == 1 and not done.has_traceback, done.stderr[-3000:]
-    # Rank 0 names the file, unless the other rank failed first and torchrun stopped rank 0 before it got there
-    # ("interrupted by SIGTERM while starting up"): torchrun's last line names the file either way.
-    assert done.error_lines[-1].startswith("error: torchrun: rank "), done.stderr[-3000:]
-    assert "missing.jsonl: file not found" in done.error_lines[-1] or \
-        "missing.jsonl: file not found" in done.error_lines[0], done.stderr[-3000:]
+    assert "missing.jsonl" in done.error_lines[0]

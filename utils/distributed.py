@@ -138,24 +138,6 @@ def distributed_context(num_gpus: Optional[int] = None) -> Iterator[DistributedC
             dist.destroy_process_group()
 
 
-def tell_torchrun(message: str) -> None:
-    """Leave a rank's error where torchrun reads why the rank failed (the error file torchelastic names in
-    TORCHELASTIC_ERROR_FILE): a rank that ends on an error every rank shares says nothing on the console, rank 0
-    does, but rank 0 may be stopped before it gets there, so run_torchrun's last line carries it. No-op outside
-    torchrun."""
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if not path:
-        return
-    import json
-    import time
-
-    try:
-        with open(path, "w", encoding="utf-8") as out:
-            json.dump({"message": message, "timestamp": int(time.time())}, out)
-    except OSError:
-        pass  # torchrun then reports the exit status alone; the rank's log file has the message
-
-
 def run_torchrun(argv: list) -> int:
     """torchrun (same arguments) that ends in one line instead of its launcher's tracebacks.
 
@@ -179,9 +161,7 @@ def run_torchrun(argv: list) -> int:
             problem = f"was killed by {failure.signal_name()}"
         else:
             problem = f"stopped with exit status {failure.exitcode}"
-        told = failure.error_file_data.get("message") if isinstance(failure.error_file_data, dict) else None
-        said = f": {told}" if isinstance(told, str) and told else ""  # tell_torchrun's, not a traceback's record
-        print(f"error: torchrun: rank {rank} (pid {failure.pid}) {problem}{said}; its messages are above and in its "
+        print(f"error: torchrun: rank {rank} (pid {failure.pid}) {problem}; its messages are above and in its "
               f"training_rank_{rank}.log in --log-dir", file=sys.stderr)
         return 1 if failure.exitcode >= 0 else 128 - failure.exitcode
     return 0

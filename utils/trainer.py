@@ -27,7 +27,7 @@ from utils.checkpointing import (BEST_MODEL, FINAL_MODEL, INITIAL_MODEL, SaveDir
                                  weights_fingerprint, write_checkpoint)
 from utils.data_utils import (REAL_TOKENS, BatchStream, RepeatedBatch, TextExample, TextSplits, build_dataloader,
                               check_data_flags, load_text_splits, tokenize_examples)
-from utils.distributed import DistributedContext, distributed_context, tell_torchrun, wrap_data_parallel
+from utils.distributed import DistributedContext, distributed_context, wrap_data_parallel
 from utils.errors import CheckpointError, NonFiniteLossError, StopRequested, UsageError
 from utils.metrics import MetricSinks, count_parameters, flops_per_token, peak_flops_per_gpu
 from utils.precision import bf16_refusal, default_precision, enable_tf32_matmuls
@@ -950,8 +950,6 @@ def _report_error(message: str, handlers: list, rank: int, every_rank: bool) -> 
         print(f"error: [rank {rank}] {message}", file=sys.stderr)
     elif not handlers and rank == 0:
         print(f"error: {message}", file=sys.stderr)
-    elif rank != 0:
-        tell_torchrun(message)  # rank 0 says it, unless torchrun stops it first: torchrun's last line then does
 
 
 def _quiet_library_progress_bars() -> None:
