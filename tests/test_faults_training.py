@@ -478,3 +478,45 @@ def test_failing_rank_under_utils_torchrun_ends_without_a_traceback(tmp_path):
                                 tmp_path / "logs", "--max-steps", "2", "--dataset-path", tmp_path / "missing.jsonl"))
     assert done.status == 1 and not done.has_traceback, done.stderr[-3000:]
     assert "missing.jsonl" in done.error_lines[0]
+
+
+@pytest.mark.parametrize("flags, named", [(["--dataset-path", "missing.jsonl"], "missing.jsonl"),
+                                          (["--batch-size", "0"], "--batch-size")])
+def test_error_every_rank_hits_is_printed_even_when_rank_0_is_the_slowest(tmp_path, monkeypatch, flags, named):
+    """Rank 0 alone prints an error every rank hits; had rank 1 failed first, torchrun would stop rank 0 before it
+    printed. Here rank 0 starts 5 s late (a sitecustomize on PYTHONPATH), so rank 1 always fails first."""
+    slow_start = tmp_path / "slow_rank_0"
+    slow_start.mkdir()
+    (slow_start / "sitecustomize.py").write_text(
+        "import os, time\nif os.environ.get('RANK') == '0':\n    time.sleep(5)\n")
+    monkeypatch.setenv("PYTHONPATH", str(slow_start))
+    flags = [str(tmp_path / flag) if flag.endswith(".jsonl") else flag for flag in flags]
+    done = run(torchrun_command([sys.executable, "-m", "utils.torchrun"], "gpt2", tmp_path / "ckpt",
+                                tmp_path / "logs", "--max-steps", "2", *flags))
+    assert done.status == 1 and not done.has_traceback, done.stderr[-3000:]
+    assert named in done.error_lines[0] and "[rank 1]" not in done.stderr, done.stderr[-3000:]
+    assert done.error_lines[1].startswith("error: torchrun: rank 0 "), done.error_lines
+
+
+WAITING_RANK_1 = ("import utils.errors as e; e.SHARED_ERROR_GRACE_S = {grace}; print('waiting', flush=True); "
+                  "e.wait_for_rank_zero_to_report('--dataset-path d.jsonl: no such file', 1)")
+
+
+def test_rank_waiting_for_rank_0_is_stopped_quietly_by_torchrun():
+    import subprocess
+    env = dict(os.environ, TORCHELASTIC_RUN_ID="test", WORLD_SIZE="2", PYTHONPATH=str(Path(__file__).parents[1]))
+    waiting = subprocess.Popen([sys.executable, "-c", WAITING_RANK_1.format(grace=60)], env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert waiting.stdout.readline() == "waiting\n"
+    time.sleep(0.5)
+    waiting.send_signal(signal.SIGTERM)  # what torchrun sends once rank 0 has failed
+    out, err = waiting.communicate(timeout=30)
+    assert waiting.returncode == -signal.SIGTERM and err == ""
+
+
+def test_rank_0_that_never_fails_leaves_the_error_to_the_rank_that_hit_it():
+    import subprocess
+    env = dict(os.environ, TORCHELASTIC_RUN_ID="test", WORLD_SIZE="2", PYTHONPATH=str(Path(__file__).parents[1]))
+    done = subprocess.run([sys.executable, "-c", WAITING_RANK_1.format(grace=0.2)], env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0 and done.stderr == "error: [rank 1] --dataset-path d.jsonl: no such file\n"

@@ -1,6 +1,11 @@
 """Errors a user can act on: the entry points print them as one `error: ...` line and exit non-zero."""
 import os
 import signal
+import sys
+import time
+
+# How long a rank other than 0 waits for rank 0 to report an error every rank hit (see report_shared_error).
+SHARED_ERROR_GRACE_S = 30.0
 
 
 class UsageError(Exception):
@@ -41,3 +46,21 @@ def stop_quietly_while_starting_up() -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         if signal.getsignal(sig) is not signal.SIG_IGN:
             signal.signal(sig, stop)
+
+
+def wait_for_rank_zero_to_report(message: str, rank: int) -> None:
+    """A rank other than 0 under torchrun that hit an error every rank hits (a missing dataset, a bad flag), which
+    rank 0 alone prints: wait for torchrun to stop this rank.
+
+    torchrun stops every rank when the first one fails. Had this rank failed first, rank 0 would be stopped before it
+    printed, and the console would never name the problem. Waiting lets rank 0 print and fail first; torchrun then
+    sends this rank SIGTERM. If none comes within SHARED_ERROR_GRACE_S, rank 0 did not hit the error (a file missing
+    on this node only), so this rank prints it, naming itself.
+    """
+    if rank == 0 or "TORCHELASTIC_RUN_ID" not in os.environ or int(os.environ.get("WORLD_SIZE", "1")) < 2:
+        return
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        if signal.getsignal(sig) is not signal.SIG_IGN:
+            signal.signal(sig, signal.SIG_DFL)  # torchrun's stop (or the user's Ctrl-C) ends the wait quietly
+    time.sleep(SHARED_ERROR_GRACE_S)
+    print(f"error: [rank {rank}] {message}", file=sys.stderr)

@@ -7,6 +7,7 @@ from typing import Any, Literal, Optional, Sequence
 
 from transformers import HfArgumentParser
 
+from utils.errors import wait_for_rank_zero_to_report
 from utils.families import family_info
 
 TEST_MODE_STEPS = 10
@@ -189,7 +190,12 @@ class RunArgumentParser(HfArgumentParser):
     torchrun every rank parses the same flags, and rank 0 alone says what is wrong."""
 
     def error(self, message: str):
-        self.exit(2, f"error: {message} (see {self.prog} --help)\n" if os.environ.get("RANK", "0") == "0" else None)
+        line = f"{message} (see {self.prog} --help)"
+        rank = os.environ.get("RANK", "0")
+        if rank in ("", "0") or not rank.isdigit():
+            self.exit(2, f"error: {line}\n")
+        wait_for_rank_zero_to_report(line, int(rank))
+        self.exit(2)
 
 
 def build_parser(family: str, description: str = "", size_names: Sequence[str] = ()) -> RunArgumentParser:

@@ -28,7 +28,7 @@ from utils.checkpointing import (BEST_MODEL, FINAL_MODEL, INITIAL_MODEL, SaveDir
 from utils.data_utils import (REAL_TOKENS, BatchStream, RepeatedBatch, TextExample, TextSplits, build_dataloader,
                               check_data_flags, load_text_splits, tokenize_examples)
 from utils.distributed import DistributedContext, distributed_context, wrap_data_parallel
-from utils.errors import CheckpointError, NonFiniteLossError, StopRequested, UsageError
+from utils.errors import CheckpointError, NonFiniteLossError, StopRequested, UsageError, wait_for_rank_zero_to_report
 from utils.metrics import MetricSinks, count_parameters, flops_per_token, peak_flops_per_gpu
 from utils.precision import bf16_refusal, default_precision, enable_tf32_matmuls
 from utils.run_config import CheckpointArguments, RunConfig, RunSettings, parse_run_config
@@ -889,10 +889,10 @@ def main(family: ModelFamily, argv: Optional[list] = None) -> int:
                     finally:
                         trainer.release()
     except UsageError as exc:
-        _report_error(str(exc), handlers, rank, every_rank=False)  # all ranks hit the same error: say it once
+        _report_error(str(exc), handlers, rank, every_rank=False, shared=True)  # all ranks hit the same error: say it once
         return 1
     except TraceError as exc:  # the tracer gathers every rank's problems, so each rank raises the same
-        _report_error(str(exc), handlers, rank, every_rank=False)
+        _report_error(str(exc), handlers, rank, every_rank=False, shared=True)
         return 1
     except torch.cuda.OutOfMemoryError:
         arguments = trainer.arguments() if trainer else config.flags()
@@ -941,15 +941,18 @@ def interruption_message(signum: int, trainer: Optional[Trainer]) -> str:
     return f"interrupted by {again} at step {trainer.step}: stopped at once; {where}"
 
 
-def _report_error(message: str, handlers: list, rank: int, every_rank: bool) -> None:
+def _report_error(message: str, handlers: list, rank: int, every_rank: bool, shared: bool = False) -> None:
     """One `error:` line on the console: from rank 0, or from any rank for rank-specific errors (out of memory).
-    With logging set up it also lands in the rank's log file."""
+    With logging set up it also lands in the rank's log file. Another rank with a shared error (every rank hit it)
+    waits for torchrun to stop it, so rank 0 gets to print it (see wait_for_rank_zero_to_report)."""
     if handlers:
         logger.error(message)  # rank 0's console handler prints it; other ranks have only their file
     if rank != 0 and every_rank:
         print(f"error: [rank {rank}] {message}", file=sys.stderr)
     elif not handlers and rank == 0:
         print(f"error: {message}", file=sys.stderr)
+    elif rank != 0 and shared:
+        wait_for_rank_zero_to_report(message, rank)
 
 
 def _quiet_library_progress_bars() -> None:
