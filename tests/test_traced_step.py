@@ -31,7 +31,6 @@ TRACED_RUN = ["--model-name", "tiny", "--max-seq-length", "64", "--batch-size", 
 # code, inside DDP's forward). Anything else is bookkeeping the trainer added. GPT-2's forward reads nothing: its
 # packed blocks carry no pad id for transformers to look for.
 TRAINING_READS = ("Optimizer.step#", "enumerate(DataLoader)#")
-COLLECTIVES = ("gloo:", "nccl:")
 MODEL_READS = {"gpt2": (), "bert": ("DistributedDataParallel.forward",)}
 HOST_SYNC = "aten::_local_scalar_dense"  # what .item() / float(tensor) run
 
@@ -64,26 +63,24 @@ def collectives(nodes: list) -> list:
     return found
 
 
-def host_reads_outside_training(nodes: list, model_reads: tuple = ()) -> list:
-    """The call chains of .item()-like reads that belong to neither the optimizer's step, the data loader nor
-    (when given) the model's forward."""
-    by_id = {node["id"]: node for node in nodes}
+def reads_outside_training(trace_dir: Path, rank: int, model_reads: tuple = ()) -> list:
+    """The enclosing ops of every .item()-like read that runs inside neither the optimizer's step, the data loader
+    nor (when given) the model's forward.
+
+    "Inside" is read from the device trace's times on the read's own thread, not from the host trace's parents: the
+    observer keeps one stack of open ops per thread, and a collective's record function, opened on the training
+    thread and closed by the backend's worker, pops whatever is on top of that stack then. On a loaded machine the
+    optimizer's reads are then filed under the collective or under an AccumulateGrad left open on the stack."""
+    events = [event for event in json.loads((trace_dir / f"device.{rank}.json").read_text())["traceEvents"]
+              if event.get("ph") == "X" and event.get("cat") in ("cpu_op", "user_annotation")]
     outside = []
-    for node in nodes:
-        if node["name"] != HOST_SYNC:
-            continue
-        chain, seen, parent = [], set(), node.get("ctrl_deps")
-        if by_id.get(parent, {}).get("name", "").startswith(COLLECTIVES):
-            # A collective's record function opens on the training thread when the work is enqueued and closes when
-            # the backend's worker finishes it: on a loaded machine the optimizer's reads start while it is still
-            # open, and the observer files them under it. A collective itself reads nothing back.
-            continue
-        while parent in by_id and parent not in seen:  # iterative walk up the call tree (the root is its own parent)
-            seen.add(parent)
-            chain.append(by_id[parent]["name"])
-            parent = by_id[parent].get("ctrl_deps")
-        if not any(name.startswith(TRAINING_READS + model_reads) for name in chain):
-            outside.append(" < ".join(chain[:4]))
+    for read in (event for event in events if event["name"] == HOST_SYNC):
+        end = read["ts"] + read["dur"]
+        enclosing = sorted((event for event in events if event is not read and event["tid"] == read["tid"]
+                            and event["ts"] <= read["ts"] and event["ts"] + event["dur"] >= end),
+                           key=lambda event: event["ts"])
+        if not any(event["name"].startswith(TRAINING_READS + model_reads) for event in enclosing):
+            outside.append(" > ".join(event["name"] for event in enclosing[-4:]) or "(no enclosing op)")
     return outside
 
 
@@ -109,15 +106,15 @@ def test_traced_two_rank_step_holds_exactly_the_gradient_all_reduces(two_rank_tr
 def test_traced_two_rank_step_reads_no_value_back_but_the_optimizers_and_data_loaders(two_rank_trace):
     family, trace_dir = two_rank_trace
     for rank in (0, 1):
-        assert host_reads_outside_training(host_nodes(trace_dir, rank), MODEL_READS[family]) == [], \
+        assert reads_outside_training(trace_dir, rank, MODEL_READS[family]) == [], \
             f"{family} rank {rank}"
 
 
 def test_one_rank_traced_gpt2_step_has_no_trainer_bookkeeping(tmp_path):
-    nodes = host_nodes(traced_run("gpt2", tmp_path, ranks=1), 0)
-    assert collectives(nodes) == []
+    trace_dir = traced_run("gpt2", tmp_path, ranks=1)
+    assert collectives(host_nodes(trace_dir, 0)) == []
     # no .item() of the trainer's, and none of transformers' padding probe (a pad id looked for in every batch)
-    assert host_reads_outside_training(nodes) == []
+    assert reads_outside_training(trace_dir, 0) == []
     lines = [line.split(": ", 1)[1] for line in (tmp_path / "logs" / "training_rank_0.log").read_text().splitlines()
              if " step " in line and "ms/step" in line]
     # --logging-steps 1: the lines of steps 1 and 2, written while the window records steps 2 and 3, read no loss
