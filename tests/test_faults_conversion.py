@@ -251,30 +251,6 @@ def test_every_device_trace_and_run_json_carry_one_run_id(tmp_path):
     assert device["mosim_run"] == {"id": run_id, "rank": 0, "world_size": 1}
 
 
-def test_two_ranks_agree_on_the_run_id(tmp_path):
-    torch = pytest.importorskip("torch")
-    rendezvous = f"file://{tmp_path / 'rendezvous'}"  # no port to pick that another process could take first
-    torch.multiprocessing.spawn(_two_rank_worker, args=(2, rendezvous, str(tmp_path)), nprocs=2, join=True)
-    run = tmp_path / "mlp"
-    ids = {json.loads((run / f"device.{r}.json").read_text())["mosim_run"]["id"] for r in (0, 1)}
-    assert ids == {json.loads((run / "run.json").read_text())["run_id"]}
-
-
-def _two_rank_worker(rank: int, world_size: int, init_method: str, out: str) -> None:
-    import torch
-    import torch.distributed as dist
-
-    from utils.chakra_tracer import ChakraTracer
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size)
-    try:
-        train_mlp(ChakraTracer(out, "mlp", rank=rank, world_size=world_size, local_rank=rank,
-                               run_info={"model": "mlp"}), steps=3)
-    finally:
-        dist.destroy_process_group()
-
-
 # ---- broken traces: the message says what happened --------------------------------------------------------------
 def test_repaired_host_trace_is_flagged_in_the_et_the_table_the_summary_and_the_report(tmp_path, capsys):
     from trace_tools.report import write_report

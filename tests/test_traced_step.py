@@ -110,6 +110,15 @@ def test_traced_two_rank_step_reads_no_value_back_but_the_optimizers_and_data_lo
             f"{family} rank {rank}"
 
 
+@pytest.mark.slow
+def test_two_ranks_agree_on_the_run_id(two_rank_trace):
+    family, trace_dir = two_rank_trace
+    run_id = json.loads((trace_dir / "run.json").read_text())["run_id"]
+    for rank in (0, 1):
+        device = json.loads((trace_dir / f"device.{rank}.json").read_text())
+        assert device["mosim_run"] == {"id": run_id, "rank": rank, "world_size": 2}, f"{family} rank {rank}"
+
+
 def test_one_rank_traced_gpt2_step_has_no_trainer_bookkeeping(tmp_path):
     trace_dir = traced_run("gpt2", tmp_path, ranks=1)
     assert collectives(host_nodes(trace_dir, 0)) == []
