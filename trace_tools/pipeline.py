@@ -326,6 +326,7 @@ def _note_link(result: RankResult, linked) -> None:
     result.host_ops = stats["host_ops"]
     result.host_ops_matched = stats["host_ops_matched"]
     result.kineto_only_ops = stats["kineto_only_ops"]
+    result.stale_host_parents = stats["stale_host_parents"]
     result.gpu_ops = stats["gpu_ops"]
     result.gpu_ops_left_out = stats["gpu_ops_outside_step"]
     result.wait_us = stats.get("wait_us", 0.0)

@@ -40,6 +40,7 @@ class RankResult:
     host_ops: int = 0
     host_ops_matched: int = 0
     kineto_only_ops: int = 0
+    stale_host_parents: int = 0            # host parents that ended before the op began (link._link_callers)
     gpu_ops: int = 0
     gpu_ops_left_out: int = 0
     wait_us: float = 0.0
@@ -195,7 +196,9 @@ def render_run_summary(result: RunResult) -> str:
             timings = ", ".join(f"{k[:-2].replace('_', ' ')} {v:.2f}" for k, v in r.timings.items())
             lines.append(f"- rank {r.rank}: traced step {r.traced_step}; matching: {r.match_detail}; "
                          f"{r.gpu_ops} GPU ops linked ({r.gpu_ops_left_out} of the device trace outside the step); "
-                         f"{r.kineto_only_ops} Kineto-only CPU ops added; {r.wait_us / 1000:.1f} ms of blocked time "
+                         f"{r.kineto_only_ops} Kineto-only CPU ops added; {r.stale_host_parents} ops whose host parent "
+                         f"had ended before they began placed under the op around them in time instead; "
+                         f"{r.wait_us / 1000:.1f} ms of blocked time "
                          f"taken out of op durations (it is on the path through what they waited for); "
                          f"durations: {durations_text(r)}; "
                          f"seconds: {timings}; peak memory {r.peak_rss_mb:.0f} MiB")
