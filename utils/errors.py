@@ -4,7 +4,7 @@ import signal
 import sys
 import time
 
-# How long a rank other than 0 waits for rank 0 to report an error every rank hit (see report_shared_error).
+# How long a rank other than 0 waits for rank 0 to report an error every rank hit (wait_for_rank_zero_to_report).
 SHARED_ERROR_GRACE_S = 30.0
 
 

@@ -889,7 +889,8 @@ def main(family: ModelFamily, argv: Optional[list] = None) -> int:
                     finally:
                         trainer.release()
     except UsageError as exc:
-        _report_error(str(exc), handlers, rank, every_rank=False, shared=True)  # all ranks hit the same error: say it once
+        # all ranks hit the same error: rank 0 says it once
+        _report_error(str(exc), handlers, rank, every_rank=False, shared=True)
         return 1
     except TraceError as exc:  # the tracer gathers every rank's problems, so each rank raises the same
         _report_error(str(exc), handlers, rank, every_rank=False, shared=True)
