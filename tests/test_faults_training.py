@@ -7,6 +7,7 @@ import logging
 import os
 import shutil
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -503,7 +504,6 @@ WAITING_RANK_1 = ("import utils.errors as e; e.SHARED_ERROR_GRACE_S = {grace}; p
 
 
 def test_rank_waiting_for_rank_0_is_stopped_quietly_by_torchrun():
-    import subprocess
     env = dict(os.environ, TORCHELASTIC_RUN_ID="test", WORLD_SIZE="2", PYTHONPATH=str(Path(__file__).parents[1]))
     waiting = subprocess.Popen([sys.executable, "-c", WAITING_RANK_1.format(grace=60)], env=env,
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -515,7 +515,6 @@ def test_rank_waiting_for_rank_0_is_stopped_quietly_by_torchrun():
 
 
 def test_rank_0_that_never_fails_leaves_the_error_to_the_rank_that_hit_it():
-    import subprocess
     env = dict(os.environ, TORCHELASTIC_RUN_ID="test", WORLD_SIZE="2", PYTHONPATH=str(Path(__file__).parents[1]))
     done = subprocess.run([sys.executable, "-c", WAITING_RANK_1.format(grace=0.2)], env=env, capture_output=True,
                           text=True, timeout=60)
