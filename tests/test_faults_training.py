@@ -499,14 +499,16 @@ def test_error_every_rank_hits_is_printed_even_when_rank_0_is_the_slowest(tmp_pa
     assert done.error_lines[1].startswith("error: torchrun: rank 0 "), done.error_lines
 
 
-WAITING_RANK_1 = ("import utils.errors as e; e.SHARED_ERROR_GRACE_S = {grace}; print('waiting', flush=True); "
-                  "e.wait_for_rank_zero_to_report('--dataset-path d.jsonl: no such file', 1)")
+def waiting_rank_1(grace_s: float) -> dict:
+    """subprocess arguments of a rank 1 under torchrun that hit an error every rank hits, with a grace of grace_s."""
+    code = (f"import utils.errors as e; e.SHARED_ERROR_GRACE_S = {grace_s}; print('waiting', flush=True); "
+            "e.wait_for_rank_zero_to_report('--dataset-path d.jsonl: no such file', 1)")
+    env = dict(os.environ, TORCHELASTIC_RUN_ID="test", WORLD_SIZE="2", PYTHONPATH=str(Path(__file__).parents[1]))
+    return dict(args=[sys.executable, "-c", code], env=env, text=True)
 
 
 def test_rank_waiting_for_rank_0_is_stopped_quietly_by_torchrun():
-    env = dict(os.environ, TORCHELASTIC_RUN_ID="test", WORLD_SIZE="2", PYTHONPATH=str(Path(__file__).parents[1]))
-    waiting = subprocess.Popen([sys.executable, "-c", WAITING_RANK_1.format(grace=60)], env=env,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    waiting = subprocess.Popen(**waiting_rank_1(60), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     assert waiting.stdout.readline() == "waiting\n"
     time.sleep(0.5)
     waiting.send_signal(signal.SIGTERM)  # what torchrun sends once rank 0 has failed
@@ -515,7 +517,5 @@ def test_rank_waiting_for_rank_0_is_stopped_quietly_by_torchrun():
 
 
 def test_rank_0_that_never_fails_leaves_the_error_to_the_rank_that_hit_it():
-    env = dict(os.environ, TORCHELASTIC_RUN_ID="test", WORLD_SIZE="2", PYTHONPATH=str(Path(__file__).parents[1]))
-    done = subprocess.run([sys.executable, "-c", WAITING_RANK_1.format(grace=0.2)], env=env, capture_output=True,
-                          text=True, timeout=60)
+    done = subprocess.run(**waiting_rank_1(0.2), capture_output=True, timeout=60)
     assert done.returncode == 0 and done.stderr == "error: [rank 1] --dataset-path d.jsonl: no such file\n"

@@ -192,7 +192,7 @@ class RunArgumentParser(HfArgumentParser):
     def error(self, message: str):
         line = f"{message} (see {self.prog} --help)"
         rank = os.environ.get("RANK", "0")
-        if rank in ("", "0") or not rank.isdigit():
+        if not rank.isdigit() or rank == "0":
             self.exit(2, f"error: {line}\n")
         wait_for_rank_zero_to_report(line, int(rank))
         self.exit(2)
