@@ -8,8 +8,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from utils import chakra_tracer
 from utils.chakra_tracer import ChakraTracer, NullTracer, TraceError, build_tracer, check_trace_file
@@ -89,34 +87,8 @@ def step_annotations(trace_events):
     return sorted(e["name"] for e in trace_events if e.get("name", "").startswith("ProfilerStep#"))
 
 
-def file_store(folder) -> str:
-    """A rendezvous for spawned ranks through a file in the test's folder: no port to pick that another process
-    could take before the ranks bind it."""
-    return f"file://{Path(folder) / 'rendezvous'}"
-
-
 # The window these tests reason about: one step skipped, one warm-up, one recorded (the default records three).
 ONE_STEP_WINDOW = ("--trace-wait-steps", "1", "--trace-warmup-steps", "1", "--trace-active-steps", "1")
-
-
-def ddp_worker(rank, world_size, init_method, out_dir, steps):
-    """One gloo rank training a tiny GPT-2 under DDP with tracing on."""
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size)
-    try:
-        model = torch.nn.parallel.DistributedDataParallel(tiny_gpt2())
-        args = parse_tracing_args("--enable-tracing", "--trace-output-dir", out_dir, *ONE_STEP_WINDOW)
-        tracer = build_tracer(args, rank=rank, world_size=world_size, local_rank=rank, device=torch.device("cpu"),
-                              run_info={"model": "gpt2-tiny", "batch_size_per_rank": 2, "sequence_length": 16})
-        generator = torch.Generator().manual_seed(rank)
-        batch = torch.randint(0, 100, (2, 16), generator=generator)
-        train(model, tracer, steps, batch=batch)
-        # DDP's reducer must go while the group exists: freed after destroy_process_group, it joins gloo threads
-        # from the garbage collector at interpreter exit and can hang or abort the process.
-        del model, tracer
-        gc.collect()
-    finally:
-        dist.destroy_process_group()
 
 
 # ---- one rank ------------------------------------------------------------------------------------------------
@@ -205,50 +177,6 @@ def test_tensors_of_a_traced_step_are_freed_when_the_step_is_done(tmp_path):
             tracer.step()
     growth = resident[-1] - resident[1]  # over the last three traced steps; held, they would add 3 x 96 MB
     assert growth < 128, f"resident memory grew by {growth:.0f} MB over three traced steps ({resident})"
-
-
-# ---- two ranks -----------------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def two_rank_gpt2(tmp_path_factory):
-    out = tmp_path_factory.mktemp("two_ranks")
-    mp.spawn(ddp_worker, args=(2, file_store(out), str(out), 4), nprocs=2, join=True)
-    return out / "gpt2-tiny_2cpu"
-
-
-@pytest.mark.slow
-def test_two_ranks_each_write_their_own_valid_files(two_rank_gpt2):
-    names = sorted(p.name for p in two_rank_gpt2.iterdir())
-    assert names == ["device.0.json", "device.1.json", "host.0.json", "host.1.json", "run.json",
-                     "stacks.0.txt", "stacks.1.txt"]
-    pids = set()
-    for rank in (0, 1):
-        host = load(two_rank_gpt2 / f"host.{rank}.json")
-        assert check_trace_file(two_rank_gpt2 / f"device.{rank}.json", "device") is None
-        fraction, _ = rf_id_match_fraction(host, load(two_rank_gpt2 / f"device.{rank}.json"))
-        assert fraction >= 0.99
-        pids.add(host["pid"])
-    assert len(pids) == 2
-
-
-@pytest.mark.slow
-def test_two_rank_host_traces_record_process_group_init_and_collectives(two_rank_gpt2):
-    for rank in (0, 1):
-        names = [n["name"] for n in load(two_rank_gpt2 / f"host.{rank}.json")["nodes"]]
-        [init] = [n for n in load(two_rank_gpt2 / f"host.{rank}.json")["nodes"] if n["name"] == PG_INIT]
-        assert '"group_size": 2' in init["inputs"]["values"][0]
-        assert "c10d::allreduce_" in names
-        assert "gloo:all_reduce" in names
-
-
-@pytest.mark.slow
-def test_two_rank_run_json_has_a_time_per_traced_step_per_rank(two_rank_gpt2):
-    info = load(two_rank_gpt2 / "run.json")
-    assert info["world_size"] == 2 and info["backend"] == "gloo" and info["traced_steps"] == [2]
-    assert [r["rank"] for r in info["ranks"]] == [0, 1]
-    assert [r["local_rank"] for r in info["ranks"]] == [0, 1]
-    for rank in info["ranks"]:
-        assert len(rank["step_wall_time_s"]) == 1 and rank["step_wall_time_s"][0] > 0
-    assert info["step_wall_time_s_max"] == [max(r["step_wall_time_s"][0] for r in info["ranks"])]
 
 
 # ---- tracing off ---------------------------------------------------------------------------------------------
@@ -446,19 +374,25 @@ def test_trainer_two_rank_bert_traces_every_rank_with_process_group_and_collecti
     assert bert_two_rank_run.name.endswith("_2cpu")  # the default name: <model>_<N>cpu
     assert sorted(p.name for p in bert_two_rank_run.iterdir()) == [
         "device.0.json", "device.1.json", "host.0.json", "host.1.json", "run.json", "stacks.0.txt", "stacks.1.txt"]
+    pids = set()
     for rank in (0, 1):
         host = load(bert_two_rank_run / f"host.{rank}.json")
         device = load(bert_two_rank_run / f"device.{rank}.json")
+        assert check_trace_file(bert_two_rank_run / f"device.{rank}.json", "device") is None
         assert step_annotations(device["traceEvents"]) == ["ProfilerStep#2", "ProfilerStep#3"]
         fraction, _ = rf_id_match_fraction(host, device)
         assert fraction >= 0.99
+        pids.add(host["pid"])
         names = {n["name"] for n in host["nodes"]}
-        assert PG_INIT in names
+        [init] = [n for n in host["nodes"] if n["name"] == PG_INIT]
+        assert '"group_size": 2' in init["inputs"]["values"][0]
         assert {"c10d::allreduce_", "gloo:all_reduce"} <= names
+    assert len(pids) == 2  # each rank's own process wrote its own files
     info = load(bert_two_rank_run / "run.json")
     assert info["world_size"] == 2 and info["backend"] == "gloo" and info["traced_steps"] == [2, 3]
-    assert [r["rank"] for r in info["ranks"]] == [0, 1]
+    assert [r["rank"] for r in info["ranks"]] == [0, 1] and [r["local_rank"] for r in info["ranks"]] == [0, 1]
     assert all(len(r["step_wall_time_s"]) == 2 and min(r["step_wall_time_s"]) > 0 for r in info["ranks"])
+    assert info["step_wall_time_s_max"] == [max(r["step_wall_time_s"][i] for r in info["ranks"]) for i in (0, 1)]
 
 
 @pytest.mark.slow
