@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -140,6 +141,34 @@ def test_run_json_holds_run_info_versions_and_step_times(one_rank_gpt2):
     assert rank["rank"] == 0 and rank["device"] == "cpu" and rank["device_name"]
     assert len(rank["step_wall_time_s"]) == 1 and 0 < rank["step_wall_time_s"][0] < 60
     assert rank["files"] == {"device": "device.0.json", "host": "host.0.json", "stacks": "stacks.0.txt"}
+    if chakra_tracer.run_queue_wait_s() is not None:  # Linux: the training thread's wait for a core, per step
+        assert len(rank["step_run_queue_wait_s"]) == 1 and len(rank["untraced_step_run_queue_wait_s"]) == 1
+        assert min(rank["step_run_queue_wait_s"] + rank["untraced_step_run_queue_wait_s"]) >= 0
+
+
+@pytest.mark.skipif(chakra_tracer.run_queue_wait_s() is None or not hasattr(os, "sched_setaffinity"),
+                    reason="needs Linux's /proc/thread-self/schedstat and CPU affinity")
+def test_run_queue_wait_counts_the_time_another_process_had_the_threads_core(tmp_path):
+    """This thread and a busy process on one core: the thread, busy for as long, waits for the core about as long
+    as it runs; alone on its core it hardly waits."""
+    core = min(os.sched_getaffinity(0))
+    before_affinity = os.sched_getaffinity(0)
+    busy = subprocess.Popen([sys.executable, "-c", f"import os\nos.sched_setaffinity(0, {{{core}}})\nwhile True: pass"])
+    try:
+        os.sched_setaffinity(0, {core})
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline:  # until the busy process runs on the core
+            if Path(f"/proc/{busy.pid}/stat").read_text().split(") ")[1].startswith("R"):
+                break
+        started_wait, started_cpu = chakra_tracer.run_queue_wait_s(), time.thread_time()
+        while time.thread_time() - started_cpu < 0.3:
+            pass
+        waited = chakra_tracer.run_queue_wait_s() - started_wait
+    finally:
+        busy.kill()
+        busy.wait()
+        os.sched_setaffinity(0, before_affinity)
+    assert waited > 0.1, f"waited {waited:.3f} s for a core shared with a busy process over 0.3 s of CPU"
 
 
 def test_longer_window_records_every_active_step_and_its_time(tmp_path):

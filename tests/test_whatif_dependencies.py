@@ -12,6 +12,7 @@ from trace_tools.graph import children_of, descendants as descendants_of
 from trace_tools.link import GPU_OP, link_host_and_device
 from trace_tools.load import load_device_trace, load_host_trace, tensor_storages
 from trace_tools.pipeline import convert_rank
+from trace_tools.summary import durations_text
 
 
 def rank0_copy(source: Path, folder: Path, with_run_info: bool = False) -> Path:
@@ -366,3 +367,27 @@ def test_the_tracers_per_operator_measurement_is_the_least_cost_taken_out(tmp_pa
     recorded_ops = sum(1 for n in plain_nodes if n.type == COMP_NODE and n.duration_micros > 0)
     # Each op's cost lands half in its own span, half in its caller's: between half and all of per_op_us x ops.
     assert per_op_us * recorded_ops / 2 * 0.95 <= removed <= per_op_us * recorded_ops * 1.05
+
+
+@pytest.mark.parametrize("untraced_share, warned", [(0.25, True), (0.02, False)])
+def test_the_training_threads_wait_for_a_core_is_reported_and_warned_beyond_the_bound(tmp_path, untraced_share,
+                                                                                        warned):
+    """run.json's run-queue waits (the time the training thread was ready but another thread had its core) are
+    read per step and reported; a wait beyond a tenth of the untraced step is a warning: the .et holds it as
+    compute, and another network changes it."""
+    folder = rank0_copy(CPU_FIXTURES / "gpt2_tiny_2r", tmp_path / "run")
+    step_s = 0.05
+    (folder / "run.json").write_text(json.dumps({"ranks": [{
+        "rank": 0, "step_wall_time_s": [2 * step_s, 2 * step_s, 2 * step_s],
+        "untraced_step_wall_time_s": [9 * step_s, step_s, step_s, step_s],
+        "step_run_queue_wait_s": [0.004, 0.006, 0.1],
+        # the first untraced step (start-up) is left out, as for the step times
+        "untraced_step_run_queue_wait_s": [1.0, untraced_share * step_s, untraced_share * step_s, 0.0]}]}))
+    result = convert_rank0(folder, folder / "run.0.et")
+    assert result.run_queue_wait_us == pytest.approx(6000)
+    assert result.untraced_run_queue_wait_us == pytest.approx(untraced_share * step_s * 1e6)
+    warnings = [w for w in result.warnings if "waited for a core" in w]
+    assert len(warnings) == int(warned)
+    if warned:
+        assert f"{untraced_share:.0%} of an untraced step" in warnings[0]
+    assert "the training thread waited for a core 6.0 ms per traced step" in durations_text(result)

@@ -252,12 +252,29 @@ def _correct_for_profiler(linked, result: RankResult, run_dir: Path, rank: int) 
     if times is None:
         return
     result.untraced_step_us = times.untraced_median_us
+    _note_run_queue_wait(times, result)
     cost = remove_recording_overhead(linked, times.traced_median_us, times.untraced_median_us, times.recording_cpu_us,
                                      times.recording_cost_per_op_us)
     result.overhead_per_op_us = cost
     result.overhead_rule = linked.stats.get("recording_overhead_rule", "")
     result.recording_overhead_us = linked.stats.get("recording_overhead_us", 0.0)
     linked.untraced_step_us = times.untraced_median_us
+
+
+def _note_run_queue_wait(times, result: RankResult) -> None:
+    """How long the training thread waited for a core a step: the machine's other work (the other ranks' threads,
+    the communication's CPU work) stretched its ops by that much, and the .et keeps it as compute."""
+    waits = times.run_queue_median_us
+    if waits is None:
+        return
+    result.run_queue_wait_us, result.untraced_run_queue_wait_us = waits
+    share = waits[1] / times.untraced_median_us if times.untraced_median_us > 0 else 0.0
+    if share > STEP_SPREAD_BOUND:
+        result.warnings.append(
+            f"the training thread waited for a core {share:.0%} of an untraced step ({waits[1] / 1000:.1f} of "
+            f"{times.untraced_median_us / 1000:.1f} ms): other threads or processes shared its cores, and the .et "
+            "holds that time as compute; a simulation of another network, where that sharing differs (the "
+            "communication's own CPU work moves with its rate), is off by up to that much")
 
 
 def _check_steps(host, device, result: RankResult) -> None:

@@ -22,6 +22,9 @@ class StepTimes:
     traced_cpu_us: list[float] | None = None    # CPU time of the rank's process in the same steps, when measured
     untraced_cpu_us: list[float] | None = None
     recording_cost_per_op_us: float | None = None  # the tracer's measurement of one recorded operator's cost
+    # Time the training thread waited for a core in each step (Linux's run-queue wait), when measured
+    traced_run_queue_us: list[float] | None = None
+    untraced_run_queue_us: list[float] | None = None
 
     @property
     def recording_cpu_us(self) -> float | None:
@@ -30,6 +33,13 @@ class StepTimes:
         if not self.traced_cpu_us or not self.untraced_cpu_us:
             return None
         return statistics.median(self.traced_cpu_us) - statistics.median(self.untraced_cpu_us)
+
+    @property
+    def run_queue_median_us(self) -> tuple[float, float] | None:
+        """Median run-queue wait of the training thread in a traced and in an untraced step (None if unmeasured)."""
+        if not self.traced_run_queue_us or not self.untraced_run_queue_us:
+            return None
+        return statistics.median(self.traced_run_queue_us), statistics.median(self.untraced_run_queue_us)
 
     @property
     def traced_median_us(self) -> float:
@@ -62,4 +72,6 @@ def read_step_times(run_dir: str | Path, rank: int) -> StepTimes | None:
     per_op = entries[0].get("recording_cost_per_op_us")
     return StepTimes(traced_us=traced, untraced_us=untraced, traced_cpu_us=micros("step_cpu_time_s"),
                      untraced_cpu_us=micros("untraced_step_cpu_time_s")[1:],
-                     recording_cost_per_op_us=float(per_op) if isinstance(per_op, (int, float)) else None)
+                     recording_cost_per_op_us=float(per_op) if isinstance(per_op, (int, float)) else None,
+                     traced_run_queue_us=micros("step_run_queue_wait_s"),
+                     untraced_run_queue_us=micros("untraced_step_run_queue_wait_s")[1:])

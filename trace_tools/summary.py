@@ -45,6 +45,9 @@ class RankResult:
     gpu_ops_left_out: int = 0
     wait_us: float = 0.0
     untraced_step_us: float = 0.0          # measured before the profiler's window (run.json); 0 when unknown
+    # median time the training thread waited for a core in a traced / an untraced step (run.json); 0 when unknown
+    run_queue_wait_us: float = 0.0
+    untraced_run_queue_wait_us: float = 0.0
     recording_overhead_us: float = 0.0     # profiler cost taken out of the step's CPU durations
     overhead_per_op_us: float = 0.0
     overhead_rule: str = ""                # what measured the profiler's cost: "calibrated", "CPU time", "critical path"
@@ -148,6 +151,10 @@ def durations_text(rank: RankResult) -> str:
                  "collectives at their least-waited traced duration)")
     else:
         text += "; profiler cost not removed (no untraced step times in run.json)"
+    if rank.run_queue_wait_us or rank.untraced_run_queue_wait_us:
+        text += (f"; the training thread waited for a core {rank.run_queue_wait_us / 1000:.1f} ms per traced step "
+                 f"and {rank.untraced_run_queue_wait_us / 1000:.1f} ms per untraced step (run.json), time its ops' "
+                 "durations hold")
     return text
 
 

@@ -131,6 +131,11 @@ class ChakraTracer:
         # CPU time of the whole process in the same steps: what recording costs, whatever the network made it wait
         self.step_cpu_time_s: dict[int, float] = {}
         self.untraced_step_cpu_time_s: dict[int, float] = {}
+        # Time the training thread (the one calling step()) was ready to run but waited for a core that another
+        # thread or process had: inside its ops' durations, and a property of the machine, not of the program.
+        self._queue_started: float | None = None
+        self.step_run_queue_wait_s: dict[int, float] = {}
+        self.untraced_step_run_queue_wait_s: dict[int, float] = {}
         self.recording_cost_per_op_us: float | None = None  # measured on this machine before the window (CPU runs)
         self._load_start = None                                   # machine load when the traced steps began
         self.machine_load: dict[str, Any] | None = None
@@ -174,6 +179,7 @@ class ChakraTracer:
             self._load_start = sample_machine_load()
         self._step_started = self._now(sync=True)
         self._cpu_started = time.process_time()
+        self._queue_started = run_queue_wait_s()
         return self
 
     def step(self) -> None:
@@ -183,11 +189,13 @@ class ChakraTracer:
         if step in self.traced_steps:
             self.step_wall_time_s[step] = self._now(sync=True) - self._step_started
             self.step_cpu_time_s[step] = time.process_time() - self._cpu_started
+            self._note_run_queue_wait(self.step_run_queue_wait_s, step)
             if step == self.traced_steps[-1] and self._load_start is not None:
                 self._note_machine_load()
         elif step < self.wait_steps:
             self.untraced_step_wall_time_s[step] = self._now(sync=True) - self._step_started
             self.untraced_step_cpu_time_s[step] = time.process_time() - self._cpu_started
+            self._note_run_queue_wait(self.untraced_step_run_queue_wait_s, step)
         self._step += 1
         if self._profiler is not None and not self._finalized:
             self._profiler.step()
@@ -197,6 +205,12 @@ class ChakraTracer:
             self._load_start = sample_machine_load()  # before the clock starts, so the probe's time stays out
         self._step_started = self._now(sync=timed)
         self._cpu_started = time.process_time()
+        self._queue_started = run_queue_wait_s()
+
+    def _note_run_queue_wait(self, steps: dict[int, float], step: int) -> None:
+        now = run_queue_wait_s()
+        if now is not None and self._queue_started is not None:
+            steps[step] = now - self._queue_started
 
     def _note_machine_load(self) -> None:
         """What else ran on the machine during the traced steps (run.json); a warning when it was busy."""
@@ -418,6 +432,11 @@ class ChakraTracer:
                                           for s in sorted(self.untraced_step_wall_time_s)],
             "step_cpu_time_s": [self.step_cpu_time_s[s] for s in completed],
             "untraced_step_cpu_time_s": [self.untraced_step_cpu_time_s[s] for s in sorted(self.untraced_step_cpu_time_s)],
+            # Empty where the kernel does not count it (not Linux, or no /proc/thread-self/schedstat).
+            "step_run_queue_wait_s": [self.step_run_queue_wait_s[s] for s in completed
+                                      if s in self.step_run_queue_wait_s],
+            "untraced_step_run_queue_wait_s": [self.untraced_step_run_queue_wait_s[s]
+                                               for s in sorted(self.untraced_step_run_queue_wait_s)],
             "recording_cost_per_op_us": self.recording_cost_per_op_us,
             "files": {kind: path.name for kind, path in sorted(self.files.items())},
             "errors": errors,
@@ -451,6 +470,16 @@ class ChakraTracer:
         }
         write_text_atomic(self.trace_dir / RUN_INFO, json.dumps(info, indent=2, default=str) + "\n")
         logger.info("traces of steps %s from %d rank(s) in %s", completed, len(ranks), self.trace_dir)
+
+
+def run_queue_wait_s() -> float | None:
+    """Seconds the calling thread has spent runnable but waiting for a CPU since it started (the second field of
+    Linux's /proc/thread-self/schedstat, in ns); None where the kernel does not provide it."""
+    try:
+        with open("/proc/thread-self/schedstat", encoding="ascii") as stats:
+            return int(stats.read().split()[1]) / 1e9
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def measure_recording_cost_us(calls: int = 300) -> float:
