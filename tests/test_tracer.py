@@ -141,6 +141,11 @@ def test_run_json_holds_run_info_versions_and_step_times(one_rank_gpt2):
     assert rank["rank"] == 0 and rank["device"] == "cpu" and rank["device_name"]
     assert len(rank["step_wall_time_s"]) == 1 and 0 < rank["step_wall_time_s"][0] < 60
     assert rank["files"] == {"device": "device.0.json", "host": "host.0.json", "stacks": "stacks.0.txt"}
+    # the training thread's own CPU time per step: part of the process's, which holds every thread's
+    for thread_key, process_key in (("step_thread_cpu_time_s", "step_cpu_time_s"),
+                                    ("untraced_step_thread_cpu_time_s", "untraced_step_cpu_time_s")):
+        assert len(rank[thread_key]) == len(rank[process_key]) == 1
+        assert 0 < rank[thread_key][0] <= rank[process_key][0] + 1e-3
     if chakra_tracer.run_queue_wait_s() is not None:  # Linux: the training thread's wait for a core, per step
         assert len(rank["step_run_queue_wait_s"]) == 1 and len(rank["untraced_step_run_queue_wait_s"]) == 1
         assert min(rank["step_run_queue_wait_s"] + rank["untraced_step_run_queue_wait_s"]) >= 0

@@ -131,6 +131,11 @@ class ChakraTracer:
         # CPU time of the whole process in the same steps: what recording costs, whatever the network made it wait
         self.step_cpu_time_s: dict[int, float] = {}
         self.untraced_step_cpu_time_s: dict[int, float] = {}
+        # CPU time of the training thread alone: the rest of the process's is its other threads' (gloo's TCP loop
+        # on a CPU run), work that shares the cores with the compute
+        self._thread_cpu_started = 0.0
+        self.step_thread_cpu_time_s: dict[int, float] = {}
+        self.untraced_step_thread_cpu_time_s: dict[int, float] = {}
         # Time the training thread (the one calling step()) was ready to run but waited for a core that another
         # thread or process had: inside its ops' durations, and a property of the machine, not of the program.
         self._queue_started: float | None = None
@@ -179,6 +184,7 @@ class ChakraTracer:
             self._load_start = sample_machine_load()
         self._step_started = self._now(sync=True)
         self._cpu_started = time.process_time()
+        self._thread_cpu_started = time.thread_time()
         self._queue_started = run_queue_wait_s()
         return self
 
@@ -189,12 +195,14 @@ class ChakraTracer:
         if step in self.traced_steps:
             self.step_wall_time_s[step] = self._now(sync=True) - self._step_started
             self.step_cpu_time_s[step] = time.process_time() - self._cpu_started
+            self.step_thread_cpu_time_s[step] = time.thread_time() - self._thread_cpu_started
             self._note_run_queue_wait(self.step_run_queue_wait_s, step)
             if step == self.traced_steps[-1] and self._load_start is not None:
                 self._note_machine_load()
         elif step < self.wait_steps:
             self.untraced_step_wall_time_s[step] = self._now(sync=True) - self._step_started
             self.untraced_step_cpu_time_s[step] = time.process_time() - self._cpu_started
+            self.untraced_step_thread_cpu_time_s[step] = time.thread_time() - self._thread_cpu_started
             self._note_run_queue_wait(self.untraced_step_run_queue_wait_s, step)
         self._step += 1
         if self._profiler is not None and not self._finalized:
@@ -205,6 +213,7 @@ class ChakraTracer:
             self._load_start = sample_machine_load()  # before the clock starts, so the probe's time stays out
         self._step_started = self._now(sync=timed)
         self._cpu_started = time.process_time()
+        self._thread_cpu_started = time.thread_time()
         self._queue_started = run_queue_wait_s()
 
     def _note_run_queue_wait(self, steps: dict[int, float], step: int) -> None:
@@ -432,6 +441,9 @@ class ChakraTracer:
                                           for s in sorted(self.untraced_step_wall_time_s)],
             "step_cpu_time_s": [self.step_cpu_time_s[s] for s in completed],
             "untraced_step_cpu_time_s": [self.untraced_step_cpu_time_s[s] for s in sorted(self.untraced_step_cpu_time_s)],
+            "step_thread_cpu_time_s": [self.step_thread_cpu_time_s[s] for s in completed],
+            "untraced_step_thread_cpu_time_s": [self.untraced_step_thread_cpu_time_s[s]
+                                                for s in sorted(self.untraced_step_thread_cpu_time_s)],
             # Empty where the kernel does not count it (not Linux, or no /proc/thread-self/schedstat).
             "step_run_queue_wait_s": [self.step_run_queue_wait_s[s] for s in completed
                                       if s in self.step_run_queue_wait_s],
