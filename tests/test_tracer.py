@@ -153,9 +153,9 @@ def test_run_json_holds_run_info_versions_and_step_times(one_rank_gpt2):
 
 @pytest.mark.skipif(chakra_tracer.run_queue_wait_s() is None or not hasattr(os, "sched_setaffinity"),
                     reason="needs Linux's /proc/thread-self/schedstat and CPU affinity")
-def test_run_queue_wait_counts_the_time_another_process_had_the_threads_core(tmp_path):
-    """This thread and a busy process on one core: the thread, busy for as long, waits for the core about as long
-    as it runs; alone on its core it hardly waits."""
+def test_run_queue_wait_counts_the_time_another_process_had_the_threads_core():
+    """This thread and a busy process on one core: the thread, busy for 0.3 s of CPU, waits for the core about as
+    long as it runs."""
     core = min(os.sched_getaffinity(0))
     before_affinity = os.sched_getaffinity(0)
     busy = subprocess.Popen([sys.executable, "-c", f"import os\nos.sched_setaffinity(0, {{{core}}})\nwhile True: pass"])

@@ -25,7 +25,7 @@ from .layout import CONVERSION_SUMMARY, PG_INIT_NODE, STEP_PREFIX, et_name
 from .link import link_host_and_device, remove_recording_overhead
 from .load import TraceError, is_structural, load_device_trace, load_host_trace, read_trace_bytes
 from .repair import NO_OPERATORS_PROBLEM
-from .step_timing import STEP_SPREAD_BOUND, read_step_times
+from .step_timing import STEP_SPREAD_BOUND, StepTimes, read_step_times
 from .summary import RankResult, RunResult, write_run_summary
 from .validate import collectives_agree, validate_et
 
@@ -261,7 +261,7 @@ def _correct_for_profiler(linked, result: RankResult, run_dir: Path, rank: int) 
     linked.untraced_step_us = times.untraced_median_us
 
 
-def _note_run_queue_wait(times, result: RankResult) -> None:
+def _note_run_queue_wait(times: StepTimes, result: RankResult) -> None:
     """How long the training thread waited for a core a step: the machine's other work (the other ranks' threads,
     the communication's CPU work) stretched its ops by that much, and the .et keeps it as compute."""
     waits = times.run_queue_median_us

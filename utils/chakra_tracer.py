@@ -182,10 +182,7 @@ class ChakraTracer:
         logger.info("rank %d: tracing optimizer steps %s into %s", self.rank, self.traced_steps, self.trace_dir)
         if self.first_traced_step == 0:
             self._load_start = sample_machine_load()
-        self._step_started = self._now(sync=True)
-        self._cpu_started = time.process_time()
-        self._thread_cpu_started = time.thread_time()
-        self._queue_started = run_queue_wait_s()
+        self._restart_step_clocks(sync=True)
         return self
 
     def step(self) -> None:
@@ -193,17 +190,13 @@ class ChakraTracer:
         step = self._step
         timed = step <= self.traced_steps[-1]
         if step in self.traced_steps:
-            self.step_wall_time_s[step] = self._now(sync=True) - self._step_started
-            self.step_cpu_time_s[step] = time.process_time() - self._cpu_started
-            self.step_thread_cpu_time_s[step] = time.thread_time() - self._thread_cpu_started
-            self._note_run_queue_wait(self.step_run_queue_wait_s, step)
+            self._record_step(step, self.step_wall_time_s, self.step_cpu_time_s, self.step_thread_cpu_time_s,
+                              self.step_run_queue_wait_s)
             if step == self.traced_steps[-1] and self._load_start is not None:
                 self._note_machine_load()
         elif step < self.wait_steps:
-            self.untraced_step_wall_time_s[step] = self._now(sync=True) - self._step_started
-            self.untraced_step_cpu_time_s[step] = time.process_time() - self._cpu_started
-            self.untraced_step_thread_cpu_time_s[step] = time.thread_time() - self._thread_cpu_started
-            self._note_run_queue_wait(self.untraced_step_run_queue_wait_s, step)
+            self._record_step(step, self.untraced_step_wall_time_s, self.untraced_step_cpu_time_s,
+                              self.untraced_step_thread_cpu_time_s, self.untraced_step_run_queue_wait_s)
         self._step += 1
         if self._profiler is not None and not self._finalized:
             self._profiler.step()
@@ -211,15 +204,25 @@ class ChakraTracer:
                 self._finalize_capture()
         if self._step == self.first_traced_step:
             self._load_start = sample_machine_load()  # before the clock starts, so the probe's time stays out
-        self._step_started = self._now(sync=timed)
+        self._restart_step_clocks(sync=timed)
+
+    def _restart_step_clocks(self, sync: bool) -> None:
+        """Start timing the next step: wall clock, the process's and the training thread's CPU time, and the
+        thread's wait for a core."""
+        self._step_started = self._now(sync=sync)
         self._cpu_started = time.process_time()
         self._thread_cpu_started = time.thread_time()
         self._queue_started = run_queue_wait_s()
 
-    def _note_run_queue_wait(self, steps: dict[int, float], step: int) -> None:
-        now = run_queue_wait_s()
-        if now is not None and self._queue_started is not None:
-            steps[step] = now - self._queue_started
+    def _record_step(self, step: int, wall: dict[int, float], cpu: dict[int, float], thread_cpu: dict[int, float],
+                     run_queue: dict[int, float]) -> None:
+        """What the step that just ended took on each clock _restart_step_clocks started."""
+        wall[step] = self._now(sync=True) - self._step_started
+        cpu[step] = time.process_time() - self._cpu_started
+        thread_cpu[step] = time.thread_time() - self._thread_cpu_started
+        waited = run_queue_wait_s()
+        if waited is not None and self._queue_started is not None:
+            run_queue[step] = waited - self._queue_started
 
     def _note_machine_load(self) -> None:
         """What else ran on the machine during the traced steps (run.json); a warning when it was busy."""
