@@ -176,6 +176,43 @@ def test_run_queue_wait_counts_the_time_another_process_had_the_threads_core():
     assert waited > 0.1, f"waited {waited:.3f} s for a core shared with a busy process over 0.3 s of CPU"
 
 
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs Linux's /proc/self/task")
+def test_communication_threads_cpu_counts_only_the_threads_named_like_gloos():
+    """A busy thread that names itself as gloo's TCP loop does is counted, for about the CPU it used; one with
+    another name is not."""
+    import ctypes
+    import threading
+
+    libc = ctypes.CDLL(None)
+
+    def cpu_of_a_busy_thread(name: bytes) -> tuple[float, float]:
+        """What communication_threads_cpu_s counted while a thread of this name ran 0.2 s, and what it ran."""
+        done, read, used = threading.Event(), threading.Event(), []
+
+        def busy() -> None:
+            libc.prctl(15, ctypes.c_char_p(name), 0, 0, 0)  # PR_SET_NAME: what /proc/self/task/<tid>/comm shows
+            started = time.thread_time()
+            while time.thread_time() - started < 0.2:
+                pass
+            used.append(time.thread_time() - started)
+            done.set()
+            read.wait()  # alive until read: an ended thread leaves the listing
+
+        before = chakra_tracer.communication_threads_cpu_s() or 0.0
+        worker = threading.Thread(target=busy)
+        worker.start()
+        done.wait()
+        after = chakra_tracer.communication_threads_cpu_s() or 0.0
+        read.set()
+        worker.join()
+        return after - before, used[0]
+
+    counted, used = cpu_of_a_busy_thread(b"gloo_tcp_loop")
+    assert counted == pytest.approx(used, rel=0.1) and used >= 0.2
+    counted, _ = cpu_of_a_busy_thread(b"pt_data_worker")
+    assert counted == pytest.approx(0.0, abs=0.01)
+
+
 def test_longer_window_records_every_active_step_and_its_time(tmp_path):
     tracer = ChakraTracer(tmp_path, "mlp", wait_steps=0, warmup_steps=1, active_steps=3, run_info={"model": "mlp"})
     train(tiny_mlp(), tracer, steps=6)
@@ -427,6 +464,12 @@ def test_trainer_two_rank_bert_traces_every_rank_with_process_group_and_collecti
     assert [r["rank"] for r in info["ranks"]] == [0, 1] and [r["local_rank"] for r in info["ranks"]] == [0, 1]
     assert all(len(r["step_wall_time_s"]) == 2 and min(r["step_wall_time_s"]) > 0 for r in info["ranks"])
     assert info["step_wall_time_s_max"] == [max(r["step_wall_time_s"][i] for r in info["ranks"]) for i in (0, 1)]
+    if Path("/proc/self/task").is_dir():
+        # Linux: gloo's threads did the all-reduces' CPU work in every step, traced and untraced
+        for r in info["ranks"]:
+            assert len(r["step_communication_cpu_time_s"]) == 2
+            assert len(r["untraced_step_communication_cpu_time_s"]) == len(r["untraced_step_wall_time_s"])
+            assert min(r["step_communication_cpu_time_s"] + r["untraced_step_communication_cpu_time_s"][1:]) > 0
 
 
 @pytest.mark.slow

@@ -372,9 +372,9 @@ def test_the_tracers_per_operator_measurement_is_the_least_cost_taken_out(tmp_pa
 @pytest.mark.parametrize("untraced_share, warned", [(0.25, True), (0.02, False)])
 def test_the_training_threads_wait_for_a_core_is_reported_and_warned_beyond_the_bound(tmp_path, untraced_share,
                                                                                         warned):
-    """run.json's run-queue waits (the time the training thread was ready but another thread had its core) are
-    read per step and reported; a wait beyond a tenth of the untraced step is a warning: the .et holds it as
-    compute, and another network changes it."""
+    """run.json's run-queue waits (the time the training thread was ready but another thread had its core) and
+    gloo's threads' CPU time are read per step and reported; a wait beyond a tenth of the untraced step is a
+    warning: the .et holds it as compute, and another network changes it."""
     folder = rank0_copy(CPU_FIXTURES / "gpt2_tiny_2r", tmp_path / "run")
     step_s = 0.05
     (folder / "run.json").write_text(json.dumps({"ranks": [{
@@ -382,7 +382,8 @@ def test_the_training_threads_wait_for_a_core_is_reported_and_warned_beyond_the_
         "untraced_step_wall_time_s": [9 * step_s, step_s, step_s, step_s],
         "step_run_queue_wait_s": [0.004, 0.006, 0.1],
         # the first untraced step (start-up) is left out, as for the step times
-        "untraced_step_run_queue_wait_s": [1.0, untraced_share * step_s, untraced_share * step_s, 0.0]}]}))
+        "untraced_step_run_queue_wait_s": [1.0, untraced_share * step_s, untraced_share * step_s, 0.0],
+        "untraced_step_communication_cpu_time_s": [1.0, 0.012, 0.014, 0.013]}]}))
     result = convert_rank0(folder, folder / "run.0.et")
     assert result.run_queue_wait_us == pytest.approx(6000)
     assert result.untraced_run_queue_wait_us == pytest.approx(untraced_share * step_s * 1e6)
@@ -391,3 +392,6 @@ def test_the_training_threads_wait_for_a_core_is_reported_and_warned_beyond_the_
     if warned:
         assert f"{untraced_share:.0%} of an untraced step" in warnings[0]
     assert "the training thread waited for a core 6.0 ms per traced step" in durations_text(result)
+    assert result.communication_cpu_us == pytest.approx(13000)  # gloo's threads: median of the untraced steps
+    assert "gloo's threads used 13.0 ms of CPU per untraced step" in durations_text(result)
+

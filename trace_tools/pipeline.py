@@ -262,12 +262,14 @@ def _correct_for_profiler(linked, result: RankResult, run_dir: Path, rank: int) 
 
 
 def _note_run_queue_wait(times: StepTimes, result: RankResult) -> None:
-    """How long the training thread waited for a core a step: the machine's other work (the other ranks' threads,
-    the communication's CPU work) stretched its ops by that much, and the .et keeps it as compute."""
+    """How long the training thread waited for a core a step, and the CPU time gloo's threads used: the machine's
+    other work (the other ranks' threads, the communication's CPU work) stretched its ops by the wait, and the .et
+    keeps it as compute."""
     waits = times.run_queue_median_us
     if waits is None:
         return
     result.run_queue_wait_us, result.untraced_run_queue_wait_us = waits
+    result.communication_cpu_us = times.communication_cpu_median_us or 0.0
     share = waits[1] / times.untraced_median_us if times.untraced_median_us > 0 else 0.0
     if share > STEP_SPREAD_BOUND:
         result.warnings.append(

@@ -25,6 +25,9 @@ class StepTimes:
     # Time the training thread waited for a core in each step (Linux's run-queue wait), when measured
     traced_run_queue_us: list[float] | None = None
     untraced_run_queue_us: list[float] | None = None
+    # CPU time of the communication backend's threads (gloo) in each step, when measured
+    traced_communication_cpu_us: list[float] | None = None
+    untraced_communication_cpu_us: list[float] | None = None
 
     @property
     def recording_cpu_us(self) -> float | None:
@@ -40,6 +43,13 @@ class StepTimes:
         if not self.traced_run_queue_us or not self.untraced_run_queue_us:
             return None
         return statistics.median(self.traced_run_queue_us), statistics.median(self.untraced_run_queue_us)
+
+    @property
+    def communication_cpu_median_us(self) -> float | None:
+        """Median CPU time the communication threads used in an untraced step (in a traced one when no untraced
+        step measured it; None if unmeasured): the collectives' own CPU work, the same with or without the profiler."""
+        samples = self.untraced_communication_cpu_us or self.traced_communication_cpu_us
+        return statistics.median(samples) if samples else None
 
     @property
     def traced_median_us(self) -> float:
@@ -74,4 +84,6 @@ def read_step_times(run_dir: str | Path, rank: int) -> StepTimes | None:
                      untraced_cpu_us=micros("untraced_step_cpu_time_s")[1:],
                      recording_cost_per_op_us=float(per_op) if isinstance(per_op, (int, float)) else None,
                      traced_run_queue_us=micros("step_run_queue_wait_s"),
-                     untraced_run_queue_us=micros("untraced_step_run_queue_wait_s")[1:])
+                     untraced_run_queue_us=micros("untraced_step_run_queue_wait_s")[1:],
+                     traced_communication_cpu_us=micros("step_communication_cpu_time_s"),
+                     untraced_communication_cpu_us=micros("untraced_step_communication_cpu_time_s")[1:])

@@ -48,6 +48,7 @@ class RankResult:
     # median time the training thread waited for a core in a traced / an untraced step (run.json); 0 when unknown
     run_queue_wait_us: float = 0.0
     untraced_run_queue_wait_us: float = 0.0
+    communication_cpu_us: float = 0.0      # median CPU time of gloo's threads in an untraced step (run.json); 0: unknown
     recording_overhead_us: float = 0.0     # profiler cost taken out of the step's CPU durations
     overhead_per_op_us: float = 0.0
     overhead_rule: str = ""                # what measured the profiler's cost: "calibrated", "CPU time", "critical path"
@@ -155,6 +156,8 @@ def durations_text(rank: RankResult) -> str:
         text += (f"; the training thread waited for a core {rank.run_queue_wait_us / 1000:.1f} ms per traced step "
                  f"and {rank.untraced_run_queue_wait_us / 1000:.1f} ms per untraced step (run.json), time its ops' "
                  "durations hold")
+        if rank.communication_cpu_us:
+            text += f", while gloo's threads used {rank.communication_cpu_us / 1000:.1f} ms of CPU per untraced step"
     return text
 
 

@@ -136,6 +136,11 @@ class ChakraTracer:
         self._thread_cpu_started = 0.0
         self.step_thread_cpu_time_s: dict[int, float] = {}
         self.untraced_step_thread_cpu_time_s: dict[int, float] = {}
+        # CPU time of the communication backend's own threads (gloo's TCP loop and workers): the collectives' CPU
+        # work, which a CPU run does on the cores its compute needs
+        self._communication_cpu_started: float | None = None
+        self.step_communication_cpu_time_s: dict[int, float] = {}
+        self.untraced_step_communication_cpu_time_s: dict[int, float] = {}
         # Time the training thread (the one calling step()) was ready to run but waited for a core that another
         # thread or process had: inside its ops' durations, and a property of the machine, not of the program.
         self._queue_started: float | None = None
@@ -191,12 +196,13 @@ class ChakraTracer:
         timed = step <= self.traced_steps[-1]
         if step in self.traced_steps:
             self._record_step(step, self.step_wall_time_s, self.step_cpu_time_s, self.step_thread_cpu_time_s,
-                              self.step_run_queue_wait_s)
+                              self.step_run_queue_wait_s, self.step_communication_cpu_time_s)
             if step == self.traced_steps[-1] and self._load_start is not None:
                 self._note_machine_load()
         elif step < self.wait_steps:
             self._record_step(step, self.untraced_step_wall_time_s, self.untraced_step_cpu_time_s,
-                              self.untraced_step_thread_cpu_time_s, self.untraced_step_run_queue_wait_s)
+                              self.untraced_step_thread_cpu_time_s, self.untraced_step_run_queue_wait_s,
+                              self.untraced_step_communication_cpu_time_s)
         self._step += 1
         if self._profiler is not None and not self._finalized:
             self._profiler.step()
@@ -207,15 +213,16 @@ class ChakraTracer:
         self._restart_step_clocks(sync=timed)
 
     def _restart_step_clocks(self, sync: bool) -> None:
-        """Start timing the next step: wall clock, the process's and the training thread's CPU time, and the
-        thread's wait for a core."""
+        """Start timing the next step: wall clock, the process's, the training thread's and the communication
+        threads' CPU time, and the thread's wait for a core."""
         self._step_started = self._now(sync=sync)
         self._cpu_started = time.process_time()
         self._thread_cpu_started = time.thread_time()
         self._queue_started = run_queue_wait_s()
+        self._communication_cpu_started = communication_threads_cpu_s()
 
     def _record_step(self, step: int, wall: dict[int, float], cpu: dict[int, float], thread_cpu: dict[int, float],
-                     run_queue: dict[int, float]) -> None:
+                     run_queue: dict[int, float], communication_cpu: dict[int, float]) -> None:
         """What the step that just ended took on each clock _restart_step_clocks started."""
         wall[step] = self._now(sync=True) - self._step_started
         cpu[step] = time.process_time() - self._cpu_started
@@ -223,6 +230,10 @@ class ChakraTracer:
         waited = run_queue_wait_s()
         if waited is not None and self._queue_started is not None:
             run_queue[step] = waited - self._queue_started
+        communicated = communication_threads_cpu_s()
+        if communicated is not None and self._communication_cpu_started is not None:
+            # A thread that ended within the step takes its time with it: never below zero
+            communication_cpu[step] = max(0.0, communicated - self._communication_cpu_started)
 
     def _note_machine_load(self) -> None:
         """What else ran on the machine during the traced steps (run.json); a warning when it was busy."""
@@ -452,6 +463,12 @@ class ChakraTracer:
                                       if s in self.step_run_queue_wait_s],
             "untraced_step_run_queue_wait_s": [self.untraced_step_run_queue_wait_s[s]
                                                for s in sorted(self.untraced_step_run_queue_wait_s)],
+            # Empty where not measured (not Linux, or no communication backend threads: a GPU run's NCCL work is
+            # the device's).
+            "step_communication_cpu_time_s": [self.step_communication_cpu_time_s[s] for s in completed
+                                              if s in self.step_communication_cpu_time_s],
+            "untraced_step_communication_cpu_time_s": [self.untraced_step_communication_cpu_time_s[s]
+                                                       for s in sorted(self.untraced_step_communication_cpu_time_s)],
             "recording_cost_per_op_us": self.recording_cost_per_op_us,
             "files": {kind: path.name for kind, path in sorted(self.files.items())},
             "errors": errors,
@@ -495,6 +512,33 @@ def run_queue_wait_s() -> float | None:
             return int(stats.read().split()[1]) / 1e9
     except (OSError, ValueError, IndexError):
         return None
+
+
+# Names Linux shows for the threads of torch's gloo backend (/proc/<pid>/task/<tid>/comm): the TCP transport's
+# event loop, which moves the bytes, and the process group's workers, which run the collectives' reductions.
+COMMUNICATION_THREAD_NAMES = ("gloo_tcp_loop", "pt_gloo_runloop")
+
+
+def communication_threads_cpu_s() -> float | None:
+    """Seconds of CPU the process's communication threads (COMMUNICATION_THREAD_NAMES) have used since they started
+    (the first field of each thread's /proc/self/task/<tid>/schedstat, in ns); None where Linux does not provide it
+    or no such thread exists (before the process group starts, or a backend without CPU threads such as NCCL)."""
+    total, found = 0, False
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return None
+    for tid in tasks:
+        try:
+            with open(f"/proc/self/task/{tid}/comm", encoding="utf-8", errors="replace") as name:
+                if name.read().strip() not in COMMUNICATION_THREAD_NAMES:
+                    continue
+            with open(f"/proc/self/task/{tid}/schedstat", encoding="ascii") as stats:
+                total += int(stats.read().split()[0])
+                found = True
+        except (OSError, ValueError, IndexError):
+            continue  # the thread ended between the listing and the read
+    return total / 1e9 if found else None
 
 
 def measure_recording_cost_us(calls: int = 300) -> float:
