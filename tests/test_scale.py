@@ -352,3 +352,25 @@ def test_astra_sim_runs_every_rank_of_a_scaled_set_and_feels_the_straggler(astra
     assert sorted(even) == sorted(slowed) == list(range(8))
     # The gradient all-reduce waits for the slow rank: every rank's step grows by about its compute before it.
     assert min(slowed.values()) > max(even.values()) * 1.3
+
+
+def test_communication_cpu_nodes_grow_with_the_bytes_a_rank_moves_in_the_larger_ring(gpt2_run, tmp_path):
+    """A collective's CPU node (trace_tools.core_sharing) at 8 ranks: each rank moves 7/8 of the buffer each way
+    against 1/2 at 2, so 1.75x the time; the other compute nodes keep theirs."""
+    def with_communication_cpu(nodes: list[Node]) -> None:
+        collective = next(n for n in nodes if n.type == COMM_COLL_NODE)
+        node = Node(id=max(n.id for n in nodes) + 1, name="gloo:all_reduce (communication threads' CPU work)",
+                    type=COMP_NODE, duration_micros=4000, data_deps=list(collective.data_deps))
+        node.attr.add(name="communication_cpu_of", int64_val=collective.id)
+        node.attr.add(name="is_cpu_op", bool_val=True)
+        nodes.append(node)
+
+    source = _rewritten(gpt2_run, tmp_path / "src", with_communication_cpu)
+    prefix = scale_run(source, 8, output_dir=tmp_path / "out")
+    for r in (0, 5):
+        _, nodes = read_et_with_protolib(Path(f"{prefix}.{r}.et"))
+        _, traced = read_et_with_protolib(source / f"{GPT2_2R}.{r % 2}.et")
+        durations = {n.id: n.duration_micros for n in nodes}
+        cpu_work = [n for n in traced if attr_value(n, "communication_cpu_of") is not None]
+        assert len(cpu_work) == 1 and durations[cpu_work[0].id] == 7000
+        assert all(durations[n.id] == n.duration_micros for n in traced if n is not cpu_work[0])

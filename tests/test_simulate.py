@@ -516,3 +516,37 @@ def test_module_imports_no_torch():
                            "assert 'torch' not in sys.modules"], cwd=REPO, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert simulate.BINARY_NAME == "AstraSim_Analytical_Congestion_Unaware"
+
+
+def converted_with_run_json(folder: Path, communication_cpu_s: float | None) -> Path:
+    """The bundled run converted with a run.json that times untraced steps like its traced one, no wait for a
+    core, and (when given) the gloo threads' CPU time per step."""
+    shutil.copytree(BUNDLED, folder)
+    info = json.loads((folder / "run.json").read_text())
+    for rank in info["ranks"]:
+        step = rank["step_wall_time_s"][0]
+        rank.update(untraced_step_wall_time_s=[5 * step, step, step], step_run_queue_wait_s=[0.0],
+                    untraced_step_run_queue_wait_s=[0.0, 0.0, 0.0])
+        if communication_cpu_s is not None:
+            rank.update(untraced_step_communication_cpu_time_s=[communication_cpu_s] * 3)
+    (folder / "run.json").write_text(json.dumps(info))
+    proc = subprocess.run([sys.executable, "convert_to_et.py", str(folder), "--jobs", "1", "--no-progress"], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return folder
+
+
+@needs_astra_sim
+def test_communication_cpu_lengthens_the_step_on_a_fast_network_and_hides_behind_a_slow_one(tmp_path):
+    """The collectives' CPU nodes (trace_tools.core_sharing) run on the rank's CPU: with the network free they add
+    their time to the step; at 10 Mbit/s the transfer outlasts them and the step barely moves."""
+    cpu_s = 0.05
+    plain = converted_with_run_json(tmp_path / "plain", None)
+    shared = converted_with_run_json(tmp_path / "shared", cpu_s)
+    steps = {}
+    for name, folder in (("plain", plain), ("shared", shared)):
+        for rate, gbs in (("free", 1e6), ("slow", parse_bandwidth("10Mbit/s"))):
+            steps[name, rate] = simulate_run(folder, bandwidth_gbs=gbs, latency_ns=0.0,
+                                             work_dir=tmp_path / f"{name}-{rate}").step_ms
+    assert steps["shared", "free"] - steps["plain", "free"] == pytest.approx(cpu_s * 1000, rel=0.1), steps
+    assert abs(steps["shared", "slow"] - steps["plain", "slow"]) < 0.1 * cpu_s * 1000, steps

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from chakra.schema.protobuf.et_def_pb2 import COMP_NODE
+from chakra.schema.protobuf.et_def_pb2 import COMM_COLL_NODE, COMP_NODE
 from conversion_helpers import CPU_FIXTURES, read_et_with_protolib, read_json, scaled_trace, write_json
 from trace_tools.graph import children_of, descendants as descendants_of
 from trace_tools.link import GPU_OP, link_host_and_device
@@ -372,9 +372,9 @@ def test_the_tracers_per_operator_measurement_is_the_least_cost_taken_out(tmp_pa
 @pytest.mark.parametrize("untraced_share, warned", [(0.25, True), (0.02, False)])
 def test_the_training_threads_wait_for_a_core_is_reported_and_warned_beyond_the_bound(tmp_path, untraced_share,
                                                                                         warned):
-    """run.json's run-queue waits (the time the training thread was ready but another thread had its core) and
-    gloo's threads' CPU time are read per step and reported; a wait beyond a tenth of the untraced step is a
-    warning: the .et holds it as compute, and another network changes it."""
+    """run.json's run-queue waits (the time the training thread was ready but another thread had its core) are
+    read per step and reported; without gloo's CPU time (which trace_tools.core_sharing needs), a wait beyond a
+    tenth of the untraced step is a warning: the .et holds it as compute, and another network changes it."""
     folder = rank0_copy(CPU_FIXTURES / "gpt2_tiny_2r", tmp_path / "run")
     step_s = 0.05
     (folder / "run.json").write_text(json.dumps({"ranks": [{
@@ -382,8 +382,7 @@ def test_the_training_threads_wait_for_a_core_is_reported_and_warned_beyond_the_
         "untraced_step_wall_time_s": [9 * step_s, step_s, step_s, step_s],
         "step_run_queue_wait_s": [0.004, 0.006, 0.1],
         # the first untraced step (start-up) is left out, as for the step times
-        "untraced_step_run_queue_wait_s": [1.0, untraced_share * step_s, untraced_share * step_s, 0.0],
-        "untraced_step_communication_cpu_time_s": [1.0, 0.012, 0.014, 0.013]}]}))
+        "untraced_step_run_queue_wait_s": [1.0, untraced_share * step_s, untraced_share * step_s, 0.0]}]}))
     result = convert_rank0(folder, folder / "run.0.et")
     assert result.run_queue_wait_us == pytest.approx(6000)
     assert result.untraced_run_queue_wait_us == pytest.approx(untraced_share * step_s * 1e6)
@@ -392,6 +391,60 @@ def test_the_training_threads_wait_for_a_core_is_reported_and_warned_beyond_the_
     if warned:
         assert f"{untraced_share:.0%} of an untraced step" in warnings[0]
     assert "the training thread waited for a core 6.0 ms per traced step" in durations_text(result)
-    assert result.communication_cpu_us == pytest.approx(13000)  # gloo's threads: median of the untraced steps
-    assert "gloo's threads used 13.0 ms of CPU per untraced step" in durations_text(result)
 
+
+def _core_sharing_run(tmp_path: Path, communication_cpu: bool) -> tuple[Path, float]:
+    """Rank 0 of the tiny 2-rank run with a run.json whose training thread waited for a core 20% of a traced step,
+    and (if asked) whose gloo threads used 30% of a step's time in CPU."""
+    folder = rank0_copy(CPU_FIXTURES / "gpt2_tiny_2r", tmp_path / ("shared" if communication_cpu else "plain"))
+    step_s = 0.05
+    rank = {"rank": 0, "step_wall_time_s": [step_s] * 3, "untraced_step_wall_time_s": [9 * step_s] + [step_s] * 3,
+            "step_run_queue_wait_s": [0.2 * step_s] * 3, "untraced_step_run_queue_wait_s": [0.2 * step_s] * 4}
+    if communication_cpu:
+        # the first untraced step (start-up) is left out, as for the step times
+        rank.update(step_communication_cpu_time_s=[0.5 * step_s] * 3,
+                    untraced_step_communication_cpu_time_s=[5 * step_s] + [0.3 * step_s] * 3)
+    (folder / "run.json").write_text(json.dumps({"ranks": [rank]}))
+    return folder, step_s
+
+
+def test_communication_cpu_runs_beside_each_collective_and_the_wait_for_a_core_leaves_the_training_thread(tmp_path):
+    """With the communication threads' CPU time measured, each collective gets a CPU node with its share by bytes,
+    after the collective's inputs and before its consumers, and the training thread's traced wait for a core leaves
+    its ops (trace_tools.core_sharing). Without that time the .et keeps the wait and warns."""
+    plain_folder, step_s = _core_sharing_run(tmp_path, communication_cpu=False)
+    folder, _ = _core_sharing_run(tmp_path, communication_cpu=True)
+    plain = convert_rank0(plain_folder, plain_folder / "run.0.et")
+    result = convert_rank0(folder, folder / "run.0.et")
+    assert any("waited for a core" in w for w in plain.warnings) and plain.communication_cpu_us == 0
+    assert not any("waited for a core" in w for w in result.warnings)
+    assert result.communication_cpu_us == pytest.approx(0.3 * step_s * 1e6)
+    assert result.run_queue_removed_us == pytest.approx(0.2 * step_s * 1e6)
+    assert result.cores_shared and result.untraced_run_queue_wait_us == pytest.approx(0.2 * step_s * 1e6)
+    assert ("gloo's threads used 15.0 ms of CPU per untraced step: the traced wait (10.0 ms) taken out"
+            in durations_text(result))
+
+    _, plain_nodes = read_et_with_protolib(plain_folder / "run.0.et")
+    _, nodes = read_et_with_protolib(folder / "run.0.et")
+    attrs = [{a.name: a for a in n.attr} for n in nodes]
+    by_id = {n.id: n for n in nodes}
+    collectives = [n for n in nodes if n.type == COMM_COLL_NODE]
+    collective_ids = {n.id for n in collectives}
+    cpu_work = [(n, a) for n, a in zip(nodes, attrs) if "communication_cpu_of" in a]
+    assert collectives and len(cpu_work) == len(collectives) == len(nodes) - len(plain_nodes)
+    total_bytes = sum(next(a.int64_val for a in c.attr if a.name == "comm_size") for c in collectives)
+    for node, a in cpu_work:
+        collective = by_id[a["communication_cpu_of"].int64_val]
+        size = next(x.int64_val for x in collective.attr if x.name == "comm_size")
+        assert node.type == COMP_NODE and a["is_cpu_op"].bool_val
+        assert node.duration_micros == pytest.approx(0.3 * step_s * 1e6 * size / total_bytes, abs=1)
+        assert set(node.data_deps) == {d for d in collective.data_deps if d not in collective_ids}
+        consumers = [n for n in nodes if collective.id in n.data_deps and n.type != COMM_COLL_NODE]
+        assert consumers and all(node.id in n.data_deps for n in consumers)
+        # the next collective of the group waits for the network, not for this CPU work
+        assert not any(node.id in n.data_deps for n in collectives)
+    # The wait left the training thread's compute: the other compute nodes lost it, about in total
+    plain_compute = sum(n.duration_micros for n in plain_nodes if n.type == COMP_NODE)
+    compute = sum(n.duration_micros for n, a in zip(nodes, attrs) if n.type == COMP_NODE and
+                  "communication_cpu_of" not in a)
+    assert plain_compute - compute == pytest.approx(0.2 * step_s * 1e6, rel=0.02)

@@ -22,6 +22,9 @@ logger = logging.getLogger(__name__)
 
 # Node kinds in the linked graph
 HOST_OP, KINETO_OP, GPU_OP = 0, 1, 2
+# A node the trace has no op for: the CPU work of a collective's communication threads (trace_tools.core_sharing)
+COMMUNICATION_CPU_OP = 3
+COMMUNICATION_CPU_ATTR = "communication_cpu_of"  # its .et attribute: the id of the collective whose work it is
 # Names of chakra's enums (et_def_pb2) in messages and summaries: ALL_REDUCE, COMP...
 COMM_TYPE_NAMES = {value: name for name, value in CollectiveCommType.items()}
 NODE_TYPE_NAMES = {t: NodeType.Name(t).removesuffix("_NODE") for t in (COMP_NODE, COMM_SEND_NODE, COMM_RECV_NODE,
@@ -60,8 +63,9 @@ class LinkedTrace:
     rank: int
     host: HostTrace
     device: DeviceTrace
-    kind: list[int] = field(default_factory=list)        # HOST_OP, KINETO_OP or GPU_OP
-    src: list[int] = field(default_factory=list)         # index into the Kineto cpu table or gpu table
+    kind: list[int] = field(default_factory=list)        # HOST_OP, KINETO_OP, GPU_OP or COMMUNICATION_CPU_OP
+    src: list[int] = field(default_factory=list)         # index into the Kineto cpu table or gpu table (the
+                                                         # collective's node for a COMMUNICATION_CPU_OP)
     host_index: list[int] = field(default_factory=list)  # index into host columns, -1 when none
     ts: list[float] = field(default_factory=list)
     dur: list[float] = field(default_factory=list)       # inclusive
@@ -84,6 +88,7 @@ class LinkedTrace:
     traced_excl: list[float] = field(default_factory=list)          # exclusive times as traced, before medians
     step_samples: dict[int, list] = field(default_factory=dict)     # node -> its time in each traced step (None: absent)
     overhead: list[float] = field(default_factory=list)             # profiler cost taken out of each node's time
+    queued: list[float] = field(default_factory=list)               # its thread's wait for a core, taken out too
     untraced_step_us: float = 0.0                                   # the run's step without the profiler, if measured
     step_name: str = ""
     step_start: float = 0.0
@@ -94,10 +99,12 @@ class LinkedTrace:
         return len(self.kind)
 
     def work(self, i: int) -> float:
-        """Duration written to the .et: exclusive time less the time the node waited for another lane and less
-        the profiler's own cost (when the untraced step time is known)."""
+        """Duration written to the .et: exclusive time less the time the node waited for another lane, less
+        the profiler's own cost (when the untraced step time is known) and less its thread's wait for a core (when
+        measured)."""
         overhead = self.overhead[i] if self.overhead else 0.0
-        return max(0.0, self.excl[i] - self.wait[i] - overhead)
+        queued = self.queued[i] if self.queued else 0.0
+        return max(0.0, self.excl[i] - self.wait[i] - overhead - queued)
 
     def traced_work(self, i: int) -> float:
         """The duration as traced in the chosen step (no median, no overhead correction)."""
@@ -110,6 +117,8 @@ class LinkedTrace:
             return self.host.names[self.host_index[i]]
         if k == KINETO_OP:
             return self.device.cpu_names[self.src[i]]
+        if k == COMMUNICATION_CPU_OP:
+            return f"{self.name(self.src[i])} (communication threads' CPU work)"
         return self.device.gpu_names[self.src[i]]
 
 

@@ -19,6 +19,7 @@ from typing import Any, Callable
 
 from .atomic import atomic_path
 from .convert import write_et, write_merged_json
+from .core_sharing import share_cores
 from .discover import Run
 from .identity import device_header_identity, host_device_time_problem, one_run_problems, rank_identity
 from .layout import CONVERSION_SUMMARY, PG_INIT_NODE, STEP_PREFIX, et_name
@@ -252,26 +253,31 @@ def _correct_for_profiler(linked, result: RankResult, run_dir: Path, rank: int) 
     if times is None:
         return
     result.untraced_step_us = times.untraced_median_us
-    _note_run_queue_wait(times, result)
     cost = remove_recording_overhead(linked, times.traced_median_us, times.untraced_median_us, times.recording_cpu_us,
                                      times.recording_cost_per_op_us)
     result.overhead_per_op_us = cost
     result.overhead_rule = linked.stats.get("recording_overhead_rule", "")
     result.recording_overhead_us = linked.stats.get("recording_overhead_us", 0.0)
     linked.untraced_step_us = times.untraced_median_us
+    waits = times.run_queue_median_us
+    sharing = share_cores(linked, waits[0] if waits else None, times.communication_cpu_median_us)
+    if sharing is not None:
+        result.cores_shared, result.run_queue_removed_us = True, sharing.run_queue_removed_us
+    _note_run_queue_wait(times, result, corrected=sharing is not None)
 
 
-def _note_run_queue_wait(times: StepTimes, result: RankResult) -> None:
+def _note_run_queue_wait(times: StepTimes, result: RankResult, corrected: bool) -> None:
     """How long the training thread waited for a core a step, and the CPU time gloo's threads used: the machine's
-    other work (the other ranks' threads, the communication's CPU work) stretched its ops by the wait, and the .et
-    keeps it as compute."""
+    other work (the other ranks' threads, the communication's CPU work) stretched its ops by the wait; a warning
+    when the .et keeps it as compute (the run did not measure gloo's CPU time, so trace_tools.core_sharing could
+    not model the sharing)."""
     waits = times.run_queue_median_us
     if waits is None:
         return
     result.run_queue_wait_us, result.untraced_run_queue_wait_us = waits
     result.communication_cpu_us = times.communication_cpu_median_us or 0.0
     share = waits[1] / times.untraced_median_us if times.untraced_median_us > 0 else 0.0
-    if share > STEP_SPREAD_BOUND:
+    if share > STEP_SPREAD_BOUND and not corrected:
         result.warnings.append(
             f"the training thread waited for a core {share:.0%} of an untraced step ({waits[1] / 1000:.1f} of "
             f"{times.untraced_median_us / 1000:.1f} ms): other threads or processes shared its cores, and the .et "

@@ -30,7 +30,7 @@ from chakra.src.third_party.utils.protolib import encodeMessage
 
 from .atomic import write_text_atomic
 from .layout import ET_FILE_RE, RUN_INFO, et_name, et_sets
-from .link import COMM_TYPE_NAMES
+from .link import COMM_TYPE_NAMES, COMMUNICATION_CPU_ATTR
 from .pipeline import FALLBACK_OUTPUT_ROOT, _writable
 from .summary import converted_from, format_bytes
 from .validate import (EtFormatError, SerializedMessage, collectives_agree, iter_et_messages, read_et_metadata,
@@ -126,6 +126,8 @@ class SourceEt:
     all_reduce_starts: list[int] = field(default_factory=list)
     p2p: int = 0
     first_backward_us: int | None = None
+    # CPU nodes of the communication threads' work (trace_tools.core_sharing): it grows with the bytes a rank moves
+    communication_cpu_indices: list[int] = field(default_factory=list)
 
     @property
     def meta(self) -> dict:
@@ -158,6 +160,8 @@ def read_source_et(path: Path) -> SourceEt:
                                     COMM_TYPE_NAMES.get(comm_type, str(comm_type)), attrs.get("comm_size", 0)))
                 if comm_type == ALL_REDUCE:
                     source.all_reduce_starts.append(node.start_time_micros)
+            elif any(a.name == COMMUNICATION_CPU_ATTR for a in node.attr):
+                source.communication_cpu_indices.append(index)
             elif _is_backward(node.name):
                 start = node.start_time_micros
                 if source.first_backward_us is None or start < source.first_backward_us:
@@ -343,9 +347,13 @@ def _slowed(blob: bytes, factor: float) -> bytes:
 
 def write_scaled_et(source: SourceEt, out_path: Path, *, ranks: int, traced_ranks: int, source_rank: int,
                     compute_scale: float = 1.0) -> Path:
-    """Write one scaled .et: collectives in the N-rank world group, compute durations times compute_scale, every
-    other node byte for byte as in the source."""
+    """Write one scaled .et: collectives in the N-rank world group, compute durations times compute_scale, the
+    communication threads' CPU nodes also times the bytes a rank moves in a ring of N against one of the traced
+    ranks ((N-1)/N of the buffer each way in an all-reduce, all-gather or reduce-scatter), every other node byte for
+    byte as in the source."""
     rewrite: dict[int, bytes] = {i: _in_world_group(source.blobs[i]) for i in source.comm_indices}
+    moved = ((ranks - 1) / ranks) / ((traced_ranks - 1) / traced_ranks) if traced_ranks > 1 else 1.0
+    rewrite.update({i: _slowed(source.blobs[i], compute_scale * moved) for i in source.communication_cpu_indices})
     metadata = scaled_metadata(source.metadata, ranks, traced_ranks, source_rank, compute_scale)
     with open(out_path, "xb", buffering=1 << 20) as f:
         encodeMessage(f, metadata)

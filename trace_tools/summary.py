@@ -49,6 +49,10 @@ class RankResult:
     run_queue_wait_us: float = 0.0
     untraced_run_queue_wait_us: float = 0.0
     communication_cpu_us: float = 0.0      # median CPU time of gloo's threads in an untraced step (run.json); 0: unknown
+    # trace_tools.core_sharing applied: the traced wait for a core taken out of the training thread's ops, and
+    # gloo's CPU time given to the collectives as CPU nodes
+    cores_shared: bool = False
+    run_queue_removed_us: float = 0.0
     recording_overhead_us: float = 0.0     # profiler cost taken out of the step's CPU durations
     overhead_per_op_us: float = 0.0
     overhead_rule: str = ""                # what measured the profiler's cost: "calibrated", "CPU time", "critical path"
@@ -154,10 +158,15 @@ def durations_text(rank: RankResult) -> str:
         text += "; profiler cost not removed (no untraced step times in run.json)"
     if rank.run_queue_wait_us or rank.untraced_run_queue_wait_us:
         text += (f"; the training thread waited for a core {rank.run_queue_wait_us / 1000:.1f} ms per traced step "
-                 f"and {rank.untraced_run_queue_wait_us / 1000:.1f} ms per untraced step (run.json), time its ops' "
-                 "durations hold")
+                 f"and {rank.untraced_run_queue_wait_us / 1000:.1f} ms per untraced step (run.json)")
         if rank.communication_cpu_us:
             text += f", while gloo's threads used {rank.communication_cpu_us / 1000:.1f} ms of CPU per untraced step"
+        if rank.cores_shared:
+            text += (f": the traced wait ({rank.run_queue_removed_us / 1000:.1f} ms) taken out of the training "
+                     "thread's ops, and gloo's CPU time given to the collectives as CPU nodes, by bytes "
+                     "(trace_tools.core_sharing)")
+        else:
+            text += ", time its ops' durations hold"
     return text
 
 

@@ -1,0 +1,130 @@
+"""A CPU run's communication is CPU work on the compute's cores: model it as such, whatever the traced network.
+
+On a CPU run gloo's threads copy every byte of a collective through the kernel and reduce it, on the same cores
+the training thread computes on. How much of that work lands inside the compute depends on the network. At full
+speed a bucket's all-reduce is done while the backward pass still runs, and its CPU work takes the cores from the
+backward pass: the training thread waits for a core (its run-queue wait) and its ops last longer. On a slow network
+the same work is spread over a transfer that outlasts the backward pass, and mostly uses cores nothing else wants.
+So the traced durations hold the sharing of the traced network: an .et traced on a slow network predicts a fast one
+too fast (GPT-2 124M shape traced at 1 Gbit/s: 0.89-0.91 of the real unthrottled step), while the simulator's
+network costs no CPU at all.
+
+The rule follows the program instead of the traced timing: the training thread's run-queue wait in the traced
+steps (run.json, Linux's schedstat) is taken out of its ops, time it did not run; and each collective gets a CPU
+node with its share, by bytes, of the CPU time the communication threads used per untraced step (run.json),
+issued with the collective (after what produced its input; what consumes its result waits for it as well) and
+marked as a CPU op, so that the simulator runs it on the rank's CPU between the compute ops (ASTRA-sim runs one CPU
+op at a time per rank): on the path at full speed, hidden behind the transfer where the network is slow.
+
+GPU runs are left alone (NCCL's work is the device's), and so are runs that did not measure both times.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from chakra.schema.protobuf.et_def_pb2 import COMM_COLL_NODE, COMP_NODE
+
+from .link import COMMUNICATION_CPU_OP, GPU_OP, LinkedTrace
+
+
+@dataclass
+class CoreSharing:
+    """What share_cores changed: the run-queue wait taken out of the training thread's ops and the communication
+    CPU time given to the collectives, both per step in µs."""
+
+    run_queue_removed_us: float
+    communication_cpu_us: float
+    collectives: int
+
+
+def share_cores(linked: LinkedTrace, run_queue_wait_us: float | None,
+                communication_cpu_us: float | None) -> CoreSharing | None:
+    """Take the training thread's traced run-queue wait out of its ops and give each collective a CPU node with its
+    share of the communication threads' CPU time; None (nothing changed) on a GPU run, without collectives, or when
+    either time was not measured."""
+    collectives = [i for i in sorted(linked.comm) if linked.node_type[i] == COMM_COLL_NODE]
+    if run_queue_wait_us is None or communication_cpu_us is None or not collectives or GPU_OP in linked.kind:
+        return None
+    removed = _remove_run_queue_wait(linked, max(0.0, run_queue_wait_us))
+    # Only the compute waits for the CPU work: a collective's successor in its process group runs when the network
+    # is free, whatever the CPU does (ASTRA-sim would hold the whole chain of collectives behind the compute).
+    consumers: dict[int, list[int]] = {c: [] for c in collectives}
+    for j, deps in enumerate(linked.deps):
+        if j in linked.comm:
+            continue
+        for d in deps:
+            if d in consumers:
+                consumers[d].append(j)
+    producers = {c: [d for d in linked.deps[c] if d not in linked.comm] for c in collectives}
+    if not linked.traced_excl:
+        linked.traced_excl = list(linked.excl)
+    total_bytes = sum(max(0, linked.comm[i].get("comm_size", 0)) for i in collectives)
+    for c in collectives:
+        share = (max(0, linked.comm[c].get("comm_size", 0)) / total_bytes) if total_bytes else 1 / len(collectives)
+        _add_communication_cpu_node(linked, c, max(0.0, communication_cpu_us) * share, producers[c], consumers[c])
+    result = CoreSharing(removed, max(0.0, communication_cpu_us), len(collectives))
+    linked.stats["core_sharing"] = {"run_queue_removed_us": round(removed, 1),
+                                    "communication_cpu_us": round(result.communication_cpu_us, 1),
+                                    "collectives": len(collectives)}
+    return result
+
+
+def training_thread_ops(linked: LinkedTrace) -> list[int]:
+    """The compute ops of the thread that ran the traced step (its ProfilerStep annotation's lane)."""
+    steps = set(linked.traced_steps)
+    lanes = {linked.lane[i] for i in range(len(linked)) if linked.kind[i] != GPU_OP and linked.src[i] in steps
+             and linked.kind[i] != COMMUNICATION_CPU_OP}
+    return [i for i in range(len(linked)) if linked.lane[i] in lanes and linked.kind[i] != GPU_OP
+            and linked.kind[i] != COMMUNICATION_CPU_OP and i not in linked.comm]
+
+
+def _remove_run_queue_wait(linked: LinkedTrace, wait_us: float) -> float:
+    """Take wait_us out of the training thread's ops in proportion to their durations (the wait falls on whatever
+    runs when the core is taken); returns what was taken out (at most their total)."""
+    ops = training_thread_ops(linked)
+    work = {i: linked.work(i) for i in ops}
+    total = sum(work.values())
+    if total <= 0.0 or wait_us <= 0.0:
+        return 0.0
+    removed = min(wait_us, total)
+    if not linked.queued:
+        linked.queued = [0.0] * len(linked)
+    for i in ops:
+        linked.queued[i] = removed * work[i] / total
+    return removed
+
+
+def _add_communication_cpu_node(linked: LinkedTrace, collective: int, duration_us: float, producers: list[int],
+                                consumers: list[int]) -> int:
+    """Append the CPU node of one collective: after the compute that produced its input, before the compute that
+    consumes its result. Its id follows every other (ASTRA-sim issues the ready nodes lowest id first, so it runs
+    once the training thread waits)."""
+    node = len(linked)
+    new_id = max(linked.node_id, default=-1) + 1
+    lane = _communication_lane(linked)
+    linked.kind.append(COMMUNICATION_CPU_OP)
+    linked.src.append(collective)  # for this kind: the collective whose CPU work it is
+    linked.host_index.append(-1)
+    linked.ts.append(linked.ts[collective])
+    linked.dur.append(duration_us)
+    linked.excl.append(duration_us)
+    linked.lane.append(lane)
+    linked.parent.append(linked.parent[collective])
+    linked.lane_parent.append(-1)
+    linked.wait.append(0.0)
+    linked.node_type.append(COMP_NODE)
+    linked.deps.append(list(producers))
+    linked.node_id.append(new_id)
+    for extra in (linked.traced_excl, linked.overhead, linked.queued):
+        if extra:
+            extra.append(0.0)  # not an op of the traced timeline: its time there was on other threads
+    for j in consumers:
+        linked.deps[j].append(node)
+    return node
+
+
+def _communication_lane(linked: LinkedTrace) -> int:
+    lane = ("cpu", "communication threads")
+    if lane not in linked.lanes:
+        linked.lanes.append(lane)
+    return linked.lanes.index(lane)
