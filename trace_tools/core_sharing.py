@@ -20,28 +20,16 @@ GPU runs are left alone (NCCL's work is the device's), and so are runs that did 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from chakra.schema.protobuf.et_def_pb2 import COMM_COLL_NODE, COMP_NODE
 
 from .link import COMMUNICATION_CPU_OP, GPU_OP, LinkedTrace
 
 
-@dataclass
-class CoreSharing:
-    """What share_cores changed: the run-queue wait taken out of the training thread's ops and the communication
-    CPU time given to the collectives, both per step in µs."""
-
-    run_queue_removed_us: float
-    communication_cpu_us: float
-    collectives: int
-
-
 def share_cores(linked: LinkedTrace, run_queue_wait_us: float | None,
-                communication_cpu_us: float | None) -> CoreSharing | None:
+                communication_cpu_us: float | None) -> float | None:
     """Take the training thread's traced run-queue wait out of its ops and give each collective a CPU node with its
-    share of the communication threads' CPU time; None (nothing changed) on a GPU run, without collectives, or when
-    either time was not measured."""
+    share of the communication threads' CPU time; returns the wait taken out (µs per step), or None (nothing
+    changed) on a GPU run, without collectives, or when either time was not measured."""
     collectives = [i for i in sorted(linked.comm) if linked.node_type[i] == COMM_COLL_NODE]
     if run_queue_wait_us is None or communication_cpu_us is None or not collectives or GPU_OP in linked.kind:
         return None
@@ -58,15 +46,17 @@ def share_cores(linked: LinkedTrace, run_queue_wait_us: float | None,
     producers = {c: [d for d in linked.deps[c] if d not in linked.comm] for c in collectives}
     if not linked.traced_excl:
         linked.traced_excl = list(linked.excl)
+    # After every other id: ASTRA-sim issues the ready nodes lowest id first, so they run once the training thread
+    # waits. One lane of their own.
+    next_id = max(linked.node_id, default=-1) + 1
+    linked.lanes.append(("cpu", "communication threads"))
+    lane = len(linked.lanes) - 1
     total_bytes = sum(max(0, linked.comm[i].get("comm_size", 0)) for i in collectives)
-    for c in collectives:
+    for offset, c in enumerate(collectives):
         share = (max(0, linked.comm[c].get("comm_size", 0)) / total_bytes) if total_bytes else 1 / len(collectives)
-        _add_communication_cpu_node(linked, c, max(0.0, communication_cpu_us) * share, producers[c], consumers[c])
-    result = CoreSharing(removed, max(0.0, communication_cpu_us), len(collectives))
-    linked.stats["core_sharing"] = {"run_queue_removed_us": round(removed, 1),
-                                    "communication_cpu_us": round(result.communication_cpu_us, 1),
-                                    "collectives": len(collectives)}
-    return result
+        _add_communication_cpu_node(linked, c, max(0.0, communication_cpu_us) * share, producers[c], consumers[c],
+                                    next_id + offset, lane)
+    return removed
 
 
 def training_thread_ops(linked: LinkedTrace) -> list[int]:
@@ -95,13 +85,10 @@ def _remove_run_queue_wait(linked: LinkedTrace, wait_us: float) -> float:
 
 
 def _add_communication_cpu_node(linked: LinkedTrace, collective: int, duration_us: float, producers: list[int],
-                                consumers: list[int]) -> int:
+                                consumers: list[int], node_id: int, lane: int) -> None:
     """Append the CPU node of one collective: after the compute that produced its input, before the compute that
-    consumes its result. Its id follows every other (ASTRA-sim issues the ready nodes lowest id first, so it runs
-    once the training thread waits)."""
+    consumes its result."""
     node = len(linked)
-    new_id = max(linked.node_id, default=-1) + 1
-    lane = _communication_lane(linked)
     linked.kind.append(COMMUNICATION_CPU_OP)
     linked.src.append(collective)  # for this kind: the collective whose CPU work it is
     linked.host_index.append(-1)
@@ -114,17 +101,9 @@ def _add_communication_cpu_node(linked: LinkedTrace, collective: int, duration_u
     linked.wait.append(0.0)
     linked.node_type.append(COMP_NODE)
     linked.deps.append(list(producers))
-    linked.node_id.append(new_id)
+    linked.node_id.append(node_id)
     for extra in (linked.traced_excl, linked.overhead, linked.queued):
         if extra:
             extra.append(0.0)  # not an op of the traced timeline: its time there was on other threads
     for j in consumers:
         linked.deps[j].append(node)
-    return node
-
-
-def _communication_lane(linked: LinkedTrace) -> int:
-    lane = ("cpu", "communication threads")
-    if lane not in linked.lanes:
-        linked.lanes.append(lane)
-    return linked.lanes.index(lane)

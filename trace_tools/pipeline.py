@@ -260,10 +260,10 @@ def _correct_for_profiler(linked, result: RankResult, run_dir: Path, rank: int) 
     result.recording_overhead_us = linked.stats.get("recording_overhead_us", 0.0)
     linked.untraced_step_us = times.untraced_median_us
     waits = times.run_queue_median_us
-    sharing = share_cores(linked, waits[0] if waits else None, times.communication_cpu_median_us)
-    if sharing is not None:
-        result.cores_shared, result.run_queue_removed_us = True, sharing.run_queue_removed_us
-    _note_run_queue_wait(times, result, corrected=sharing is not None)
+    removed = share_cores(linked, waits[0] if waits else None, times.communication_cpu_median_us)
+    if removed is not None:
+        result.cores_shared, result.run_queue_removed_us = True, removed
+    _note_run_queue_wait(times, result, corrected=removed is not None)
 
 
 def _note_run_queue_wait(times: StepTimes, result: RankResult, corrected: bool) -> None:

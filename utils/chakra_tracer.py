@@ -504,14 +504,20 @@ class ChakraTracer:
         logger.info("traces of steps %s from %d rank(s) in %s", completed, len(ranks), self.trace_dir)
 
 
-def run_queue_wait_s() -> float | None:
-    """Seconds the calling thread has spent runnable but waiting for a CPU since it started (the second field of
-    Linux's /proc/thread-self/schedstat, in ns); None where the kernel does not provide it."""
+def _schedstat_s(path: str, field: int) -> float | None:
+    """One field of a Linux schedstat file in seconds (0: time on a CPU, 1: time runnable but waiting for one, both
+    in ns); None where the file is missing or unreadable (not Linux, or the thread has ended)."""
     try:
-        with open("/proc/thread-self/schedstat", encoding="ascii") as stats:
-            return int(stats.read().split()[1]) / 1e9
+        with open(path, encoding="ascii") as stats:
+            return int(stats.read().split()[field]) / 1e9
     except (OSError, ValueError, IndexError):
         return None
+
+
+def run_queue_wait_s() -> float | None:
+    """Seconds the calling thread has spent runnable but waiting for a CPU since it started (Linux's
+    /proc/thread-self/schedstat); None where the kernel does not provide it."""
+    return _schedstat_s("/proc/thread-self/schedstat", 1)
 
 
 # Names Linux shows for the threads of torch's gloo backend (/proc/<pid>/task/<tid>/comm): the TCP transport's
@@ -521,24 +527,24 @@ COMMUNICATION_THREAD_NAMES = ("gloo_tcp_loop", "pt_gloo_runloop")
 
 def communication_threads_cpu_s() -> float | None:
     """Seconds of CPU the process's communication threads (COMMUNICATION_THREAD_NAMES) have used since they started
-    (the first field of each thread's /proc/self/task/<tid>/schedstat, in ns); None where Linux does not provide it
-    or no such thread exists (before the process group starts, or a backend without CPU threads such as NCCL)."""
-    total, found = 0, False
+    (each thread's /proc/self/task/<tid>/schedstat); None where Linux does not provide it or no such thread exists
+    (before the process group starts, or a backend without CPU threads such as NCCL)."""
     try:
         tasks = os.listdir("/proc/self/task")
     except OSError:
         return None
+    used = []
     for tid in tasks:
         try:
             with open(f"/proc/self/task/{tid}/comm", encoding="utf-8", errors="replace") as name:
                 if name.read().strip() not in COMMUNICATION_THREAD_NAMES:
                     continue
-            with open(f"/proc/self/task/{tid}/schedstat", encoding="ascii") as stats:
-                total += int(stats.read().split()[0])
-                found = True
-        except (OSError, ValueError, IndexError):
+        except OSError:
             continue  # the thread ended between the listing and the read
-    return total / 1e9 if found else None
+        seconds = _schedstat_s(f"/proc/self/task/{tid}/schedstat", 0)
+        if seconds is not None:
+            used.append(seconds)
+    return sum(used) if used else None
 
 
 def measure_recording_cost_us(calls: int = 300) -> float:
