@@ -32,6 +32,10 @@ from utils.run_config import DEFAULT_ACTIVE_STEPS, DEFAULT_WARMUP_STEPS
 RANKS = 2  # the loopback is one medium shared by both directions; the per-link equivalence below is for 2 ranks
 NICE = -5  # the measured ranks ahead of the other (nice 0 and 10) jobs on a shared machine
 TRACE_NAME = "whatif_{model}_{rate}_{index}"
+# Every step logs its time (--logging-steps 1), but the ranks agree on the loss only every 10th, as in a run with the
+# trainer's default --logging-steps 10: that all-reduce and host read, every step, added ~2 ms to GPT-2 tiny's 31 ms
+# step (alternating runs of 120 steps: 33.4 against 31.2 ms/step), and the traced window never has it.
+LOSS_SYNC_STEPS = 10
 DOCS = REPO_ROOT / "docs" / "BENCHMARKS.md"
 DOCS_BEGIN, DOCS_END = "<!-- whatif:begin -->", "<!-- whatif:end -->"
 MODEL_BEGIN, MODEL_END = "<!-- whatif:{key}:begin -->", "<!-- whatif:{key}:end -->"
@@ -210,8 +214,9 @@ def torchrun(ns: Namespace, script: Path, args: list) -> list:
 def train_args(setup: ModelSetup, work: Path, steps: int | None) -> list:
     args = ["--model-name", setup.model_name, "--squad-file", BUNDLED_SQUAD, "--batch-size", setup.batch_size,
             "--max-seq-length", setup.seq_length, "--num-gpus", RANKS, "--precision", "fp32", "--no-compile",
-            "--logging-steps", "1", "--eval-steps", "0", "--eval-batches", "1", "--save-steps", "0",
-            "--no-save-initial", "--save-dir", work / "checkpoints", "--log-dir", work / "logs", "--report-to", "none"]
+            "--logging-steps", "1", "--loss-sync-steps", LOSS_SYNC_STEPS, "--eval-steps", "0", "--eval-batches", "1",
+            "--save-steps", "0", "--no-save-initial", "--save-dir", work / "checkpoints", "--log-dir", work / "logs",
+            "--report-to", "none"]
     if steps is not None:
         args += ["--max-steps", steps]
     return args
@@ -673,7 +678,8 @@ def report(setup: ModelSetup, args, sim: Simulator, verification: list, micro: l
               f"{len(real)} x {args.block} steps; the rate changes every {args.block} steps, in alternating order each "
               f"cycle, so load drift weighs on every rate alike; the first {args.skip} steps, the first "
               f"{args.warmup_cycles} cycle(s), steps that straddle a change and the first {args.settle} after it are "
-              "left out. Step = the trainer's `ms/step` log line (`--logging-steps 1`); "
+              "left out. Step = the trainer's `ms/step` log line (`--logging-steps 1 --loss-sync-steps "
+              f"{LOSS_SYNC_STEPS}`: the loss is read and all-reduced every {LOSS_SYNC_STEPS}th step, not every step); "
               "the real step is the mean of the block medians, which cancels a steady drift of the load. CPU = the "
               "`cpu` ms/step of the same lines (rank 0's process, all threads), averaged the same way.",
               "", format_table(["network", "steps", "real step ms", "CPU ms/step", "pooled median ms", "p10-p90 ms",

@@ -98,6 +98,25 @@ def test_loss_falls_clearly_in_30_steps_on_one_repeated_batch(family, tmp_path):
     assert min(losses[s] for s in range(25, 31)) < min(losses[s] for s in range(1, 6))
 
 
+def test_loss_sync_steps_reads_the_loss_only_every_nth_step_and_logs_the_time_in_between(tmp_path, monkeypatch):
+    synced = []
+    agree = Trainer._agree_on_loss_and_stop
+
+    def recording(self, loss):
+        synced.append(self.step)
+        return agree(self, loss)
+
+    monkeypatch.setattr(Trainer, "_agree_on_loss_and_stop", recording)
+    status, _, logs = train("gpt2", tmp_path, *QUICK, "--max-steps", "7", "--logging-steps", "1",
+                            "--loss-sync-steps", "3", "--eval-steps", "0", "--save-steps", "0", "--no-save-initial")
+    assert status == 0
+    assert synced == [1, 3, 6, 7] and sorted(logged_losses(logs)) == [1, 3, 6, 7]
+    lines = [line for line in (logs / "training_rank_0.log").read_text().splitlines() if " ms/step" in line]
+    between = [line for line in lines if line.endswith("between loss reads (every 3 steps)")]
+    assert [int(line.split(" step ")[1].split("/")[0]) for line in between] == [2, 4, 5]
+    assert all("| loss " not in line and "| cpu " in line for line in between)
+
+
 # ---- resume -----------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def uninterrupted_gpt2(tmp_path_factory):

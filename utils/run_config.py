@@ -16,7 +16,7 @@ TEST_MODE_STEPS = 10
 DEFAULT_WAIT_STEPS, DEFAULT_WARMUP_STEPS, DEFAULT_ACTIVE_STEPS = 5, 1, 3
 # The least value of each numeric flag (a flag left out, None, is not checked).
 MINIMUM = dict(seed=0, max_seq_length=16, eval_batches=0, batch_size=1, num_epochs=1, max_steps=1, warmup_steps=0,
-               gradient_accumulation_steps=1, save_steps=0, logging_steps=1, eval_steps=0, num_gpus=1,
+               gradient_accumulation_steps=1, save_steps=0, logging_steps=1, loss_sync_steps=0, eval_steps=0, num_gpus=1,
                trace_wait_steps=0, trace_warmup_steps=0, trace_active_steps=1)
 
 
@@ -78,6 +78,9 @@ class CheckpointArguments:
     overwrite_output_dir: bool = flag(False, "train into a --save-dir that holds an earlier run's checkpoints "
                                              "(refused without it, unless --resume-from is one of them)")
     logging_steps: int = flag(10, "log line every N steps (default: %(default)s)")
+    loss_sync_steps: int = flag(0, "read the loss and average it over the ranks only every N steps (an all-reduce "
+                                   "and a host sync); the log lines in between give the step time only (default: "
+                                   "0, on every log line)")
     eval_steps: int = flag(500, "validate every N steps (and at the end), 0 for only at the end (default: %(default)s)")
     log_dir: str = flag("./logs", "training_rank_<r>.log and TensorBoard runs (default: %(default)s)")
     report_to: Literal["tensorboard", "wandb", "none"] = flag(

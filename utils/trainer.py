@@ -559,6 +559,12 @@ class Trainer:
     def _is_logging_step(self) -> bool:
         return self.step % self.config.checkpoint.logging_steps == 0 or self.step in (1, self.max_steps)
 
+    def _is_loss_sync_step(self) -> bool:
+        """A logging step that reads the loss: every one, or with --loss-sync-steps N every Nth step (and the
+        first and last), so a run that logs each step's time need not meet the other ranks each step for it."""
+        every = self.config.checkpoint.loss_sync_steps
+        return self._is_logging_step() and (not every or self.step % every == 0 or self.step in (1, self.max_steps))
+
     def _inside_trace_window(self) -> bool:
         """Whether the profiler records the coming step: what the loop does now lands in that step's trace."""
         if not self.config.tracing.enable_tracing:
@@ -579,7 +585,7 @@ class Trainer:
             return True
         if not self.ctx.is_distributed and self.stop_signal is not None:
             return True
-        return self._is_logging_step() and not self._inside_trace_window()
+        return self._is_loss_sync_step() and not self._inside_trace_window()
 
     def _agree_on_loss_and_stop(self, loss: torch.Tensor) -> "tuple[float, bool]":
         """(this step's loss averaged over ranks, whether any rank was asked to stop); also sums the real tokens
@@ -737,10 +743,13 @@ class Trainer:
                             self._log_step(self.last_loss, grad_norm, window_steps, now - window_start,
                                            cpu_now - cpu_start)
                             window_start, window_steps, cpu_start = now, 0, cpu_now
-                    elif self._is_logging_step():  # inside the trace window: the time only, nothing read back
-                        now = time.perf_counter()
-                        self._log_traced_step(window_steps, now - window_start)
-                        window_start, window_steps, cpu_start = now, 0, time.process_time()
+                    elif self._is_logging_step():  # the time only, nothing read back
+                        now, cpu_now = time.perf_counter(), time.process_time()
+                        if self._inside_trace_window():
+                            self._log_traced_step(window_steps, now - window_start)
+                        else:
+                            self._log_step_time(window_steps, now - window_start, cpu_now - cpu_start)
+                        window_start, window_steps, cpu_start = now, 0, cpu_now
                     if every.eval_steps and self.step % every.eval_steps == 0:
                         self._evaluate_and_keep_best()
                     if every.save_steps and self.step % every.save_steps == 0:
@@ -756,6 +765,13 @@ class Trainer:
         read would land in the traced step; the next line after the window has the loss and tokens/s."""
         logger.info("step %d/%d | epoch %.2f | lr %.3g | %.1f ms/step | in the trace window: loss read after it",
                     self.step, self.max_steps, self.stream.epochs_done, self.last_lr, 1000 * seconds / steps)
+
+    def _log_step_time(self, steps: int, seconds: float, cpu_seconds: float) -> None:
+        """A logging step between loss syncs (--loss-sync-steps): the wall-clock and CPU time per step only."""
+        logger.info("step %d/%d | epoch %.2f | lr %.3g | %.1f ms/step | cpu %.1f ms/step | between loss reads "
+                    "(every %d steps)",
+                    self.step, self.max_steps, self.stream.epochs_done, self.last_lr, 1000 * seconds / steps,
+                    1000 * cpu_seconds / steps, self.config.checkpoint.loss_sync_steps)
 
     def _log_step(self, loss: float, grad_norm, steps: int, seconds: float, cpu_seconds: float) -> None:
         """The step line: loss, rates and the wall-clock time per step, then the process's CPU time per step (all
