@@ -16,8 +16,8 @@ TEST_MODE_STEPS = 10
 DEFAULT_WAIT_STEPS, DEFAULT_WARMUP_STEPS, DEFAULT_ACTIVE_STEPS = 5, 1, 3
 # The least value of each numeric flag (a flag left out, None, is not checked).
 MINIMUM = dict(seed=0, max_seq_length=16, eval_batches=0, batch_size=1, num_epochs=1, max_steps=1, warmup_steps=0,
-               gradient_accumulation_steps=1, save_steps=0, logging_steps=1, loss_sync_steps=0, eval_steps=0, num_gpus=1,
-               trace_wait_steps=0, trace_warmup_steps=0, trace_active_steps=1)
+               gradient_accumulation_steps=1, save_steps=0, logging_steps=1, loss_sync_steps=0, eval_steps=0,
+               num_gpus=1, trace_wait_steps=0, trace_warmup_steps=0, trace_active_steps=1)
 
 
 class ConfigError(ValueError):

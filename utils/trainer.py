@@ -745,10 +745,7 @@ class Trainer:
                             window_start, window_steps, cpu_start = now, 0, cpu_now
                     elif self._is_logging_step():  # the time only, nothing read back
                         now, cpu_now = time.perf_counter(), time.process_time()
-                        if self._inside_trace_window():
-                            self._log_traced_step(window_steps, now - window_start)
-                        else:
-                            self._log_step_time(window_steps, now - window_start, cpu_now - cpu_start)
+                        self._log_step_time(window_steps, now - window_start, cpu_now - cpu_start)
                         window_start, window_steps, cpu_start = now, 0, cpu_now
                     if every.eval_steps and self.step % every.eval_steps == 0:
                         self._evaluate_and_keep_best()
@@ -760,18 +757,17 @@ class Trainer:
                 progress.close()
         return False
 
-    def _log_traced_step(self, steps: int, seconds: float) -> None:
-        """A logging step inside the trace window: its host time, without the loss, whose all-reduce and device
-        read would land in the traced step; the next line after the window has the loss and tokens/s."""
-        logger.info("step %d/%d | epoch %.2f | lr %.3g | %.1f ms/step | in the trace window: loss read after it",
-                    self.step, self.max_steps, self.stream.epochs_done, self.last_lr, 1000 * seconds / steps)
-
     def _log_step_time(self, steps: int, seconds: float, cpu_seconds: float) -> None:
-        """A logging step between loss syncs (--loss-sync-steps): the wall-clock and CPU time per step only."""
-        logger.info("step %d/%d | epoch %.2f | lr %.3g | %.1f ms/step | cpu %.1f ms/step | between loss reads "
-                    "(every %d steps)",
-                    self.step, self.max_steps, self.stream.epochs_done, self.last_lr, 1000 * seconds / steps,
-                    1000 * cpu_seconds / steps, self.config.checkpoint.loss_sync_steps)
+        """A logging step that reads nothing back: its host time, without the loss. Inside the trace window (the
+        loss's all-reduce and device read would land in the traced step; the next line after the window has the
+        loss and tokens/s), or between loss reads (--loss-sync-steps), where the CPU time per step is given too."""
+        if self._inside_trace_window():
+            note = "in the trace window: loss read after it"
+        else:
+            note = (f"cpu {1000 * cpu_seconds / steps:.1f} ms/step | between loss reads "
+                    f"(every {self.config.checkpoint.loss_sync_steps} steps)")
+        logger.info("step %d/%d | epoch %.2f | lr %.3g | %.1f ms/step | %s", self.step, self.max_steps,
+                    self.stream.epochs_done, self.last_lr, 1000 * seconds / steps, note)
 
     def _log_step(self, loss: float, grad_norm, steps: int, seconds: float, cpu_seconds: float) -> None:
         """The step line: loss, rates and the wall-clock time per step, then the process's CPU time per step (all
