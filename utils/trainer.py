@@ -29,6 +29,7 @@ from utils.data_utils import (REAL_TOKENS, BatchStream, RepeatedBatch, TextExamp
                               check_data_flags, load_text_splits, tokenize_examples)
 from utils.distributed import DistributedContext, distributed_context, wrap_data_parallel
 from utils.errors import CheckpointError, NonFiniteLossError, StopRequested, UsageError, wait_for_rank_zero_to_report
+from utils.host_memory import keep_freed_memory_in_process
 from utils.metrics import MetricSinks, count_parameters, flops_per_token, peak_flops_per_gpu
 from utils.precision import bf16_refusal, default_precision, enable_tf32_matmuls
 from utils.run_config import CheckpointArguments, RunConfig, RunSettings, parse_run_config
@@ -318,6 +319,7 @@ class Trainer:
     # ---- setup -----------------------------------------------------------------------------------------------
     def setup(self) -> None:
         """Data and tokenizer, the model (sized to the tokenizer), loaders, optimizer, then the wrapped model."""
+        logger.info(keep_freed_memory_in_process())
         seed = self.config.optim.seed
         set_seed(seed)  # Python, NumPy and torch: identical model initialisation on every rank
         self.splits = self._load_text()
