@@ -61,9 +61,9 @@ class ModelSetup:
     after_window_cycles: int  # passes over all rates in each traced run once its window has closed
     rates: tuple        # default network rates, from compute- to communication-dominated
     burst_slack_s: float  # tbf burst beyond one packet, as time at the rate (bench/netem.py says why)
-    # Untraced runs, pooled. Two processes of one run differ in speed on a shared VM (the training thread's CPU time
-    # for the same 124M step: 7% standard deviation over 24 processes, 0.89-1.17x their median), so one run is one
-    # draw; tiny's runs are short enough to pool three.
+    # Untraced runs, pooled. Before the trainer kept freed memory in the process (utils/host_memory.py) two processes
+    # of one run differed in speed (the training thread's CPU time for the same 124M step: 7% standard deviation over
+    # 24 processes); now 1.3%, but tiny's runs are short enough to pool three anyway.
     repeats: int
     timeout_s: int
 
