@@ -63,7 +63,7 @@ class ModelSetup:
     burst_slack_s: float  # tbf burst beyond one packet, as time at the rate (bench/netem.py says why)
     # Untraced runs, pooled. Before the trainer kept freed memory in the process (utils/host_memory.py) two processes
     # of one run differed in speed (the training thread's CPU time for the same 124M step: 7% standard deviation over
-    # 24 processes); now 1.3%, but tiny's runs are short enough to pool three anyway.
+    # 24 processes); now 1.0%, but tiny's runs are short enough to pool three anyway.
     repeats: int
     timeout_s: int
 

@@ -51,7 +51,7 @@ def page_faults_of_a_step(keep: bool) -> float:
 @pytest.mark.skipif(not GLIBC, reason="glibc's malloc only")
 def test_the_tensors_a_step_frees_are_reused_by_the_next_step_without_page_faults():
     # glibc's default hands the freed activations and gradients back to the kernel, to be faulted in again next step
-    # (700-4,000 pages a step for this model; 85,000-185,000 for the GPT-2 124M shape). Kept, a step faults in
+    # (700-4,000 pages a step for this model; 84,000-184,000 for the GPT-2 124M shape). Kept, a step faults in
     # nothing, bar a few MiB now and then when fragmentation grows the heap.
     assert page_faults_of_a_step(keep=False) > 500
     assert page_faults_of_a_step(keep=True) < 50

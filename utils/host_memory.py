@@ -3,10 +3,10 @@
 glibc's malloc gives every block above its mmap threshold (128 KiB at start, raised by each freed mapping up to
 32 MiB) a mapping of its own and unmaps it when freed, and hands a heap's free top back to the kernel beyond its trim
 threshold. A training step frees and re-allocates the same activations and gradients every step, so every step
-page-faults them in again and the kernel zeroes each page again. On a 2-core KVM guest that was 190-265 ms of system
+page-faults them in again and the kernel zeroes each page again. On a 2-core KVM guest that was 183-265 ms of system
 time in a 1.25 s step of the GPT-2 124M shape, different in every process: the same step's CPU time ranged 0.86-1.16x
 over 24 processes, so a traced process and the run it should predict ran at different speeds. With the blocks kept,
-the step's system time is ~0 and processes agree within a few percent (docs/BENCHMARKS.md, "Host memory").
+the step's system time is ~0 and processes agree within a few percent (docs/BENCHMARKS.md §4b, "Twelfth session").
 PyTorch's CPU tuning guide gets the same by preloading jemalloc or tcmalloc; mallopt() does it with the glibc that
 is already there. Blocks above 32 MiB (glibc's ceiling for the threshold) are still mapped one by one.
 """
