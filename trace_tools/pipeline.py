@@ -260,7 +260,7 @@ def _correct_for_profiler(linked, result: RankResult, run_dir: Path, rank: int) 
     result.recording_overhead_us = linked.stats.get("recording_overhead_us", 0.0)
     linked.untraced_step_us = times.untraced_median_us
     waits = times.run_queue_median_us
-    removed = share_cores(linked, waits[0] if waits else None, times.communication_cpu_median_us)
+    removed = share_cores(linked, waits[0] if waits else None, times.communication_cpu_per_step_us)
     if removed is not None:
         result.cores_shared, result.run_queue_removed_us = True, removed
     _note_run_queue_wait(times, result, corrected=removed is not None)
@@ -275,7 +275,7 @@ def _note_run_queue_wait(times: StepTimes, result: RankResult, corrected: bool) 
     if waits is None:
         return
     result.run_queue_wait_us, result.untraced_run_queue_wait_us = waits
-    result.communication_cpu_us = times.communication_cpu_median_us or 0.0
+    result.communication_cpu_us = times.communication_cpu_per_step_us or 0.0
     share = waits[1] / times.untraced_median_us if times.untraced_median_us > 0 else 0.0
     if share > STEP_SPREAD_BOUND and not corrected:
         result.warnings.append(

@@ -21,6 +21,8 @@ class StepTimes:
     untraced_us: list[float]
     traced_cpu_us: list[float] | None = None    # CPU time of the rank's process in the same steps, when measured
     untraced_cpu_us: list[float] | None = None
+    traced_thread_cpu_us: list[float] | None = None  # CPU time of the training thread alone, when measured
+    untraced_thread_cpu_us: list[float] | None = None
     recording_cost_per_op_us: float | None = None  # the tracer's measurement of one recorded operator's cost
     # Time the training thread waited for a core in each step (Linux's run-queue wait), when measured
     traced_run_queue_us: list[float] | None = None
@@ -32,10 +34,17 @@ class StepTimes:
     @property
     def recording_cpu_us(self) -> float | None:
         """CPU time a traced step spent more than an untraced one: the recording's cost, measured apart from any
-        wait on the network or on another rank (None when the run did not measure CPU time)."""
-        if not self.traced_cpu_us or not self.untraced_cpu_us:
+        wait on the network or on another rank (None when the run did not measure CPU time). The training thread's
+        own CPU time where the run measured it: the recording runs on the thread that runs the ops, while the
+        process's time also holds the communication threads', whose bursts (on a 2-core machine gloo's event loop
+        ran 3-7 ms without sleeping in some steps and 0.5 ms in others) differ between the traced and the untraced
+        steps for reasons of their own."""
+        traced, untraced = self.traced_thread_cpu_us, self.untraced_thread_cpu_us
+        if not traced or not untraced:
+            traced, untraced = self.traced_cpu_us, self.untraced_cpu_us
+        if not traced or not untraced:
             return None
-        return statistics.median(self.traced_cpu_us) - statistics.median(self.untraced_cpu_us)
+        return statistics.median(traced) - statistics.median(untraced)
 
     @property
     def run_queue_median_us(self) -> tuple[float, float] | None:
@@ -45,11 +54,14 @@ class StepTimes:
         return statistics.median(self.traced_run_queue_us), statistics.median(self.untraced_run_queue_us)
 
     @property
-    def communication_cpu_median_us(self) -> float | None:
-        """Median CPU time the communication threads used in an untraced step (in a traced one when no untraced
-        step measured it; None if unmeasured): the collectives' own CPU work, the same with or without the profiler."""
+    def communication_cpu_per_step_us(self) -> float | None:
+        """Mean CPU time the communication threads used in an untraced step (in a traced one when no untraced step
+        measured it; None if unmeasured): the collectives' own CPU work, the same with or without the profiler. The
+        mean, not the median: that work comes in bursts (on a 2-core machine most steps 0.5 ms, some 3-7 ms in which
+        gloo's event loop ran without sleeping, epoll_wait returning at once), and every burst adds to the run's
+        time; a median drops them all."""
         samples = self.untraced_communication_cpu_us or self.traced_communication_cpu_us
-        return statistics.median(samples) if samples else None
+        return statistics.fmean(samples) if samples else None
 
     @property
     def traced_median_us(self) -> float:
@@ -82,6 +94,8 @@ def read_step_times(run_dir: str | Path, rank: int) -> StepTimes | None:
     per_op = entries[0].get("recording_cost_per_op_us")
     return StepTimes(traced_us=traced, untraced_us=untraced, traced_cpu_us=micros("step_cpu_time_s"),
                      untraced_cpu_us=micros("untraced_step_cpu_time_s")[1:],
+                     traced_thread_cpu_us=micros("step_thread_cpu_time_s"),
+                     untraced_thread_cpu_us=micros("untraced_step_thread_cpu_time_s")[1:],
                      recording_cost_per_op_us=float(per_op) if isinstance(per_op, (int, float)) else None,
                      traced_run_queue_us=micros("step_run_queue_wait_s"),
                      untraced_run_queue_us=micros("untraced_step_run_queue_wait_s")[1:],

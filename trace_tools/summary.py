@@ -160,7 +160,8 @@ def durations_text(rank: RankResult) -> str:
         text += (f"; the training thread waited for a core {rank.run_queue_wait_us / 1000:.1f} ms per traced step "
                  f"and {rank.untraced_run_queue_wait_us / 1000:.1f} ms per untraced step (run.json)")
         if rank.communication_cpu_us:
-            text += f", while gloo's threads used {rank.communication_cpu_us / 1000:.1f} ms of CPU per untraced step"
+            text += (f", while gloo's threads used {rank.communication_cpu_us / 1000:.1f} ms of CPU per untraced step "
+                     "on average")
         if rank.cores_shared:
             text += (f": the traced wait ({rank.run_queue_removed_us / 1000:.1f} ms) taken out of the training "
                      "thread's ops, and gloo's CPU time given to the collectives as CPU nodes, by bytes "
