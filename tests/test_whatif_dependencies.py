@@ -326,17 +326,24 @@ def test_gpu_trace_is_calibrated_through_the_autograd_thread(tmp_path):
     assert len(shortened) >= 2  # the training thread and the autograd thread
 
 
-def test_measured_cpu_time_sets_the_profiler_cost_even_when_the_network_hid_it(tmp_path):
+@pytest.mark.parametrize("thread_times", [False, True])
+def test_measured_cpu_time_sets_the_profiler_cost_even_when_the_network_hid_it(tmp_path, thread_times):
     """A run traced on a slow network: its traced and untraced steps take the same wall-clock time (both wait for
-    the network), but the tracer's CPU times show what recording cost; exactly that leaves the CPU ops."""
+    the network), but the tracer's CPU times show what recording cost; exactly that leaves the CPU ops. The
+    recording runs on the thread that runs the ops: where run.json has the training thread's CPU time, its
+    difference is the cost, not the process's, which also holds the communication threads' bursts (here 10% of a
+    step more in the traced steps, unrelated to recording)."""
     folder = rank0_copy(CPU_FIXTURES / "gpt2_tiny_2r", tmp_path / "run")
     plain = convert_rank0(folder, tmp_path / "plain.0.et")
     step_s = plain.traced_step_us / 1e6
-    cost_s = 0.2 * step_s
-    (folder / "run.json").write_text(json.dumps({"ranks": [{
-        "rank": 0, "step_wall_time_s": [step_s], "untraced_step_wall_time_s": [9 * step_s, step_s, step_s],
-        "step_cpu_time_s": [0.9 * step_s], "untraced_step_cpu_time_s": [5 * step_s, 0.9 * step_s - cost_s,
-                                                                         0.9 * step_s - cost_s]}]}))
+    cost_s, burst_s = 0.2 * step_s, (0.1 * step_s if thread_times else 0.0)
+    rank = {"rank": 0, "step_wall_time_s": [step_s], "untraced_step_wall_time_s": [9 * step_s, step_s, step_s],
+            "step_cpu_time_s": [0.9 * step_s + burst_s],
+            "untraced_step_cpu_time_s": [5 * step_s] + [0.9 * step_s - cost_s] * 2}
+    if thread_times:
+        rank.update(step_thread_cpu_time_s=[0.8 * step_s],
+                    untraced_step_thread_cpu_time_s=[5 * step_s] + [0.8 * step_s - cost_s] * 2)
+    (folder / "run.json").write_text(json.dumps({"ranks": [rank]}))
     result = convert_rank0(folder, folder / "run.0.et")
     assert result.overhead_rule == "CPU time"
     _, nodes = read_et_with_protolib(folder / "run.0.et")
@@ -344,27 +351,6 @@ def test_measured_cpu_time_sets_the_profiler_cost_even_when_the_network_hid_it(t
     removed = sum(p.duration_micros - n.duration_micros for n, p in zip(nodes, plain_nodes))
     assert removed == pytest.approx(cost_s * 1e6, rel=0.01)
     assert result.recording_overhead_us > 0 and result.critical_path_us < plain.critical_path_us
-
-
-def test_the_training_threads_cpu_time_sets_the_profiler_cost_where_measured(tmp_path):
-    """The recording runs on the thread that runs the ops: where run.json has the training thread's CPU time, its
-    traced-untraced difference is the cost, not the process's, which also holds the communication threads' bursts
-    (here 10% of a step more CPU in the traced steps, unrelated to recording)."""
-    folder = rank0_copy(CPU_FIXTURES / "gpt2_tiny_2r", tmp_path / "run")
-    plain = convert_rank0(folder, tmp_path / "plain.0.et")
-    step_s = plain.traced_step_us / 1e6
-    cost_s, thread_s, burst_s = 0.2 * step_s, 0.6 * step_s, 0.1 * step_s
-    (folder / "run.json").write_text(json.dumps({"ranks": [{
-        "rank": 0, "step_wall_time_s": [step_s], "untraced_step_wall_time_s": [9 * step_s, step_s, step_s],
-        "step_thread_cpu_time_s": [thread_s], "untraced_step_thread_cpu_time_s": [5 * step_s] + [thread_s - cost_s] * 2,
-        "step_cpu_time_s": [thread_s + burst_s + 0.05 * step_s],
-        "untraced_step_cpu_time_s": [5 * step_s] + [thread_s - cost_s + 0.05 * step_s] * 2}]}))
-    result = convert_rank0(folder, folder / "run.0.et")
-    assert result.overhead_rule == "CPU time"
-    _, nodes = read_et_with_protolib(folder / "run.0.et")
-    _, plain_nodes = read_et_with_protolib(tmp_path / "plain.0.et")
-    removed = sum(p.duration_micros - n.duration_micros for n, p in zip(nodes, plain_nodes))
-    assert removed == pytest.approx(cost_s * 1e6, rel=0.01)
 
 
 @pytest.mark.parametrize("cpu_times", [True, False])
