@@ -618,8 +618,8 @@ def remove_recording_overhead(linked: LinkedTrace, traced_step_us: float, untrac
     - "CPU time": the tracer timed the training thread's CPU time (the process's in older runs) in untraced and
       traced steps; on a CPU-only run their difference is what recording costs a step, whatever the step waited
       for (a slow network hides the cost in the wall-clock step, not in the CPU time), so c takes that much out of
-      the step's CPU ops; at least the
-      work the tracer measured for one recorded op (run.json's recording_cost_per_op_us) times the ops.
+      the step's CPU ops; at least the work the tracer measured for one recorded op (run.json's
+      recording_cost_per_op_us) times the ops.
     - "calibrated": a CPU run with that per-op measurement but no CPU times: the formula counts each op's cost
       twice (in its own span and in its caller's), so c is half of it. Timed on one small op in a loop, it is a
       lower bound: nine traces of GPT-2 tiny and 124M spent 1-4x as much per op.
