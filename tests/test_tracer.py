@@ -12,6 +12,7 @@ import torch
 
 from utils import chakra_tracer
 from utils.chakra_tracer import ChakraTracer, NullTracer, TraceError, build_tracer, check_trace_file
+from utils.host_memory import reason_to_leave_malloc_alone
 from utils.run_config import parse_run_config
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -146,6 +147,10 @@ def test_run_json_holds_run_info_versions_and_step_times(one_rank_gpt2):
                                     ("untraced_step_thread_cpu_time_s", "untraced_step_cpu_time_s")):
         assert len(rank[thread_key]) == len(rank[process_key]) == 1
         assert 0 < rank[thread_key][0] <= rank[process_key][0] + 1e-3
+    if chakra_tracer.thread_page_faults() is not None:  # Linux: the training thread's page faults, per step
+        assert len(rank["step_page_faults"]) == 1 and len(rank["untraced_step_page_faults"]) == 1
+        assert min(rank["step_page_faults"] + rank["untraced_step_page_faults"]) >= 0
+    assert rank["heap_reserved_bytes"] >= 0
     if chakra_tracer.run_queue_wait_s() is not None:  # Linux: the training thread's wait for a core, per step
         assert len(rank["step_run_queue_wait_s"]) == 1 and len(rank["untraced_step_run_queue_wait_s"]) == 1
         assert min(rank["step_run_queue_wait_s"] + rank["untraced_step_run_queue_wait_s"]) >= 0
@@ -470,6 +475,12 @@ def test_trainer_two_rank_bert_traces_every_rank_with_process_group_and_collecti
             assert len(r["step_communication_cpu_time_s"]) == 2
             assert len(r["untraced_step_communication_cpu_time_s"]) == len(r["untraced_step_wall_time_s"])
             assert min(r["step_communication_cpu_time_s"] + r["untraced_step_communication_cpu_time_s"][1:]) > 0
+            assert len(r["step_page_faults"]) == 2
+            assert len(r["untraced_step_page_faults"]) == len(r["untraced_step_wall_time_s"])
+    if reason_to_leave_malloc_alone() is None:
+        # the trainer keeps freed memory in the process, so the tracer faulted in the heap the window's records
+        # displace before the window (utils/host_memory.py)
+        assert all(r["heap_reserved_bytes"] > 0 for r in info["ranks"])
 
 
 @pytest.mark.slow

@@ -15,6 +15,11 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+try:
+    import resource
+except ImportError:  # Windows
+    resource = None
+
 import orjson
 import torch
 import torch.distributed as dist
@@ -25,6 +30,7 @@ from trace_tools.layout import (DERIVED_FILES, DEVICE_TRACE, HOST_TRACE, INVALID
                                 PREVIOUS_RUN_DIR, RUN_INFO, RUN_METADATA_KEY, STACKS_TABLE, STEP_ANNOTATION,
                                 device_trace_name, host_trace_name)
 from trace_tools.load import describe_json_problem
+from utils.host_memory import reserve_heap_for_profiler
 from utils.metrics import busy_machine_warning, machine_load_between, sample_machine_load
 from utils.run_config import RunConfig
 
@@ -146,6 +152,14 @@ class ChakraTracer:
         self._queue_started: float | None = None
         self.step_run_queue_wait_s: dict[int, float] = {}
         self.untraced_step_run_queue_wait_s: dict[int, float] = {}
+        # Minor page faults of the training thread: a step that reuses the memory the last one freed has none
+        self._faults_started: int | None = None
+        self.step_page_faults: dict[int, int] = {}
+        self.untraced_step_page_faults: dict[int, int] = {}
+        self.heap_reserved_bytes = 0  # heap faulted in before the window (utils/host_memory.py)
+        # The end of the step after which that is done: before the last warmup step, which is not timed, so a rank
+        # that took longer to do it is waited for there and not in a traced step
+        self._reserve_heap_after = max(1, self.first_traced_step - (1 if warmup_steps else 0))
         self.recording_cost_per_op_us: float | None = None  # measured on this machine before the window (CPU runs)
         self._load_start = None                                   # machine load when the traced steps began
         self.machine_load: dict[str, Any] | None = None
@@ -196,18 +210,21 @@ class ChakraTracer:
         timed = step <= self.traced_steps[-1]
         if step in self.traced_steps:
             self._record_step(step, self.step_wall_time_s, self.step_cpu_time_s, self.step_thread_cpu_time_s,
-                              self.step_run_queue_wait_s, self.step_communication_cpu_time_s)
+                              self.step_run_queue_wait_s, self.step_communication_cpu_time_s, self.step_page_faults)
             if step == self.traced_steps[-1] and self._load_start is not None:
                 self._note_machine_load()
         elif step < self.wait_steps:
             self._record_step(step, self.untraced_step_wall_time_s, self.untraced_step_cpu_time_s,
                               self.untraced_step_thread_cpu_time_s, self.untraced_step_run_queue_wait_s,
-                              self.untraced_step_communication_cpu_time_s)
+                              self.untraced_step_communication_cpu_time_s, self.untraced_step_page_faults)
         self._step += 1
         if self._profiler is not None and not self._finalized:
             self._profiler.step()
             if self._step >= self.traced_steps[-1] + 1:
                 self._finalize_capture()
+        if self._step == self._reserve_heap_after and self._step <= self.first_traced_step:
+            self.heap_reserved_bytes, line = reserve_heap_for_profiler()
+            logger.info("rank %d: %s", self.rank, line)
         if self._step == self.first_traced_step:
             self._load_start = sample_machine_load()  # before the clock starts, so the probe's time stays out
         self._restart_step_clocks(sync=timed)
@@ -220,9 +237,11 @@ class ChakraTracer:
         self._thread_cpu_started = time.thread_time()
         self._queue_started = run_queue_wait_s()
         self._communication_cpu_started = communication_threads_cpu_s()
+        self._faults_started = thread_page_faults()
 
     def _record_step(self, step: int, wall: dict[int, float], cpu: dict[int, float], thread_cpu: dict[int, float],
-                     run_queue: dict[int, float], communication_cpu: dict[int, float]) -> None:
+                     run_queue: dict[int, float], communication_cpu: dict[int, float],
+                     page_faults: dict[int, int]) -> None:
         """What the step that just ended took on each clock _restart_step_clocks started."""
         wall[step] = self._now(sync=True) - self._step_started
         cpu[step] = time.process_time() - self._cpu_started
@@ -234,6 +253,9 @@ class ChakraTracer:
         if communicated is not None and self._communication_cpu_started is not None:
             # A thread that ended within the step takes its time with it: never below zero
             communication_cpu[step] = max(0.0, communicated - self._communication_cpu_started)
+        faults = thread_page_faults()
+        if faults is not None and self._faults_started is not None:
+            page_faults[step] = faults - self._faults_started
 
     def _note_machine_load(self) -> None:
         """What else ran on the machine during the traced steps (run.json); a warning when it was busy."""
@@ -469,6 +491,11 @@ class ChakraTracer:
                                               if s in self.step_communication_cpu_time_s],
             "untraced_step_communication_cpu_time_s": [self.untraced_step_communication_cpu_time_s[s]
                                                        for s in sorted(self.untraced_step_communication_cpu_time_s)],
+            # Empty where not measured (not Linux)
+            "step_page_faults": [self.step_page_faults[s] for s in completed if s in self.step_page_faults],
+            "untraced_step_page_faults": [self.untraced_step_page_faults[s]
+                                          for s in sorted(self.untraced_step_page_faults)],
+            "heap_reserved_bytes": self.heap_reserved_bytes,
             "recording_cost_per_op_us": self.recording_cost_per_op_us,
             "files": {kind: path.name for kind, path in sorted(self.files.items())},
             "errors": errors,
@@ -518,6 +545,15 @@ def run_queue_wait_s() -> float | None:
     """Seconds the calling thread has spent runnable but waiting for a CPU since it started (Linux's
     /proc/thread-self/schedstat); None where the kernel does not provide it."""
     return _schedstat_s("/proc/thread-self/schedstat", 1)
+
+
+def thread_page_faults() -> int | None:
+    """Minor page faults of the calling thread since it started (getrusage(RUSAGE_THREAD)); None where the system
+    does not count them per thread (not Linux)."""
+    who = getattr(resource, "RUSAGE_THREAD", None) if resource is not None else None
+    if who is None:
+        return None
+    return resource.getrusage(who).ru_minflt
 
 
 # Names Linux shows for the threads of torch's gloo backend (/proc/<pid>/task/<tid>/comm): the TCP transport's
