@@ -156,6 +156,34 @@ def test_run_json_holds_run_info_versions_and_step_times(one_rank_gpt2):
         assert min(rank["step_run_queue_wait_s"] + rank["untraced_step_run_queue_wait_s"]) >= 0
 
 
+def test_the_heap_is_reserved_once_before_the_warmup_step_and_its_time_is_returned(tmp_path, monkeypatch):
+    """The tracer reserves heap for the profiler's records (utils/host_memory.py) at the end of the last untraced
+    step, outside every timed step, and tells its caller how long that took, so the trainer's log leaves it out."""
+    calls = []
+
+    def reserve():
+        calls.append(tracer._step)
+        time.sleep(0.3)
+        return 123 << 20, "host memory: reserved"
+
+    monkeypatch.setattr(chakra_tracer, "reserve_heap_for_profiler", reserve)
+    tracer = ChakraTracer(tmp_path, "reserve", wait_steps=2, warmup_steps=1, active_steps=1)
+    model = tiny_mlp()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    returned = []
+    with tracer:
+        for _ in range(5):
+            model(torch.randn(8, 16)).pow(2).mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            returned.append(tracer.step())
+    assert calls == [2]  # after the second (last untraced) step, before the warmup step
+    assert returned[1][0] >= 0.3 and all(wall == 0.0 for wall, _ in returned[:1] + returned[2:])
+    [rank] = load(tmp_path / "reserve" / "run.json")["ranks"]
+    assert rank["heap_reserved_bytes"] == 123 << 20
+    assert max(rank["untraced_step_wall_time_s"] + rank["step_wall_time_s"]) < 0.3  # in no timed step
+
+
 @pytest.mark.skipif(chakra_tracer.run_queue_wait_s() is None or not hasattr(os, "sched_setaffinity"),
                     reason="needs Linux's /proc/thread-self/schedstat and CPU affinity")
 def test_run_queue_wait_counts_the_time_another_process_had_the_threads_core():

@@ -123,6 +123,20 @@ def test_no_edge_between_streams_of_one_gpu_without_a_cause(shared_fixtures):
                                                                    "enqueue", "blocked caller"} == set()
 
 
+def test_the_spread_warning_names_the_page_faults_of_the_traced_steps(tmp_path):
+    """A traced step slowed by fresh pages (the profiler's records took the holes its tensors would have reused):
+    where run.json counted the training thread's page faults, the warning gives them beside an untraced step's."""
+    folder = _three_steps_one_slow(tmp_path, 3.0)
+    step_s = 0.03
+    (folder / "run.json").write_text(json.dumps({"ranks": [{
+        "rank": 0, "step_wall_time_s": [step_s, step_s, 3 * step_s],
+        "untraced_step_wall_time_s": [9 * step_s, step_s, step_s, step_s],
+        "step_page_faults": [0, 0, 41234], "untraced_step_page_faults": [90000, 12, 0, 4]}]}))
+    result = convert_rank(folder / "host.0.json", folder / "device.0.json", folder / "run.0.et")
+    [warning] = [w for w in result.warnings if "differ by" in w]
+    assert "page-faulted 0, 0, 41,234 pages in the traced steps and 4 in an untraced step (median)" in warning
+
+
 def _three_steps_one_slow(tmp_path: Path, slow_factor: float) -> Path:
     """The bundled GPT-2 step three times, the last with every CPU op `slow_factor` times longer."""
     source = CPU_FIXTURES / "gpt2_tiny_2r"

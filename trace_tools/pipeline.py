@@ -10,6 +10,7 @@ import resource
 import shutil
 import signal
 import stat
+import statistics
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -245,11 +246,12 @@ def _correct_for_profiler(linked, result: RankResult, run_dir: Path, rank: int) 
     result.traced_steps_us = list(linked.stats.get("step_durations_us", []))
     result.step_spread = round(linked.stats.get("step_spread", 0.0), 4)
     result.median_scales = dict(linked.stats.get("median_scales", {}))
+    times = read_step_times(run_dir, rank)
     if result.step_spread > STEP_SPREAD_BOUND:
         result.warnings.append(f"the {len(result.traced_steps_us)} traced steps differ by {result.step_spread:.1%} "
                                f"(more than {STEP_SPREAD_BOUND:.0%}): durations are per-operator medians, but "
-                               "trace again on a quieter machine for a representative .et")
-    times = read_step_times(run_dir, rank)
+                               "trace again on a quieter machine for a representative .et"
+                               + (_page_faults_of(times) if times is not None else ""))
     if times is None:
         return
     result.untraced_step_us = times.untraced_median_us
@@ -264,6 +266,19 @@ def _correct_for_profiler(linked, result: RankResult, run_dir: Path, rank: int) 
     if removed is not None:
         result.cores_shared, result.run_queue_removed_us = True, removed
     _note_run_queue_wait(times, result, corrected=removed is not None)
+
+
+def _page_faults_of(times: StepTimes) -> str:
+    """The training thread's page faults in the traced and untraced steps, when the run counted them: a traced step
+    that faults far more than an untraced one put its tensors on fresh pages (the profiler's records took the holes
+    they would have reused; docs/TRAINING.md, "Host memory"), time that is the trace's, not the run's."""
+    if not times.traced_page_faults or not times.untraced_page_faults:
+        return ""
+    traced = ", ".join(f"{n:,}" for n in times.traced_page_faults)
+    untraced = statistics.median(times.untraced_page_faults)
+    return (f"; the training thread page-faulted {traced} pages in the traced steps and {untraced:,.0f} in an "
+            "untraced step (median): faults the untraced run does not have are the profiler's heap growth "
+            "(docs/TRAINING.md, \"Host memory\")")
 
 
 def _note_run_queue_wait(times: StepTimes, result: RankResult, corrected: bool) -> None:

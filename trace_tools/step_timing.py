@@ -30,6 +30,9 @@ class StepTimes:
     # CPU time of the communication backend's threads (gloo) in each step, when measured
     traced_communication_cpu_us: list[float] | None = None
     untraced_communication_cpu_us: list[float] | None = None
+    # Minor page faults of the training thread in each step, when measured
+    traced_page_faults: list[int] | None = None
+    untraced_page_faults: list[int] | None = None
 
     @property
     def recording_cpu_us(self) -> float | None:
@@ -91,6 +94,9 @@ def read_step_times(run_dir: str | Path, rank: int) -> StepTimes | None:
     traced, untraced = micros("step_wall_time_s"), micros("untraced_step_wall_time_s")[1:]
     if not traced or not untraced:
         return None
+    def counts(key: str) -> list[int]:
+        return [int(n) for n in entries[0].get(key) or [] if isinstance(n, int)]
+
     per_op = entries[0].get("recording_cost_per_op_us")
     return StepTimes(traced_us=traced, untraced_us=untraced, traced_cpu_us=micros("step_cpu_time_s"),
                      untraced_cpu_us=micros("untraced_step_cpu_time_s")[1:],
@@ -100,4 +106,6 @@ def read_step_times(run_dir: str | Path, rank: int) -> StepTimes | None:
                      traced_run_queue_us=micros("step_run_queue_wait_s"),
                      untraced_run_queue_us=micros("untraced_step_run_queue_wait_s")[1:],
                      traced_communication_cpu_us=micros("step_communication_cpu_time_s"),
-                     untraced_communication_cpu_us=micros("untraced_step_communication_cpu_time_s")[1:])
+                     untraced_communication_cpu_us=micros("untraced_step_communication_cpu_time_s")[1:],
+                     traced_page_faults=counts("step_page_faults"),
+                     untraced_page_faults=counts("untraced_step_page_faults")[1:])

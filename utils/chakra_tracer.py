@@ -83,8 +83,8 @@ class NullTracer:
     def __exit__(self, exc_type, exc_val, exc_tb) -> bool:
         return False
 
-    def step(self) -> None:
-        pass
+    def step(self) -> tuple[float, float]:
+        return 0.0, 0.0
 
 
 class ChakraTracer:
@@ -204,8 +204,10 @@ class ChakraTracer:
         self._restart_step_clocks(sync=True)
         return self
 
-    def step(self) -> None:
-        """Mark the end of one optimizer step; call exactly once per optimizer step on every rank."""
+    def step(self) -> tuple[float, float]:
+        """Mark the end of one optimizer step; call exactly once per optimizer step on every rank. Returns the wall
+        and CPU seconds this call spent on the tracer's own preparation (the heap reserved before the window; 0
+        otherwise): not the training's, for a caller that reports its pace."""
         step = self._step
         timed = step <= self.traced_steps[-1]
         if step in self.traced_steps:
@@ -222,12 +224,16 @@ class ChakraTracer:
             self._profiler.step()
             if self._step >= self.traced_steps[-1] + 1:
                 self._finalize_capture()
+        preparation = 0.0, 0.0
         if self._step == self._reserve_heap_after and self._step <= self.first_traced_step:
+            started = time.perf_counter(), time.process_time()
             self.heap_reserved_bytes, line = reserve_heap_for_profiler()
-            logger.info("rank %d: %s", self.rank, line)
+            preparation = time.perf_counter() - started[0], time.process_time() - started[1]
+            logger.info("rank %d: %s (%.1f s)", self.rank, line, preparation[0])
         if self._step == self.first_traced_step:
             self._load_start = sample_machine_load()  # before the clock starts, so the probe's time stays out
         self._restart_step_clocks(sync=timed)
+        return preparation
 
     def _restart_step_clocks(self, sync: bool) -> None:
         """Start timing the next step: wall clock, the process's, the training thread's and the communication

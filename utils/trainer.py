@@ -731,7 +731,10 @@ class Trainer:
             try:
                 while self.step < self.max_steps:
                     loss, grad_norm = self._optimizer_step()
-                    tracer.step()
+                    # the tracer's own preparation for its window is left out of the pace the log reports
+                    preparation_s, preparation_cpu_s = tracer.step()
+                    window_start += preparation_s
+                    cpu_start += preparation_cpu_s
                     self.step += 1
                     self.tokens_seen += self.tokens_per_step
                     window_steps += 1
