@@ -156,6 +156,31 @@ def test_run_json_holds_run_info_versions_and_step_times(one_rank_gpt2):
         assert min(rank["step_run_queue_wait_s"] + rank["untraced_step_run_queue_wait_s"]) >= 0
 
 
+def test_the_machine_load_probe_runs_outside_the_traced_steps_annotations(tmp_path, monkeypatch):
+    """The load probe around the window reads every process's /proc entry (2-7 ms on a 2-core machine): taken
+    inside ProfilerStep#N it would count as the step's own time between operators, in the first and last traced
+    steps."""
+    from utils import metrics
+    probes = []
+
+    def slow_sample():
+        probes.append(tracer._step)
+        time.sleep(0.3)
+        return metrics.sample_machine_load()
+
+    monkeypatch.setattr(chakra_tracer, "sample_machine_load", slow_sample)
+    for wait, warmup in ((1, 1), (0, 0)):
+        probes.clear()
+        tracer = ChakraTracer(tmp_path, f"load_{wait}_{warmup}", wait_steps=wait, warmup_steps=warmup, active_steps=2)
+        train(tiny_mlp(), tracer, steps=wait + warmup + 3)
+        assert len(probes) == 2  # one before the window, one after
+        device = load(tmp_path / f"load_{wait}_{warmup}" / "device.0.json")
+        steps = [e for e in device["traceEvents"] if e.get("name", "").startswith("ProfilerStep#")]
+        assert len(steps) == 2 and all(e["dur"] < 0.3e6 for e in steps)
+        [rank] = load(tmp_path / f"load_{wait}_{warmup}" / "run.json")["ranks"]
+        assert rank["machine_load"]["window_s"] > 0
+
+
 def test_the_heap_is_reserved_once_before_the_warmup_step_and_its_time_is_returned(tmp_path, monkeypatch):
     """The tracer reserves heap for the profiler's records (utils/host_memory.py) at the end of the last untraced
     step, outside every timed step, and tells its caller how long that took, so the trainer's log leaves it out."""

@@ -157,8 +157,9 @@ class ChakraTracer:
         self.step_page_faults: dict[int, int] = {}
         self.untraced_step_page_faults: dict[int, int] = {}
         self.heap_reserved_bytes = 0  # heap faulted in before the window (utils/host_memory.py)
-        # The end of the step after which that is done: before the last warmup step, which is not timed, so a rank
-        # that took longer to do it is waited for there and not in a traced step
+        # The end of the step after which that is done (before the profiler opens the next step): before the last
+        # warmup step, which is not timed, so a rank that took longer to do it is waited for there, not in a traced
+        # step
         self._reserve_heap_after = max(1, self.first_traced_step - (1 if warmup_steps else 0))
         self.recording_cost_per_op_us: float | None = None  # measured on this machine before the window (CPU runs)
         self._load_start = None                                   # machine load when the traced steps began
@@ -192,6 +193,8 @@ class ChakraTracer:
                 **cuda_sync_events_config(self.use_cuda),
             )
             self._mark_run_identity()
+            if self.first_traced_step == 0:
+                self._load_start = sample_machine_load()  # before the first traced step's annotation opens
             self._profiler.__enter__()
         except BaseException:
             self._observer.unregister_callback()
@@ -199,8 +202,6 @@ class ChakraTracer:
             self._discard_traces()
             raise
         logger.info("rank %d: tracing optimizer steps %s into %s", self.rank, self.traced_steps, self.trace_dir)
-        if self.first_traced_step == 0:
-            self._load_start = sample_machine_load()
         self._restart_step_clocks(sync=True)
         return self
 
@@ -213,17 +214,11 @@ class ChakraTracer:
         if step in self.traced_steps:
             self._record_step(step, self.step_wall_time_s, self.step_cpu_time_s, self.step_thread_cpu_time_s,
                               self.step_run_queue_wait_s, self.step_communication_cpu_time_s, self.step_page_faults)
-            if step == self.traced_steps[-1] and self._load_start is not None:
-                self._note_machine_load()
         elif step < self.wait_steps:
             self._record_step(step, self.untraced_step_wall_time_s, self.untraced_step_cpu_time_s,
                               self.untraced_step_thread_cpu_time_s, self.untraced_step_run_queue_wait_s,
                               self.untraced_step_communication_cpu_time_s, self.untraced_step_page_faults)
         self._step += 1
-        if self._profiler is not None and not self._finalized:
-            self._profiler.step()
-            if self._step >= self.traced_steps[-1] + 1:
-                self._finalize_capture()
         preparation = 0.0, 0.0
         if self._step == self._reserve_heap_after and self._step <= self.first_traced_step:
             started = time.perf_counter(), time.process_time()
@@ -231,7 +226,13 @@ class ChakraTracer:
             preparation = time.perf_counter() - started[0], time.process_time() - started[1]
             logger.info("rank %d: %s (%.1f s)", self.rank, line, preparation[0])
         if self._step == self.first_traced_step:
-            self._load_start = sample_machine_load()  # before the clock starts, so the probe's time stays out
+            # Before profiler.step() opens the step's annotation: the probe reads every process's /proc entry (2-7
+            # ms on a 2-core machine), time that would count as the traced step's own between its operators
+            self._load_start = sample_machine_load()
+        if self._profiler is not None and not self._finalized:
+            self._profiler.step()
+            if self._step >= self.traced_steps[-1] + 1:
+                self._finalize_capture()
         self._restart_step_clocks(sync=timed)
         return preparation
 
@@ -323,7 +324,10 @@ class ChakraTracer:
         self._observer = None
 
     def _export_device_trace(self, prof: profile) -> None:
-        """on_trace_ready: the Kineto trace and the key_averages table of the recorded window."""
+        """on_trace_ready: the Kineto trace and the key_averages table of the recorded window. The machine's load
+        is sampled first: the last traced step's annotation has closed by now, so the probe's time is in none."""
+        if self._load_start is not None and self.machine_load is None:
+            self._note_machine_load()
         prof.export_chrome_trace(str(self._partial(self.device_path)))
         self._device_trace_written = True
         sort_by = stacks_sort_key(self.use_cuda)
