@@ -190,17 +190,27 @@ class Namespace:
 
 
 _SENT = re.compile(r"Sent (\d+) bytes (\d+) pkt \(dropped (\d+), overlimits (\d+)")
-_BACKLOG = re.compile(r"backlog (\d+)b (\d+)p")
+# tc prints a size in Kb or Mb when it is (within a few bytes) a whole number of them: "backlog 59Kb 27p"
+_BACKLOG = re.compile(r"backlog (\d+)([KM]?)b (\d+)p")
+_SIZE_UNIT = {"": 1, "K": 1024, "M": 1024 * 1024}
+
+
+def _backlog(shown: str) -> tuple[int, int] | None:
+    """(bytes, packets) the qdisc holds, from `tc -s qdisc show`; None when it says nothing of it."""
+    backlog = _BACKLOG.search(shown)
+    if not backlog:
+        return None
+    return int(backlog.group(1)) * _SIZE_UNIT[backlog.group(2)], int(backlog.group(3))
 
 
 def queue_counters(shown: str) -> tuple[int, int] | None:
     """(bytes sent, packets held) of `tc -s qdisc show`, or None without a qdisc's counters. A qdisc that holds
     packets while its sent count stands still for a second is stalled (a link of our rates sends a packet in
     under a millisecond)."""
-    sent, backlog = _SENT.search(shown), _BACKLOG.search(shown)
+    sent, backlog = _SENT.search(shown), _backlog(shown)
     if not sent:
         return None
-    return int(sent.group(1)), int(backlog.group(2)) if backlog else 0
+    return int(sent.group(1)), backlog[1] if backlog else 0
 
 
 def describe_queue(shown: str) -> str:
@@ -208,12 +218,12 @@ def describe_queue(shown: str) -> str:
     whose overlimits climb while its sent count stands still is stalled: its head packet never fits the bucket
     (seen once here, at a change from 1 Gbit/s to 400 Mbit/s: 52 packets held for 14 minutes)."""
     kind = re.search(r"qdisc (\w+)", shown)
-    sent, backlog = _SENT.search(shown), _BACKLOG.search(shown)
+    sent, backlog = _SENT.search(shown), _backlog(shown)
     if not kind or not sent:
         return ""
     text = (f"lo's qdisc {kind.group(1)}: sent {int(sent.group(1)):,} bytes in {int(sent.group(2)):,} packets, "
             f"dropped {sent.group(3)}, overlimits {int(sent.group(4)):,}")
-    return text + (f", holding {int(backlog.group(1)):,} bytes in {backlog.group(2)} packets" if backlog else "")
+    return text + (f", holding {backlog[0]:,} bytes in {backlog[1]} packets" if backlog else "")
 
 
 def _run(argv: list[str]) -> subprocess.CompletedProcess:

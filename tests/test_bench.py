@@ -449,6 +449,19 @@ def test_a_hung_run_names_what_los_queue_holds():
     assert describe_queue("") == ""
 
 
+def test_a_stalled_queue_is_seen_whatever_unit_tc_gives_its_backlog_in():
+    from bench.netem import describe_queue, queue_counters
+
+    # Where a tiny run hung at 400 Mbit/s (2026-11-26): tc wrote the backlog in Kb (60,416 bytes is 59 x 1,024)
+    # and the stall went unseen for 8 minutes, the packets held read as none.
+    shown = ("qdisc tbf 829a: root refcnt 2 rate 400Mbit burst 21Kb lat 1s \n"
+             " Sent 19094171 bytes 3176 pkt (dropped 0, overlimits 1359976 requeues 0) \n"
+             " backlog 59Kb 27p requeues 0\n")
+    assert queue_counters(shown) == (19094171, 27)
+    assert describe_queue(shown).endswith("holding 60,416 bytes in 27 packets")
+    assert queue_counters(shown.replace("59Kb 27p", "2Mb 1500p")) == (19094171, 1500)
+
+
 def test_whatif_docs_block_rewrites_only_its_models_part(tmp_path):
     from bench.whatif_bench import DOCS_BEGIN, DOCS_END, write_docs
 
