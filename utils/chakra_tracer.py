@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import platform
+import resource
 import shutil
 import socket
 import sys
@@ -14,11 +15,6 @@ import time
 import uuid
 from pathlib import Path
 from typing import Any
-
-try:
-    import resource
-except ImportError:  # Windows
-    resource = None
 
 import orjson
 import torch
@@ -559,8 +555,8 @@ def run_queue_wait_s() -> float | None:
 
 def thread_page_faults() -> int | None:
     """Minor page faults of the calling thread since it started (getrusage(RUSAGE_THREAD)); None where the system
-    does not count them per thread (not Linux)."""
-    who = getattr(resource, "RUSAGE_THREAD", None) if resource is not None else None
+    does not count them per thread (not Linux: no RUSAGE_THREAD)."""
+    who = getattr(resource, "RUSAGE_THREAD", None)
     if who is None:
         return None
     return resource.getrusage(who).ru_minflt
