@@ -157,6 +157,28 @@ def test_train_bench_fails_when_transformers_trainer_cannot_run(tmp_path):
     assert "needs the accelerate package" in result.stderr
 
 
+# ------------------------------------------------------------------------------------- collective_start_cost
+def test_collective_start_cost_times_each_size_after_compute_and_after_a_barrier():
+    result = run_bench("collective_start_cost.py", "--quick", "--compute-ms", "3,6", timeout=300)
+    assert result.returncode == 0, result.stderr
+    (row,) = table_rows(result.stdout, "0.065536")
+    assert row[1] == "5"  # repeats pooled per condition
+    after_compute, after_barrier = float(row[2]), float(row[3])
+    assert after_compute > 0 and after_barrier > 0
+    assert float(row[4]) == pytest.approx(after_compute - after_barrier, abs=0.011)
+    assert ratio_value(row[5]) == pytest.approx(after_compute / after_barrier, rel=0.05)
+
+
+@pytest.mark.parametrize("args, named", [(["--compute-ms", "5,2"], "--compute-ms"),
+                                         (["--sizes", "65536,big"], "--sizes"),
+                                         (["--repeats", "0"], "--repeats")])
+def test_collective_start_cost_rejects_bad_flags_in_one_line(args, named):
+    result = run_bench("collective_start_cost.py", *args, timeout=60)
+    assert result.returncode == 1
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("error:") and named in line
+
+
 # --------------------------------------------------------------------------------------------- tracing_cost
 @pytest.mark.slow
 def test_tracing_cost_prints_step_time_ratios_of_each_condition():
