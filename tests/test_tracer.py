@@ -234,21 +234,25 @@ def test_run_queue_wait_counts_the_time_another_process_had_the_threads_core():
     assert waited > 0.1, f"waited {waited:.3f} s for a core shared with a busy process over 0.3 s of CPU"
 
 
-@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs Linux's /proc/self/task")
-def test_communication_threads_cpu_counts_only_the_threads_named_like_gloos():
-    """A busy thread that names itself as gloo's TCP loop does is counted, for about the CPU it used; one with
-    another name is not."""
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir() or not hasattr(os, "sched_setaffinity"),
+                    reason="needs Linux's /proc/self/task and CPU affinity")
+def test_communication_threads_times_count_only_the_threads_named_like_gloos():
+    """A busy thread that names itself as gloo's TCP loop does is counted, for about the CPU it used and, when a
+    busy process shares its core, for the time it waited for the core; one with another name is not."""
     import ctypes
     import threading
 
     libc = ctypes.CDLL(None)
+    core = min(os.sched_getaffinity(0))
 
-    def cpu_of_a_busy_thread(name: bytes) -> tuple[float, float]:
-        """What communication_threads_cpu_s counted while a thread of this name ran 0.2 s, and what it ran."""
+    def times_of_a_busy_thread(name: bytes, shared: bool) -> tuple[float, float, float]:
+        """What communication_threads_times_s counted (CPU, waiting) while a thread of this name ran 0.2 s of CPU
+        on one core, and what it ran."""
         done, read, used = threading.Event(), threading.Event(), []
 
         def busy() -> None:
             libc.prctl(15, ctypes.c_char_p(name), 0, 0, 0)  # PR_SET_NAME: what /proc/self/task/<tid>/comm shows
+            os.sched_setaffinity(0, {core})  # this thread only
             started = time.thread_time()
             while time.thread_time() - started < 0.2:
                 pass
@@ -256,19 +260,32 @@ def test_communication_threads_cpu_counts_only_the_threads_named_like_gloos():
             done.set()
             read.wait()  # alive until read: an ended thread leaves the listing
 
-        before = chakra_tracer.communication_threads_cpu_s() or 0.0
-        worker = threading.Thread(target=busy)
-        worker.start()
-        done.wait()
-        after = chakra_tracer.communication_threads_cpu_s() or 0.0
-        read.set()
-        worker.join()
-        return after - before, used[0]
+        rival = subprocess.Popen([sys.executable, "-c", f"import os\nos.sched_setaffinity(0, {{{core}}})\nwhile True: pass"]
+                                 ) if shared else None
+        try:
+            if rival:
+                deadline = time.monotonic() + 2.0
+                while time.monotonic() < deadline:  # until the busy process runs on the core
+                    if Path(f"/proc/{rival.pid}/stat").read_text().split(") ")[1].startswith("R"):
+                        break
+            before = chakra_tracer.communication_threads_times_s() or (0.0, 0.0)
+            worker = threading.Thread(target=busy)
+            worker.start()
+            done.wait()
+            after = chakra_tracer.communication_threads_times_s() or (0.0, 0.0)
+            read.set()
+            worker.join()
+        finally:
+            if rival:
+                rival.kill()
+                rival.wait()
+        return after[0] - before[0], after[1] - before[1], used[0]
 
-    counted, used = cpu_of_a_busy_thread(b"gloo_tcp_loop")
-    assert counted == pytest.approx(used, rel=0.1) and used >= 0.2
-    counted, _ = cpu_of_a_busy_thread(b"pt_data_worker")
-    assert counted == pytest.approx(0.0, abs=0.01)
+    on_cpu, waited, used = times_of_a_busy_thread(b"gloo_tcp_loop", shared=True)
+    assert on_cpu == pytest.approx(used, rel=0.1) and used >= 0.2
+    assert waited > 0.05, f"waited {waited:.3f} s for a core shared with a busy process over 0.2 s of CPU"
+    on_cpu, waited, _ = times_of_a_busy_thread(b"pt_data_worker", shared=True)
+    assert on_cpu == pytest.approx(0.0, abs=0.01) and waited == pytest.approx(0.0, abs=0.01)
 
 
 def test_longer_window_records_every_active_step_and_its_time(tmp_path):
@@ -528,6 +545,10 @@ def test_trainer_two_rank_bert_traces_every_rank_with_process_group_and_collecti
             assert len(r["step_communication_cpu_time_s"]) == 2
             assert len(r["untraced_step_communication_cpu_time_s"]) == len(r["untraced_step_wall_time_s"])
             assert min(r["step_communication_cpu_time_s"] + r["untraced_step_communication_cpu_time_s"][1:]) > 0
+            assert len(r["step_communication_run_queue_wait_s"]) == 2
+            assert len(r["untraced_step_communication_run_queue_wait_s"]) == len(r["untraced_step_wall_time_s"])
+            assert min(r["step_communication_run_queue_wait_s"]
+                       + r["untraced_step_communication_run_queue_wait_s"]) >= 0
             assert len(r["step_page_faults"]) == 2
             assert len(r["untraced_step_page_faults"]) == len(r["untraced_step_wall_time_s"])
     if reason_to_leave_malloc_alone() is None:

@@ -425,7 +425,10 @@ def _core_sharing_run(tmp_path: Path, communication_cpu: bool) -> tuple[Path, fl
         # the first untraced step (start-up) is left out, as for the step times
         # gloo's CPU work comes in bursts: 0.1, 0.1 and 0.7 of a step (median 0.1, mean 0.3)
         rank.update(step_communication_cpu_time_s=[0.5 * step_s] * 3,
-                    untraced_step_communication_cpu_time_s=[5 * step_s] + [0.1 * step_s, 0.7 * step_s, 0.1 * step_s])
+                    untraced_step_communication_cpu_time_s=[5 * step_s] + [0.1 * step_s, 0.7 * step_s, 0.1 * step_s],
+                    # and they waited for a core 0.2, 0.2 and 0.5 of a step (mean 0.3)
+                    untraced_step_communication_run_queue_wait_s=[5 * step_s] + [0.2 * step_s, 0.2 * step_s,
+                                                                                 0.5 * step_s])
     (folder / "run.json").write_text(json.dumps({"ranks": [rank]}))
     return folder, step_s
 
@@ -444,8 +447,11 @@ def test_communication_cpu_runs_beside_each_collective_and_the_wait_for_a_core_l
     assert result.communication_cpu_us == pytest.approx(0.3 * step_s * 1e6)
     assert result.run_queue_removed_us == pytest.approx(0.2 * step_s * 1e6)
     assert result.cores_shared and result.untraced_run_queue_wait_us == pytest.approx(0.2 * step_s * 1e6)
-    assert ("gloo's threads used 15.0 ms of CPU per untraced step on average: the traced wait (10.0 ms) taken out"
-            in durations_text(result))
+    assert result.communication_run_queue_wait_us == pytest.approx(0.3 * step_s * 1e6)
+    assert plain.communication_run_queue_wait_us == 0
+    assert ("gloo's threads used 15.0 ms of CPU per untraced step on average and waited 15.0 ms for a core (summed "
+            "over them;" in durations_text(result))
+    assert "(10.0 ms) taken out" in durations_text(result)
 
     _, plain_nodes = read_et_with_protolib(plain_folder / "run.0.et")
     _, nodes = read_et_with_protolib(folder / "run.0.et")

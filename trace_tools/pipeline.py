@@ -291,6 +291,7 @@ def _note_run_queue_wait(times: StepTimes, result: RankResult, corrected: bool) 
         return
     result.run_queue_wait_us, result.untraced_run_queue_wait_us = waits
     result.communication_cpu_us = times.communication_cpu_per_step_us or 0.0
+    result.communication_run_queue_wait_us = times.communication_run_queue_per_step_us or 0.0
     share = waits[1] / times.untraced_median_us if times.untraced_median_us > 0 else 0.0
     if share > STEP_SPREAD_BOUND and not corrected:
         result.warnings.append(

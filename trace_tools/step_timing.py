@@ -30,6 +30,9 @@ class StepTimes:
     # CPU time of the communication backend's threads (gloo) in each step, when measured
     traced_communication_cpu_us: list[float] | None = None
     untraced_communication_cpu_us: list[float] | None = None
+    # Time those threads waited for a core in each step (summed over the threads), when measured
+    traced_communication_run_queue_us: list[float] | None = None
+    untraced_communication_run_queue_us: list[float] | None = None
     # Minor page faults of the training thread in each step, when measured
     traced_page_faults: list[int] | None = None
     untraced_page_faults: list[int] | None = None
@@ -64,6 +67,15 @@ class StepTimes:
         gloo's event loop ran without sleeping, epoll_wait returning at once), and every burst adds to the run's
         time; a median drops them all."""
         samples = self.untraced_communication_cpu_us or self.traced_communication_cpu_us
+        return statistics.fmean(samples) if samples else None
+
+    @property
+    def communication_run_queue_per_step_us(self) -> float | None:
+        """Mean time the communication threads waited for a core in an untraced step, summed over the threads (in
+        a traced one when no untraced step measured it; None if unmeasured). Woken while the training threads
+        hold the cores, they wait, on a kernel without wakeup preemption up to its next timer tick: a collective's
+        start-up on this machine that the simulated network does not have (bench/collective_start_cost.py)."""
+        samples = self.untraced_communication_run_queue_us or self.traced_communication_run_queue_us
         return statistics.fmean(samples) if samples else None
 
     @property
@@ -107,5 +119,7 @@ def read_step_times(run_dir: str | Path, rank: int) -> StepTimes | None:
                      untraced_run_queue_us=micros("untraced_step_run_queue_wait_s")[1:],
                      traced_communication_cpu_us=micros("step_communication_cpu_time_s"),
                      untraced_communication_cpu_us=micros("untraced_step_communication_cpu_time_s")[1:],
+                     traced_communication_run_queue_us=micros("step_communication_run_queue_wait_s"),
+                     untraced_communication_run_queue_us=micros("untraced_step_communication_run_queue_wait_s")[1:],
                      traced_page_faults=counts("step_page_faults"),
                      untraced_page_faults=counts("untraced_step_page_faults")[1:])

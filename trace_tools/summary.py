@@ -48,7 +48,9 @@ class RankResult:
     # median time the training thread waited for a core in a traced / an untraced step (run.json); 0 when unknown
     run_queue_wait_us: float = 0.0
     untraced_run_queue_wait_us: float = 0.0
-    communication_cpu_us: float = 0.0      # median CPU time of gloo's threads in an untraced step (run.json); 0: unknown
+    communication_cpu_us: float = 0.0      # mean CPU time of gloo's threads in an untraced step (run.json); 0: unknown
+    # mean time gloo's threads waited for a core in an untraced step, summed over them (run.json); 0: unknown
+    communication_run_queue_wait_us: float = 0.0
     # trace_tools.core_sharing applied: the traced wait for a core taken out of the training thread's ops, and
     # gloo's CPU time given to the collectives as CPU nodes
     cores_shared: bool = False
@@ -162,6 +164,10 @@ def durations_text(rank: RankResult) -> str:
         if rank.communication_cpu_us:
             text += (f", while gloo's threads used {rank.communication_cpu_us / 1000:.1f} ms of CPU per untraced step "
                      "on average")
+            if rank.communication_run_queue_wait_us:
+                text += (f" and waited {rank.communication_run_queue_wait_us / 1000:.1f} ms for a core (summed over "
+                         "them; the simulated network has no such wait: bench/collective_start_cost.py measures what "
+                         "it adds to a collective)")
         if rank.cores_shared:
             text += (f": the traced wait ({rank.run_queue_removed_us / 1000:.1f} ms) taken out of the training "
                      "thread's ops, and gloo's CPU time given to the collectives as CPU nodes, by bytes "

@@ -140,9 +140,13 @@ class ChakraTracer:
         self.untraced_step_thread_cpu_time_s: dict[int, float] = {}
         # CPU time of the communication backend's own threads (gloo's TCP loop and workers): the collectives' CPU
         # work, which a CPU run does on the cores its compute needs
-        self._communication_cpu_started: float | None = None
+        self._communication_started: tuple[float, float] | None = None
         self.step_communication_cpu_time_s: dict[int, float] = {}
         self.untraced_step_communication_cpu_time_s: dict[int, float] = {}
+        # Time those threads were ready to run but waited for a core (the training threads had them): the
+        # collectives' results reach the training thread that much later, whatever the network
+        self.step_communication_run_queue_wait_s: dict[int, float] = {}
+        self.untraced_step_communication_run_queue_wait_s: dict[int, float] = {}
         # Time the training thread (the one calling step()) was ready to run but waited for a core that another
         # thread or process had: inside its ops' durations, and a property of the machine, not of the program.
         self._queue_started: float | None = None
@@ -209,11 +213,13 @@ class ChakraTracer:
         timed = step <= self.traced_steps[-1]
         if step in self.traced_steps:
             self._record_step(step, self.step_wall_time_s, self.step_cpu_time_s, self.step_thread_cpu_time_s,
-                              self.step_run_queue_wait_s, self.step_communication_cpu_time_s, self.step_page_faults)
+                              self.step_run_queue_wait_s, self.step_communication_cpu_time_s,
+                              self.step_communication_run_queue_wait_s, self.step_page_faults)
         elif step < self.wait_steps:
             self._record_step(step, self.untraced_step_wall_time_s, self.untraced_step_cpu_time_s,
                               self.untraced_step_thread_cpu_time_s, self.untraced_step_run_queue_wait_s,
-                              self.untraced_step_communication_cpu_time_s, self.untraced_step_page_faults)
+                              self.untraced_step_communication_cpu_time_s,
+                              self.untraced_step_communication_run_queue_wait_s, self.untraced_step_page_faults)
         self._step += 1
         preparation = 0.0, 0.0
         if self._step == self._reserve_heap_after and self._step <= self.first_traced_step:
@@ -234,17 +240,17 @@ class ChakraTracer:
 
     def _restart_step_clocks(self, sync: bool) -> None:
         """Start timing the next step: wall clock, the process's, the training thread's and the communication
-        threads' CPU time, and the thread's wait for a core."""
+        threads' CPU time, and the training and communication threads' waits for a core."""
         self._step_started = self._now(sync=sync)
         self._cpu_started = time.process_time()
         self._thread_cpu_started = time.thread_time()
         self._queue_started = run_queue_wait_s()
-        self._communication_cpu_started = communication_threads_cpu_s()
+        self._communication_started = communication_threads_times_s()
         self._faults_started = thread_page_faults()
 
     def _record_step(self, step: int, wall: dict[int, float], cpu: dict[int, float], thread_cpu: dict[int, float],
                      run_queue: dict[int, float], communication_cpu: dict[int, float],
-                     page_faults: dict[int, int]) -> None:
+                     communication_run_queue: dict[int, float], page_faults: dict[int, int]) -> None:
         """What the step that just ended took on each clock _restart_step_clocks started."""
         wall[step] = self._now(sync=True) - self._step_started
         cpu[step] = time.process_time() - self._cpu_started
@@ -252,10 +258,11 @@ class ChakraTracer:
         waited = run_queue_wait_s()
         if waited is not None and self._queue_started is not None:
             run_queue[step] = waited - self._queue_started
-        communicated = communication_threads_cpu_s()
-        if communicated is not None and self._communication_cpu_started is not None:
+        communicated = communication_threads_times_s()
+        if communicated is not None and self._communication_started is not None:
             # A thread that ended within the step takes its time with it: never below zero
-            communication_cpu[step] = max(0.0, communicated - self._communication_cpu_started)
+            communication_cpu[step] = max(0.0, communicated[0] - self._communication_started[0])
+            communication_run_queue[step] = max(0.0, communicated[1] - self._communication_started[1])
         faults = thread_page_faults()
         if faults is not None and self._faults_started is not None:
             page_faults[step] = faults - self._faults_started
@@ -497,6 +504,11 @@ class ChakraTracer:
                                               if s in self.step_communication_cpu_time_s],
             "untraced_step_communication_cpu_time_s": [self.untraced_step_communication_cpu_time_s[s]
                                                        for s in sorted(self.untraced_step_communication_cpu_time_s)],
+            "step_communication_run_queue_wait_s": [self.step_communication_run_queue_wait_s[s] for s in completed
+                                                    if s in self.step_communication_run_queue_wait_s],
+            "untraced_step_communication_run_queue_wait_s": [
+                self.untraced_step_communication_run_queue_wait_s[s]
+                for s in sorted(self.untraced_step_communication_run_queue_wait_s)],
             # Empty where not measured (not Linux)
             "step_page_faults": [self.step_page_faults[s] for s in completed if s in self.step_page_faults],
             "untraced_step_page_faults": [self.untraced_step_page_faults[s]
@@ -567,26 +579,27 @@ def thread_page_faults() -> int | None:
 COMMUNICATION_THREAD_NAMES = ("gloo_tcp_loop", "pt_gloo_runloop")
 
 
-def communication_threads_cpu_s() -> float | None:
-    """Seconds of CPU the process's communication threads (COMMUNICATION_THREAD_NAMES) have used since they started
-    (each thread's /proc/self/task/<tid>/schedstat); None where Linux does not provide it or no such thread exists
-    (before the process group starts, or a backend without CPU threads such as NCCL)."""
+def communication_threads_times_s() -> tuple[float, float] | None:
+    """Seconds the process's communication threads (COMMUNICATION_THREAD_NAMES) have spent on a CPU, and runnable
+    but waiting for one, since they started (each thread's /proc/self/task/<tid>/schedstat, summed over the
+    threads); None where Linux does not provide it or no such thread exists (before the process group starts, or a
+    backend without CPU threads such as NCCL)."""
     try:
         tasks = os.listdir("/proc/self/task")
     except OSError:
         return None
-    used = []
+    on_cpu, waiting, found = 0.0, 0.0, False
     for tid in tasks:
         try:
             with open(f"/proc/self/task/{tid}/comm", encoding="utf-8", errors="replace") as name:
                 if name.read().strip() not in COMMUNICATION_THREAD_NAMES:
                     continue
-        except OSError:
+            with open(f"/proc/self/task/{tid}/schedstat", encoding="ascii") as stats:
+                fields = stats.read().split()
+            on_cpu, waiting, found = on_cpu + int(fields[0]) / 1e9, waiting + int(fields[1]) / 1e9, True
+        except (OSError, ValueError, IndexError):
             continue  # the thread ended between the listing and the read
-        seconds = _schedstat_s(f"/proc/self/task/{tid}/schedstat", 0)
-        if seconds is not None:
-            used.append(seconds)
-    return sum(used) if used else None
+    return (on_cpu, waiting) if found else None
 
 
 def measure_recording_cost_us(calls: int = 300) -> float:
