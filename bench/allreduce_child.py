@@ -16,7 +16,6 @@ import torch
 import torch.distributed as dist
 
 
-
 def compute_for(seconds: float, matrix: torch.Tensor) -> torch.Tensor:
     """Matrix products on this rank's core until `seconds` have passed."""
     until = time.perf_counter() + seconds
@@ -26,6 +25,7 @@ def compute_for(seconds: float, matrix: torch.Tensor) -> torch.Tensor:
 
 
 def compute_range_ms(text: str) -> tuple:
+    """--after-compute-ms's value: LOW,HIGH (or one number for both) in ms."""
     low, _, high = text.partition(",")
     low_ms, high_ms = float(low), float(high or low)
     if not 0 < low_ms <= high_ms:

@@ -66,8 +66,7 @@ class StepTimes:
         mean, not the median: that work comes in bursts (on a 2-core machine most steps 0.5 ms, some 3-7 ms in which
         gloo's event loop ran without sleeping, epoll_wait returning at once), and every burst adds to the run's
         time; a median drops them all."""
-        samples = self.untraced_communication_cpu_us or self.traced_communication_cpu_us
-        return statistics.fmean(samples) if samples else None
+        return _mean_per_step(self.untraced_communication_cpu_us, self.traced_communication_cpu_us)
 
     @property
     def communication_run_queue_per_step_us(self) -> float | None:
@@ -75,8 +74,7 @@ class StepTimes:
         a traced one when no untraced step measured it; None if unmeasured). Woken while the training threads
         hold the cores, they wait, on a kernel without wakeup preemption up to its next timer tick: a collective's
         start-up on this machine that the simulated network does not have (bench/collective_start_cost.py)."""
-        samples = self.untraced_communication_run_queue_us or self.traced_communication_run_queue_us
-        return statistics.fmean(samples) if samples else None
+        return _mean_per_step(self.untraced_communication_run_queue_us, self.traced_communication_run_queue_us)
 
     @property
     def traced_median_us(self) -> float:
@@ -85,6 +83,13 @@ class StepTimes:
     @property
     def untraced_median_us(self) -> float:
         return statistics.median(self.untraced_us)
+
+
+def _mean_per_step(untraced: list[float] | None, traced: list[float] | None) -> float | None:
+    """The mean over the untraced steps, or over the traced ones when no untraced step measured it; None if neither
+    did."""
+    samples = untraced or traced
+    return statistics.fmean(samples) if samples else None
 
 
 def read_step_times(run_dir: str | Path, rank: int) -> StepTimes | None:
@@ -106,6 +111,7 @@ def read_step_times(run_dir: str | Path, rank: int) -> StepTimes | None:
     traced, untraced = micros("step_wall_time_s"), micros("untraced_step_wall_time_s")[1:]
     if not traced or not untraced:
         return None
+
     def counts(key: str) -> list[int]:
         return [int(n) for n in entries[0].get(key) or [] if isinstance(n, int)]
 

@@ -549,12 +549,13 @@ class ChakraTracer:
         logger.info("traces of steps %s from %d rank(s) in %s", completed, len(ranks), self.trace_dir)
 
 
-def _schedstat_s(path: str, field: int) -> float | None:
-    """One field of a Linux schedstat file in seconds (0: time on a CPU, 1: time runnable but waiting for one, both
-    in ns); None where the file is missing or unreadable (not Linux, or the thread has ended)."""
+def _schedstat_s(path: str) -> tuple[float, float] | None:
+    """A Linux schedstat file in seconds: (time on a CPU, time runnable but waiting for one), both kept in ns; None
+    where the file is missing or unreadable (not Linux, or the thread has ended)."""
     try:
         with open(path, encoding="ascii") as stats:
-            return int(stats.read().split()[field]) / 1e9
+            fields = stats.read().split()
+        return int(fields[0]) / 1e9, int(fields[1]) / 1e9
     except (OSError, ValueError, IndexError):
         return None
 
@@ -562,7 +563,8 @@ def _schedstat_s(path: str, field: int) -> float | None:
 def run_queue_wait_s() -> float | None:
     """Seconds the calling thread has spent runnable but waiting for a CPU since it started (Linux's
     /proc/thread-self/schedstat); None where the kernel does not provide it."""
-    return _schedstat_s("/proc/thread-self/schedstat", 1)
+    times = _schedstat_s("/proc/thread-self/schedstat")
+    return times[1] if times is not None else None
 
 
 def thread_page_faults() -> int | None:
@@ -594,11 +596,11 @@ def communication_threads_times_s() -> tuple[float, float] | None:
             with open(f"/proc/self/task/{tid}/comm", encoding="utf-8", errors="replace") as name:
                 if name.read().strip() not in COMMUNICATION_THREAD_NAMES:
                     continue
-            with open(f"/proc/self/task/{tid}/schedstat", encoding="ascii") as stats:
-                fields = stats.read().split()
-            on_cpu, waiting, found = on_cpu + int(fields[0]) / 1e9, waiting + int(fields[1]) / 1e9, True
-        except (OSError, ValueError, IndexError):
+        except OSError:
             continue  # the thread ended between the listing and the read
+        times = _schedstat_s(f"/proc/self/task/{tid}/schedstat")
+        if times is not None:
+            on_cpu, waiting, found = on_cpu + times[0], waiting + times[1], True
     return (on_cpu, waiting) if found else None
 
 
