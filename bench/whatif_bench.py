@@ -335,11 +335,15 @@ def traced_runs(ns: Namespace, setup: ModelSetup, rate: Rate, count: int, args, 
             times, load = run_training(ns, setup, work, env, extra, None, what)
             cpu = step_cpu(log)
         else:
-            shutil.rmtree(work, ignore_errors=True)
-            # The steps right after the window (the trace files being written) stay at the trace rate, left out.
-            cycler = RateCycler(ns, schedule, args.settle + 1, args.block, log, after_window=True)
             steps = window_end + args.settle + 1 + (len(schedule) - 1) * args.block + 1
-            times, load = cycled_run(ns, setup, work, env, extra, steps, cycler, what)
+
+            def traced_attempt(work=work, extra=extra, what=what, log=log) -> tuple:
+                shutil.rmtree(work, ignore_errors=True)
+                # The steps right after the window (the trace files being written) stay at the trace rate, left out.
+                cycler = RateCycler(ns, schedule, args.settle + 1, args.block, log, after_window=True)
+                return cycler, cycled_run(ns, setup, work, env, extra, steps, cycler, what)
+
+            cycler, (times, load) = once_more_on_failure(traced_attempt)
             cpu = step_cpu(log)
             after_window = {r.label: RealRuns(r) for r in rates}
             add_blocks(after_window, cycler.switches, timed_steps(log), ns.drops(), first_measured=1,
@@ -489,6 +493,18 @@ def cycle_schedule(rates: list, cycles: int) -> list:
     return [rate for cycle in range(cycles) for rate in (rates if cycle % 2 == 0 else rates[::-1])]
 
 
+def once_more_on_failure(attempt):
+    """attempt(), and once more if it fails. On a rate-limited loopback torchrun's own store talks through the same
+    tbf, and a stalled tbf (replaced by RateCycler) can cost a run its store connection: two of five tiny bench runs
+    on 2026-11-27 lost an untraced run that way (RendezvousConnectionError, after stalls at 400 Mbit/s), and with it
+    the whole benchmark. A second failure is the benchmark's error."""
+    try:
+        return attempt()
+    except BenchError as error:
+        print(f"    {error}; running it once more", flush=True)
+        return attempt()
+
+
 def cycled_run(ns: Namespace, setup: ModelSetup, work: Path, env: dict, extra: list, steps: int,
                cycler: RateCycler, what: str) -> tuple:
     """A training run of `steps` steps while `cycler` changes lo's rate; its step times and load, as run_training.
@@ -552,10 +568,15 @@ def real_runs(ns: Namespace, setup: ModelSetup, rates: list, args, env: dict, ro
     total = args.skip + len(schedule) * args.block + 1  # one more step: the last block ends cleanly
     for repeat in range(args.repeats):
         work = root / f"real-{repeat}"
-        shutil.rmtree(work, ignore_errors=True)
-        cycler = RateCycler(ns, schedule, args.skip + args.block, args.block, work / "logs" / OUR_LOG_FILE)
-        cycled_run(ns, setup, work, env, [], total, cycler,
-                   f"untraced run {repeat + 1} (rates changing every {args.block} steps)")
+
+        def untraced_attempt(work=work, repeat=repeat) -> RateCycler:
+            shutil.rmtree(work, ignore_errors=True)
+            cycler = RateCycler(ns, schedule, args.skip + args.block, args.block, work / "logs" / OUR_LOG_FILE)
+            cycled_run(ns, setup, work, env, [], total, cycler,
+                       f"untraced run {repeat + 1} (rates changing every {args.block} steps)")
+            return cycler
+
+        cycler = once_more_on_failure(untraced_attempt)
         add_blocks(results, cycler.switches, timed_steps(work / "logs" / OUR_LOG_FILE), ns.drops(),
                    first_measured=args.warmup_cycles * len(rates), skip=args.skip, settle=args.settle,
                    stalls=cycler.stalls, cpu=step_cpu(work / "logs" / OUR_LOG_FILE))

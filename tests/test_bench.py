@@ -286,6 +286,25 @@ def test_whatif_bench_says_what_is_missing_where_it_cannot_limit_the_network(tmp
     assert "|" not in result.stdout
 
 
+def test_whatif_runs_a_failed_training_run_once_more_and_fails_on_the_second_failure(capsys):
+    from bench.whatif_bench import once_more_on_failure
+
+    outcomes = [BenchError("untraced run 1 failed: RendezvousConnectionError"), "steps"]
+
+    def attempt():
+        outcome = outcomes.pop(0)
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+    assert once_more_on_failure(attempt) == "steps" and not outcomes
+    assert "untraced run 1 failed: RendezvousConnectionError; running it once more" in capsys.readouterr().out
+    outcomes[:] = [BenchError("first"), BenchError("second"), "never"]
+    with pytest.raises(BenchError, match="second"):
+        once_more_on_failure(attempt)
+    assert outcomes == ["never"]
+
+
 def test_whatif_rates_read_as_tc_reads_them_and_map_to_half_a_ring_link():
     from bench.netem import parse_rate
     from bench.whatif_bench import GIB, link_gbs, ring_allreduce_s
