@@ -9,19 +9,11 @@ call.
 """
 import argparse
 import json
-import random
-import time
 
 import torch
 import torch.distributed as dist
 
-
-def compute_for(seconds: float, matrix: torch.Tensor) -> torch.Tensor:
-    """Matrix products on this rank's core until `seconds` have passed."""
-    until = time.perf_counter() + seconds
-    while time.perf_counter() < until:
-        matrix = torch.tanh(matrix @ matrix)
-    return matrix
+from utils.collective_start import time_all_reduces
 
 
 def compute_range_ms(text: str) -> tuple:
@@ -45,27 +37,9 @@ def main() -> None:
     args = parser.parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    matrix = torch.randn(256, 256) / 16
-    compute_times = random.Random(args.seed)  # seeded alike on every rank: the ranks draw the same times
     for size in (int(s) for s in args.sizes.split(",")):
         tensor = torch.ones(size // 4, dtype=torch.float32)
-        started, finished = [], []
-        for _ in range(args.warmup + args.repeats):
-            if args.after_compute_ms:
-                matrix = compute_for(compute_times.uniform(*args.after_compute_ms) / 1000, matrix)
-            else:
-                dist.barrier()  # both ranks start together, so the time is the all-reduce's, not the other's lateness
-            started.append(time.perf_counter())
-            dist.all_reduce(tensor)
-            finished.append(time.perf_counter())
-        # perf_counter is the machine's monotonic clock, shared by the ranks of a single-node run: from the later
-        # rank's call (the collective cannot start before) to the later rank's finish (when it had finished).
-        mine = torch.tensor([started, finished], dtype=torch.float64)
-        everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
-        dist.all_gather(everyone, mine)
-        later_call = torch.stack([t[0] for t in everyone]).max(dim=0).values
-        later_finish = torch.stack([t[1] for t in everyone]).max(dim=0).values
-        times = (later_finish - later_call)[args.warmup:].tolist()
+        times = time_all_reduces(tensor, args.repeats, args.warmup, args.after_compute_ms, args.seed)
         if rank == 0:
             print(json.dumps({"bytes": tensor.numel() * 4, "seconds": times,
                               "after_compute_ms": args.after_compute_ms}), flush=True)

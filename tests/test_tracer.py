@@ -151,6 +151,7 @@ def test_run_json_holds_run_info_versions_and_step_times(one_rank_gpt2):
         assert len(rank["step_page_faults"]) == 1 and len(rank["untraced_step_page_faults"]) == 1
         assert min(rank["step_page_faults"] + rank["untraced_step_page_faults"]) >= 0
     assert rank["heap_reserved_bytes"] >= 0
+    assert rank["collective_start_wait_s"] is None  # one rank: no collective to start
     if chakra_tracer.run_queue_wait_s() is not None:  # Linux: the training thread's wait for a core, per step
         assert len(rank["step_run_queue_wait_s"]) == 1 and len(rank["untraced_step_run_queue_wait_s"]) == 1
         assert min(rank["step_run_queue_wait_s"] + rank["untraced_step_run_queue_wait_s"]) >= 0
@@ -539,6 +540,9 @@ def test_trainer_two_rank_bert_traces_every_rank_with_process_group_and_collecti
     assert [r["rank"] for r in info["ranks"]] == [0, 1] and [r["local_rank"] for r in info["ranks"]] == [0, 1]
     assert all(len(r["step_wall_time_s"]) == 2 and min(r["step_wall_time_s"]) > 0 for r in info["ranks"])
     assert info["step_wall_time_s_max"] == [max(r["step_wall_time_s"][i] for r in info["ranks"]) for i in (0, 1)]
+    # how long an all-reduce issued after compute waited to start, measured together: the same on every rank
+    waits = {r["collective_start_wait_s"] for r in info["ranks"]}
+    assert len(waits) == 1 and 0 <= waits.pop() < 1
     if Path("/proc/self/task").is_dir():
         # Linux: gloo's threads did the all-reduces' CPU work in every step, traced and untraced
         for r in info["ranks"]:

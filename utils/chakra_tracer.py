@@ -26,6 +26,7 @@ from trace_tools.layout import (DERIVED_FILES, DEVICE_TRACE, HOST_TRACE, INVALID
                                 PREVIOUS_RUN_DIR, RUN_INFO, RUN_METADATA_KEY, STACKS_TABLE, STEP_ANNOTATION,
                                 device_trace_name, host_trace_name)
 from trace_tools.load import describe_json_problem
+from utils.collective_start import measure_collective_start_wait_s
 from utils.host_memory import reserve_heap_for_profiler
 from utils.metrics import busy_machine_warning, machine_load_between, sample_machine_load
 from utils.run_config import RunConfig
@@ -162,6 +163,9 @@ class ChakraTracer:
         # step
         self._reserve_heap_after = max(1, self.first_traced_step - (1 if warmup_steps else 0))
         self.recording_cost_per_op_us: float | None = None  # measured on this machine before the window (CPU runs)
+        # How long an all-reduce issued after compute waits to start, for a core (multi-rank CPU runs on gloo;
+        # utils/collective_start.py), measured before the window
+        self.collective_start_wait_s: float | None = None
         self._load_start = None                                   # machine load when the traced steps began
         self.machine_load: dict[str, Any] | None = None
         self.files: dict[str, Path] = {}
@@ -173,6 +177,12 @@ class ChakraTracer:
         self.run_id = self._agree_run_id()
         if not self.use_cuda:
             self.recording_cost_per_op_us = measure_recording_cost_us()
+            if self.world_size > 1 and dist.is_available() and dist.is_initialized() and dist.get_backend() == "gloo":
+                started = time.perf_counter()
+                self.collective_start_wait_s = measure_collective_start_wait_s()
+                logger.info("rank %d: an all-reduce issued after compute waited %.2f ms on average to start (its "
+                            "mean time beyond its fastest; measured in %.1f s)", self.rank,
+                            self.collective_start_wait_s * 1000, time.perf_counter() - started)
         self._observer = ExecutionTraceObserver()
         self._observer.register_callback(str(self._partial(self.host_path)))
         if not self._observer.is_registered:
@@ -515,6 +525,7 @@ class ChakraTracer:
                                           for s in sorted(self.untraced_step_page_faults)],
             "heap_reserved_bytes": self.heap_reserved_bytes,
             "recording_cost_per_op_us": self.recording_cost_per_op_us,
+            "collective_start_wait_s": self.collective_start_wait_s,
             "files": {kind: path.name for kind, path in sorted(self.files.items())},
             "errors": errors,
         }
