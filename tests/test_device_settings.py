@@ -93,8 +93,11 @@ def fake_proc(root: Path, busy_ticks: int, processes: dict):
 
 
 def test_other_processes_cpu_time_is_the_machines_busy_time_less_this_jobs(tmp_path, monkeypatch):
-    me, agent, sibling, stranger = os.getpid(), os.getppid(), 999_001, 999_002
+    me, agent, sibling, stranger = os.getpid(), 999_000, 999_001, 999_002
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")  # under torchrun: the agent and the other ranks are the job
+    # the agent is this process's parent; not the real one, which is init (pid 1, the stranger's parent too) when
+    # the tests run detached from the shell that started them
+    monkeypatch.setattr(metrics.os, "getppid", lambda: agent)
     monkeypatch.setattr(metrics, "_clock_ticks", lambda: 100)
     monkeypatch.setattr(metrics, "PROC", tmp_path / "proc")
     fake_proc(tmp_path / "proc", 1000, {me: (agent, 100, 0), agent: (1, 10, 0), sibling: (agent, 100, 0),
