@@ -356,14 +356,19 @@ def test_astra_sim_runs_every_rank_of_a_scaled_set_and_feels_the_straggler(astra
 
 def test_communication_cpu_nodes_grow_with_the_bytes_a_rank_moves_in_the_larger_ring(gpt2_run, tmp_path):
     """A collective's CPU node (trace_tools.core_sharing) at 8 ranks: each rank moves 7/8 of the buffer each way
-    against 1/2 at 2, so 1.75x the time; the other compute nodes keep theirs."""
+    against 1/2 at 2, so 1.75x the time; the other compute nodes keep theirs, and so does the wait for a core
+    before the CPU node (a start-up, whatever the bytes)."""
     def with_communication_cpu(nodes: list[Node]) -> None:
         collective = next(n for n in nodes if n.type == COMM_COLL_NODE)
+        wait = Node(id=max(n.id for n in nodes) + 2, name="gloo:all_reduce (communication threads' wait for a core)",
+                    type=COMP_NODE, duration_micros=2500, data_deps=list(collective.data_deps))
+        wait.attr.add(name="communication_wait_of", int64_val=collective.id)
+        wait.attr.add(name="is_cpu_op", bool_val=False)
         node = Node(id=max(n.id for n in nodes) + 1, name="gloo:all_reduce (communication threads' CPU work)",
-                    type=COMP_NODE, duration_micros=4000, data_deps=list(collective.data_deps))
+                    type=COMP_NODE, duration_micros=4000, data_deps=[wait.id])
         node.attr.add(name="communication_cpu_of", int64_val=collective.id)
         node.attr.add(name="is_cpu_op", bool_val=True)
-        nodes.append(node)
+        nodes.extend([node, wait])
 
     source = _rewritten(gpt2_run, tmp_path / "src", with_communication_cpu)
     prefix = scale_run(source, 8, output_dir=tmp_path / "out")
@@ -374,3 +379,4 @@ def test_communication_cpu_nodes_grow_with_the_bytes_a_rank_moves_in_the_larger_
         cpu_work = [n for n in traced if attr_value(n, "communication_cpu_of") is not None]
         assert len(cpu_work) == 1 and durations[cpu_work[0].id] == 7000
         assert all(durations[n.id] == n.duration_micros for n in traced if n is not cpu_work[0])
+        assert [durations[n.id] for n in traced if attr_value(n, "communication_wait_of") is not None] == [2500]

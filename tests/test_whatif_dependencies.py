@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -428,9 +429,23 @@ def _core_sharing_run(tmp_path: Path, communication_cpu: bool) -> tuple[Path, fl
                     untraced_step_communication_cpu_time_s=[5 * step_s] + [0.1 * step_s, 0.7 * step_s, 0.1 * step_s],
                     # and they waited for a core 0.2, 0.2 and 0.5 of a step (mean 0.3)
                     untraced_step_communication_run_queue_wait_s=[5 * step_s] + [0.2 * step_s, 0.2 * step_s,
-                                                                                 0.5 * step_s])
+                                                                                 0.5 * step_s],
+                    # an all-reduce issued after compute waited 2.5 ms to start (utils/collective_start.py)
+                    collective_start_wait_s=0.0025)
     (folder / "run.json").write_text(json.dumps({"ranks": [rank]}))
     return folder, step_s
+
+
+def _convert_without_communication_wait(tmp_path: Path, folder: Path) -> Path:
+    """Convert a copy of `folder` whose run.json lacks the collectives' start-up wait; returns the .et."""
+    older = tmp_path / "older"
+    shutil.copytree(folder, older)
+    info = json.loads((older / "run.json").read_text())
+    for rank in info["ranks"]:
+        del rank["collective_start_wait_s"]
+    (older / "run.json").write_text(json.dumps(info))
+    convert_rank0(older, older / "run.0.et")
+    return older / "run.0.et"
 
 
 def test_communication_cpu_runs_beside_each_collective_and_the_wait_for_a_core_leaves_the_training_thread(tmp_path):
@@ -450,7 +465,7 @@ def test_communication_cpu_runs_beside_each_collective_and_the_wait_for_a_core_l
     assert result.communication_run_queue_wait_us == pytest.approx(0.3 * step_s * 1e6)
     assert plain.communication_run_queue_wait_us == 0
     assert ("gloo's threads used 15.0 ms of CPU per untraced step on average and waited 15.0 ms for a core (summed "
-            "over them;" in durations_text(result))
+            "over them, so overlapping)" in durations_text(result))
     assert "(10.0 ms) taken out" in durations_text(result)
 
     _, plain_nodes = read_et_with_protolib(plain_folder / "run.0.et")
@@ -460,20 +475,34 @@ def test_communication_cpu_runs_beside_each_collective_and_the_wait_for_a_core_l
     collectives = [n for n in nodes if n.type == COMM_COLL_NODE]
     collective_ids = {n.id for n in collectives}
     cpu_work = [(n, a) for n, a in zip(nodes, attrs) if "communication_cpu_of" in a]
-    assert collectives and len(cpu_work) == len(collectives) == len(nodes) - len(plain_nodes)
+    waits = {a["communication_wait_of"].int64_val: n for n, a in zip(nodes, attrs) if "communication_wait_of" in a}
+    assert collectives and len(cpu_work) == len(collectives) == len(waits)
+    assert len(nodes) - len(plain_nodes) == 2 * len(collectives)
     total_bytes = sum(next(a.int64_val for a in c.attr if a.name == "comm_size") for c in collectives)
     for node, a in cpu_work:
         collective = by_id[a["communication_cpu_of"].int64_val]
         size = next(x.int64_val for x in collective.attr if x.name == "comm_size")
         assert node.type == COMP_NODE and a["is_cpu_op"].bool_val
         assert node.duration_micros == pytest.approx(0.3 * step_s * 1e6 * size / total_bytes, abs=1)
-        assert set(node.data_deps) == {d for d in collective.data_deps if d not in collective_ids}
+        # the threads' wait for a core comes first, holding no core (ASTRA-sim runs it beside the CPU ops), after
+        # what produced the collective's input
+        wait = waits[collective.id]
+        assert list(node.data_deps) == [wait.id]
+        assert wait.type == COMP_NODE and not next(x.bool_val for x in wait.attr if x.name == "is_cpu_op")
+        assert wait.duration_micros == 2500  # every collective's start, whatever its size
+        assert set(wait.data_deps) == {d for d in collective.data_deps if d not in collective_ids}
         consumers = [n for n in nodes if collective.id in n.data_deps and n.type != COMM_COLL_NODE]
         assert consumers and all(node.id in n.data_deps for n in consumers)
         # the next collective of the group waits for the network, not for this CPU work
-        assert not any(node.id in n.data_deps for n in collectives)
+        assert not any(node.id in n.data_deps or wait.id in n.data_deps for n in collectives)
+    assert "each after a wait of 2.50 ms that holds no core" in durations_text(result)
+    # Without the start-up wait measured (a run of an older tracer) the CPU work follows the inputs directly
+    _, older_nodes = read_et_with_protolib(_convert_without_communication_wait(tmp_path, folder))
+    older_cpu_work = [n for n in older_nodes if any(a.name == "communication_cpu_of" for a in n.attr)]
+    assert len(older_nodes) == len(nodes) - len(collectives) and older_cpu_work
+    assert not any(any(a.name == "communication_wait_of" for a in n.attr) for n in older_nodes)
     # The wait left the training thread's compute: the other compute nodes lost it, about in total
     plain_compute = sum(n.duration_micros for n in plain_nodes if n.type == COMP_NODE)
     compute = sum(n.duration_micros for n, a in zip(nodes, attrs) if n.type == COMP_NODE and
-                  "communication_cpu_of" not in a)
+                  "communication_cpu_of" not in a and "communication_wait_of" not in a)
     assert plain_compute - compute == pytest.approx(0.2 * step_s * 1e6, rel=0.02)

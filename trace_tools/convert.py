@@ -9,7 +9,7 @@ from chakra.schema.protobuf.et_def_pb2 import AttributeProto, GlobalMetadata, No
 from chakra.src.third_party.utils.protolib import encodeMessage
 
 from .link import (COMM_COLL_NODE, COMM_RECV_NODE, COMM_SEND_NODE, COMMUNICATION_CPU_ATTR, COMMUNICATION_CPU_OP,
-                   GPU_OP, HOST_OP, KINETO_OP, LinkedTrace)
+                   COMMUNICATION_WAIT_ATTR, COMMUNICATION_WAIT_OP, GPU_OP, HOST_OP, KINETO_OP, LinkedTrace)
 from .atomic import atomic_output
 from .graph import topological_order
 from .load import CHUNK_BYTES, iter_document, read_trace_bytes
@@ -83,12 +83,17 @@ def build_node(linked: LinkedTrace, i: int) -> bytes:
     if linked.deps[i]:
         node.data_deps.extend([ids[d] for d in linked.deps[i]])
     node_type = linked.node_type[i]
-    on_cpu = kind != GPU_OP and node_type not in (COMM_COLL_NODE, COMM_SEND_NODE, COMM_RECV_NODE)
+    # A wait for a core holds none: ASTRA-sim runs it beside the rank's CPU ops (its slot for non-CPU compute, which
+    # a CPU run does not otherwise use)
+    on_cpu = kind not in (GPU_OP, COMMUNICATION_WAIT_OP) and node_type not in (COMM_COLL_NODE, COMM_SEND_NODE,
+                                                                                COMM_RECV_NODE)
     attrs = node.attr
     h = linked.host_index[i]
     if kind == COMMUNICATION_CPU_OP:
         # Not a traced op: the CPU time gloo's threads spent on this collective (trace_tools.core_sharing)
         attrs.append(_attr_int(COMMUNICATION_CPU_ATTR, ids[linked.src[i]]))
+    elif kind == COMMUNICATION_WAIT_OP:
+        attrs.append(_attr_int(COMMUNICATION_WAIT_ATTR, ids[linked.src[i]]))
     elif kind != GPU_OP:
         # The thread the op really ran on (a gloo collective: the backend's worker thread) in Kineto's numbering;
         # `tid` keeps the host trace's own numbering, as chakra writes it.

@@ -17,20 +17,29 @@ issued with the collective (after what produced its input; what consumes its res
 marked as a CPU op, so that the simulator runs it on the rank's CPU between the compute ops (ASTRA-sim runs one CPU
 op at a time per rank): on the path at full speed, hidden behind the transfer where the network is slow.
 
+Before that CPU work each collective waits for its threads to get a core: issued at the end of a rank's compute, its
+thread is woken on a core another rank's compute holds, and on a kernel without wakeup preemption it waits up to the
+next timer tick (utils/collective_start.py; 2-3 ms on average on a 2-core VM at CONFIG_HZ=250). The tracer measures
+that wait on the machine (run.json's collective_start_wait_s) and each collective gets it as a node of its own
+before its CPU node, one that holds no core (not a CPU op: ASTRA-sim runs it beside the rank's CPU ops). Like the CPU
+work, it runs beside the transfer: it adds to a short collective and vanishes behind a long one, as measured
+(bench/collective_start_cost.py: +1.9 ms for 64 KB and 900 KB all-reduces, none for 8.4 MB).
+
 GPU runs are left alone (NCCL's work is the device's), and so are runs that did not measure both times.
 """
 from __future__ import annotations
 
 from chakra.schema.protobuf.et_def_pb2 import COMM_COLL_NODE, COMP_NODE
 
-from .link import COMMUNICATION_CPU_OP, GPU_OP, LinkedTrace
+from .link import COMMUNICATION_CPU_OP, COMMUNICATION_NODE_KINDS, COMMUNICATION_WAIT_OP, GPU_OP, LinkedTrace
 
 
 def share_cores(linked: LinkedTrace, run_queue_wait_us: float | None,
-                communication_cpu_us: float | None) -> float | None:
+                communication_cpu_us: float | None, start_wait_us: float | None = None) -> float | None:
     """Take the training thread's traced run-queue wait out of its ops and give each collective a CPU node with its
-    share of the communication threads' CPU time; returns the wait taken out (µs per step), or None (nothing
-    changed) on a GPU run, without collectives, or when either time was not measured."""
+    share of the communication threads' CPU time, after a wait of start_wait_us for a core when measured; returns
+    the wait taken out (µs per step), or None (nothing changed) on a GPU run, without collectives, or when either of
+    the first two times was not measured."""
     collectives = [i for i in sorted(linked.comm) if linked.node_type[i] == COMM_COLL_NODE]
     if run_queue_wait_us is None or communication_cpu_us is None or not collectives or GPU_OP in linked.kind:
         return None
@@ -52,11 +61,20 @@ def share_cores(linked: LinkedTrace, run_queue_wait_us: float | None,
     next_id = max(linked.node_id, default=-1) + 1
     linked.lanes.append(("cpu", "communication threads"))
     lane = len(linked.lanes) - 1
+    wait_us = max(0.0, start_wait_us or 0.0)
+    if wait_us > 0.0:
+        linked.lanes.append(("cpu", "communication threads' wait for a core"))
     total_bytes = sum(max(0, linked.comm[i].get("comm_size", 0)) for i in collectives)
     for offset, c in enumerate(collectives):
         share = (max(0, linked.comm[c].get("comm_size", 0)) / total_bytes) if total_bytes else 1 / len(collectives)
-        _add_communication_cpu_node(linked, c, max(0.0, communication_cpu_us) * share, producers[c], consumers[c],
-                                    next_id + offset, lane)
+        after = producers[c]
+        if wait_us > 0.0:
+            after = [_add_node(linked, COMMUNICATION_WAIT_OP, c, wait_us, after,
+                               next_id + len(collectives) + offset, lane + 1)]
+        cpu = _add_node(linked, COMMUNICATION_CPU_OP, c, max(0.0, communication_cpu_us) * share, after,
+                        next_id + offset, lane)
+        for j in consumers[c]:
+            linked.deps[j].append(cpu)
     return removed
 
 
@@ -64,9 +82,9 @@ def training_thread_ops(linked: LinkedTrace) -> list[int]:
     """The compute ops of the thread that ran the traced step (its ProfilerStep annotation's lane)."""
     steps = set(linked.traced_steps)
     lanes = {linked.lane[i] for i in range(len(linked)) if linked.kind[i] != GPU_OP and linked.src[i] in steps
-             and linked.kind[i] != COMMUNICATION_CPU_OP}
+             and linked.kind[i] not in COMMUNICATION_NODE_KINDS}
     return [i for i in range(len(linked)) if linked.lane[i] in lanes and linked.kind[i] != GPU_OP
-            and linked.kind[i] != COMMUNICATION_CPU_OP and i not in linked.comm]
+            and linked.kind[i] not in COMMUNICATION_NODE_KINDS and i not in linked.comm]
 
 
 def _remove_run_queue_wait(linked: LinkedTrace, wait_us: float) -> float:
@@ -85,13 +103,13 @@ def _remove_run_queue_wait(linked: LinkedTrace, wait_us: float) -> float:
     return removed
 
 
-def _add_communication_cpu_node(linked: LinkedTrace, collective: int, duration_us: float, producers: list[int],
-                                consumers: list[int], node_id: int, lane: int) -> None:
-    """Append the CPU node of one collective: after the compute that produced its input, before the compute that
-    consumes its result."""
+def _add_node(linked: LinkedTrace, kind: int, collective: int, duration_us: float, after: list[int], node_id: int,
+              lane: int) -> int:
+    """Append a node of one collective's communication threads (kind COMMUNICATION_CPU_OP or _WAIT_OP) after the
+    nodes `after`; returns its index."""
     node = len(linked)
-    linked.kind.append(COMMUNICATION_CPU_OP)
-    linked.src.append(collective)  # for this kind: the collective whose CPU work it is
+    linked.kind.append(kind)
+    linked.src.append(collective)  # for these kinds: the collective whose threads they are
     linked.host_index.append(-1)
     linked.ts.append(linked.ts[collective])
     linked.dur.append(duration_us)
@@ -101,10 +119,9 @@ def _add_communication_cpu_node(linked: LinkedTrace, collective: int, duration_u
     linked.lane_parent.append(-1)
     linked.wait.append(0.0)
     linked.node_type.append(COMP_NODE)
-    linked.deps.append(list(producers))
+    linked.deps.append(list(after))
     linked.node_id.append(node_id)
     for extra in (linked.traced_excl, linked.overhead, linked.queued):
         if extra:
             extra.append(0.0)  # not an op of the traced timeline: its time there was on other threads
-    for j in consumers:
-        linked.deps[j].append(node)
+    return node

@@ -25,6 +25,10 @@ HOST_OP, KINETO_OP, GPU_OP = 0, 1, 2
 # A node the trace has no op for: the CPU work of a collective's communication threads (trace_tools.core_sharing)
 COMMUNICATION_CPU_OP = 3
 COMMUNICATION_CPU_ATTR = "communication_cpu_of"  # its .et attribute: the id of the collective whose work it is
+# Another: the time those threads waited for a core before that work, which holds no core (trace_tools.core_sharing)
+COMMUNICATION_WAIT_OP = 4
+COMMUNICATION_WAIT_ATTR = "communication_wait_of"
+COMMUNICATION_NODE_KINDS = (COMMUNICATION_CPU_OP, COMMUNICATION_WAIT_OP)
 # Names of chakra's enums (et_def_pb2) in messages and summaries: ALL_REDUCE, COMP...
 COMM_TYPE_NAMES = {value: name for name, value in CollectiveCommType.items()}
 NODE_TYPE_NAMES = {t: NodeType.Name(t).removesuffix("_NODE") for t in (COMP_NODE, COMM_SEND_NODE, COMM_RECV_NODE,
@@ -63,9 +67,9 @@ class LinkedTrace:
     rank: int
     host: HostTrace
     device: DeviceTrace
-    kind: list[int] = field(default_factory=list)        # HOST_OP, KINETO_OP, GPU_OP or COMMUNICATION_CPU_OP
+    kind: list[int] = field(default_factory=list)        # HOST_OP, KINETO_OP, GPU_OP or COMMUNICATION_*_OP
     src: list[int] = field(default_factory=list)         # index into the Kineto cpu table or gpu table (the
-                                                         # collective's node for a COMMUNICATION_CPU_OP)
+                                                         # collective's node for a COMMUNICATION_*_OP)
     host_index: list[int] = field(default_factory=list)  # index into host columns, -1 when none
     ts: list[float] = field(default_factory=list)
     dur: list[float] = field(default_factory=list)       # inclusive
@@ -119,6 +123,8 @@ class LinkedTrace:
             return self.device.cpu_names[self.src[i]]
         if k == COMMUNICATION_CPU_OP:
             return f"{self.name(self.src[i])} (communication threads' CPU work)"
+        if k == COMMUNICATION_WAIT_OP:
+            return f"{self.name(self.src[i])} (communication threads' wait for a core)"
         return self.device.gpu_names[self.src[i]]
 
 

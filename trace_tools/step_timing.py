@@ -33,6 +33,9 @@ class StepTimes:
     # Time those threads waited for a core in each step (summed over the threads), when measured
     traced_communication_run_queue_us: list[float] | None = None
     untraced_communication_run_queue_us: list[float] | None = None
+    # How long an all-reduce issued after compute waited to start (its mean time beyond its fastest), when measured
+    # (multi-rank CPU runs; utils/collective_start.py)
+    collective_start_wait_us: float | None = None
     # Minor page faults of the training thread in each step, when measured
     traced_page_faults: list[int] | None = None
     untraced_page_faults: list[int] | None = None
@@ -116,6 +119,7 @@ def read_step_times(run_dir: str | Path, rank: int) -> StepTimes | None:
         return [int(n) for n in entries[0].get(key) or [] if isinstance(n, int)]
 
     per_op = entries[0].get("recording_cost_per_op_us")
+    start_wait = entries[0].get("collective_start_wait_s")
     return StepTimes(traced_us=traced, untraced_us=untraced, traced_cpu_us=micros("step_cpu_time_s"),
                      untraced_cpu_us=micros("untraced_step_cpu_time_s")[1:],
                      traced_thread_cpu_us=micros("step_thread_cpu_time_s"),
@@ -127,5 +131,7 @@ def read_step_times(run_dir: str | Path, rank: int) -> StepTimes | None:
                      untraced_communication_cpu_us=micros("untraced_step_communication_cpu_time_s")[1:],
                      traced_communication_run_queue_us=micros("step_communication_run_queue_wait_s"),
                      untraced_communication_run_queue_us=micros("untraced_step_communication_run_queue_wait_s")[1:],
+                     collective_start_wait_us=(float(start_wait) * 1e6 if isinstance(start_wait, (int, float))
+                                               and start_wait >= 0 else None),
                      traced_page_faults=counts("step_page_faults"),
                      untraced_page_faults=counts("untraced_step_page_faults")[1:])

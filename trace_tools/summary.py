@@ -51,6 +51,9 @@ class RankResult:
     communication_cpu_us: float = 0.0      # mean CPU time of gloo's threads in an untraced step (run.json); 0: unknown
     # mean time gloo's threads waited for a core in an untraced step, summed over them (run.json); 0: unknown
     communication_run_queue_wait_us: float = 0.0
+    # how long an all-reduce issued after compute waited to start (run.json), put before each collective's CPU work;
+    # 0 when unknown
+    collective_start_wait_us: float = 0.0
     # trace_tools.core_sharing applied: the traced wait for a core taken out of the training thread's ops, and
     # gloo's CPU time given to the collectives as CPU nodes
     cores_shared: bool = False
@@ -166,12 +169,15 @@ def durations_text(rank: RankResult) -> str:
                      "on average")
             if rank.communication_run_queue_wait_us:
                 text += (f" and waited {rank.communication_run_queue_wait_us / 1000:.1f} ms for a core (summed over "
-                         "them; the simulated network has no such wait: bench/collective_start_cost.py measures what "
-                         "it adds to a collective)")
+                         "them, so overlapping)")
         if rank.cores_shared:
             text += (f": the traced wait ({rank.run_queue_removed_us / 1000:.1f} ms) taken out of the training "
                      "thread's ops, and gloo's CPU time given to the collectives as CPU nodes, by bytes "
                      "(trace_tools.core_sharing)")
+            if rank.collective_start_wait_us:
+                text += (f", each after a wait of {rank.collective_start_wait_us / 1000:.2f} ms that holds no core (an "
+                         "all-reduce issued after compute waited that long to start on average, run.json: "
+                         "utils/collective_start.py)")
         else:
             text += ", time its ops' durations hold"
     return text
