@@ -19,10 +19,10 @@ op at a time per rank): on the path at full speed, hidden behind the transfer wh
 
 Before that CPU work each collective waits for its threads to get a core: issued at the end of a rank's compute, its
 thread is woken on a core another rank's compute holds, and on a kernel without wakeup preemption it waits up to the
-next timer tick (utils/collective_start.py; 2-3 ms on average on a 2-core VM at CONFIG_HZ=250). The tracer measures
-that wait on the machine (run.json's collective_start_wait_s) and each collective gets it as a node of its own
-before its CPU node, one that holds no core (not a CPU op: ASTRA-sim runs it beside the rank's CPU ops). Like the CPU
-work, it runs beside the transfer: it adds to a short collective and vanishes behind a long one, as measured
+next timer tick (utils/collective_start.py; 1.3-2.5 ms on average on a 2-core VM at CONFIG_HZ=250). The tracer
+measures that wait on the machine (run.json's collective_start_wait_s) and each collective gets it as a node of its
+own before its CPU node, one that holds no core (not a CPU op: ASTRA-sim runs it beside the rank's CPU ops). Like
+the CPU work, it runs beside the transfer: it adds to a short collective and vanishes behind a long one, as measured
 (bench/collective_start_cost.py: +1.9 ms for 64 KB and 900 KB all-reduces, none for 8.4 MB).
 
 GPU runs are left alone (NCCL's work is the device's), and so are runs that did not measure both times.

@@ -75,8 +75,9 @@ class StepTimes:
     def communication_run_queue_per_step_us(self) -> float | None:
         """Mean time the communication threads waited for a core in an untraced step, summed over the threads (in
         a traced one when no untraced step measured it; None if unmeasured). Woken while the training threads
-        hold the cores, they wait, on a kernel without wakeup preemption up to its next timer tick: a collective's
-        start-up on this machine that the simulated network does not have (bench/collective_start_cost.py)."""
+        hold the cores, they wait, on a kernel without wakeup preemption up to its next timer tick. Reported only:
+        the threads' waits overlap in time, so the .et takes a collective's start-up from collective_start_wait_us
+        instead (utils/collective_start.py)."""
         return _mean_per_step(self.untraced_communication_run_queue_us, self.traced_communication_run_queue_us)
 
     @property
