@@ -152,6 +152,7 @@ def test_run_json_holds_run_info_versions_and_step_times(one_rank_gpt2):
         assert min(rank["step_page_faults"] + rank["untraced_step_page_faults"]) >= 0
     assert rank["heap_reserved_bytes"] >= 0
     assert rank["collective_start_wait_s"] is None  # one rank: no collective to start
+    assert rank["intra_op_threads"] == torch.get_num_threads()  # whether the ops ran on the training thread alone
     if chakra_tracer.run_queue_wait_s() is not None:  # Linux: the training thread's wait for a core, per step
         assert len(rank["step_run_queue_wait_s"]) == 1 and len(rank["untraced_step_run_queue_wait_s"]) == 1
         assert min(rank["step_run_queue_wait_s"] + rank["untraced_step_run_queue_wait_s"]) >= 0
@@ -543,6 +544,7 @@ def test_trainer_two_rank_bert_traces_every_rank_with_process_group_and_collecti
     # how long an all-reduce issued after compute waited to start, measured together: the same on every rank
     waits = {r["collective_start_wait_s"] for r in info["ranks"]}
     assert len(waits) == 1 and 0 <= waits.pop() < 1
+    assert all(r["intra_op_threads"] >= 1 for r in info["ranks"])
     if Path("/proc/self/task").is_dir():
         # Linux: gloo's threads did the all-reduces' CPU work in every step, traced and untraced
         for r in info["ranks"]:

@@ -368,6 +368,34 @@ def test_measured_cpu_time_sets_the_profiler_cost_even_when_the_network_hid_it(t
     assert result.recording_overhead_us > 0 and result.critical_path_us < plain.critical_path_us
 
 
+@pytest.mark.parametrize("intra_op_threads, rule, kept", [(1, "untraced CPU time", 0.5), (4, "CPU time", 0.7),
+                                                           (None, "CPU time", 0.7)])
+def test_ops_run_on_the_training_thread_alone_take_its_untraced_cpu_time(tmp_path, intra_op_threads, rule, kept):
+    """A CPU run whose ops all ran on the training thread (one intra-op thread): untraced, that thread runs an op,
+    waits for a core or blocks in a collective, so its ops take its untraced CPU time. Here the traced ops held
+    a fifth of their time off the CPU (the profiler's writes), which the CPU-time difference misses: the .et's CPU
+    ops sum to the untraced thread's CPU time, not to that difference's remainder. With helper threads (or no
+    record of them) an op also waits for its helpers, and the difference stays the rule."""
+    folder = rank0_copy(CPU_FIXTURES / "gpt2_tiny_2r", tmp_path / "run")
+    plain = convert_rank0(folder, tmp_path / "plain.0.et")
+    _, plain_nodes = read_et_with_protolib(tmp_path / "plain.0.et")
+    ops_s = sum(n.duration_micros for n in plain_nodes if n.type == COMP_NODE) / 1e6
+    step_s = plain.traced_step_us / 1e6
+    rank = {"rank": 0, "step_wall_time_s": [step_s], "untraced_step_wall_time_s": [9 * step_s, step_s, step_s],
+            "step_cpu_time_s": [ops_s], "untraced_step_cpu_time_s": [5 * step_s, 0.5 * ops_s, 0.5 * ops_s],
+            "step_thread_cpu_time_s": [0.8 * ops_s],
+            "untraced_step_thread_cpu_time_s": [5 * step_s, 0.5 * ops_s, 0.5 * ops_s]}
+    if intra_op_threads is not None:
+        rank["intra_op_threads"] = intra_op_threads
+    (folder / "run.json").write_text(json.dumps({"ranks": [rank]}))
+    result = convert_rank0(folder, folder / "run.0.et")
+    assert result.overhead_rule == rule
+    _, nodes = read_et_with_protolib(folder / "run.0.et")
+    assert sum(n.duration_micros for n in nodes if n.type == COMP_NODE) / 1e6 == pytest.approx(kept * ops_s, rel=0.01)
+    if intra_op_threads == 1:
+        assert "so the training thread's ops take its CPU time in an untraced step" in durations_text(result)
+
+
 @pytest.mark.parametrize("cpu_times", [True, False])
 def test_the_tracers_per_operator_measurement_is_the_least_cost_taken_out(tmp_path, cpu_times):
     """run.json's recording_cost_per_op_us (the tracer timed one op untraced and recorded) is the least each

@@ -612,15 +612,22 @@ def keep_step_totals(linked: LinkedTrace) -> None:
 
 
 def remove_recording_overhead(linked: LinkedTrace, traced_step_us: float, untraced_step_us: float,
-                              recording_cpu_us: float | None = None, per_op_us: float | None = None) -> float:
+                              recording_cpu_us: float | None = None, per_op_us: float | None = None,
+                              untraced_op_us: float | None = None, traced_run_queue_us: float = 0.0) -> float:
     """Take the profiler's own cost out of the CPU durations; returns the cost c per recorded op (µs).
 
     Recording costs about the same for every op it records (the observer's and Kineto's callbacks at its start
     and end), and that cost lands both inside the op's span and in the time of what encloses it on its thread
     (the gaps between callees are the caller's exclusive time; between top-level ops, the step annotation's). So
     a CPU op loses min(c x (1 + the ops recorded directly inside it), its own time), for one cost c. GPU
-    durations are the device's and carry no recording cost. c comes from one of three measurements, named in the
+    durations are the device's and carry no recording cost. c comes from one of four measurements, named in the
     summary:
+    - "untraced CPU time": a CPU run whose ops all ran on the training thread (one intra-op thread) and whose
+      tracer timed that thread's CPU time in untraced steps (untraced_op_us, trace_tools.step_timing): its ops
+      untraced take that time and no more, so c takes out what the step's CPU ops hold beyond it and beyond the
+      traced run-queue wait (which trace_tools.core_sharing takes out next): the recording's CPU time and the
+      traced steps' time off the CPU outside the collectives (one trace of GPT-2 tiny had 4 ms of it a step); at
+      least the work the tracer measured for one recorded op times the ops.
     - "CPU time": the tracer timed the training thread's CPU time (the process's in older runs) in untraced and
       traced steps; on a CPU-only run their difference is what recording costs a step, whatever the step waited
       for (a slow network hides the cost in the wall-clock step, not in the CPU time), so c takes that much out of
@@ -637,7 +644,8 @@ def remove_recording_overhead(linked: LinkedTrace, traced_step_us: float, untrac
     count = len(linked.kind)
     linked.overhead = [0.0] * count
     cpu_ops = [i for i in range(count) if linked.kind[i] != GPU_OP and i not in linked.comm]
-    if (recording_cpu_us is None and per_op_us is None and traced_step_us <= untraced_step_us) or \
+    if (recording_cpu_us is None and per_op_us is None and untraced_op_us is None
+            and traced_step_us <= untraced_step_us) or \
             not linked.traced_steps or not cpu_ops:
         return 0.0
     own = {i: max(0.0, linked.excl[i] - linked.wait[i]) for i in cpu_ops}
@@ -658,8 +666,13 @@ def remove_recording_overhead(linked: LinkedTrace, traced_step_us: float, untrac
 
     as_traced = path_with_cost(0.0)
     cpu_run, highest = GPU_OP not in linked.kind, max(own[i] / weight[i] for i in cpu_ops)
-    if recording_cpu_us is not None and cpu_run:
-        rule, least = "CPU time", (per_op_us or 0.0) * len(cpu_ops)  # recording costs at least its measured work
+    least = (per_op_us or 0.0) * len(cpu_ops)  # recording costs at least its measured work
+    if untraced_op_us is not None and cpu_run:
+        rule = "untraced CPU time"
+        beyond = sum(own.values()) - max(0.0, traced_run_queue_us) - untraced_op_us
+        cost = _smallest_cost(lambda c: removed_with_cost(c) > max(beyond, least), highest)
+    elif recording_cpu_us is not None and cpu_run:
+        rule = "CPU time"
         cost = _smallest_cost(lambda c: removed_with_cost(c) > max(recording_cpu_us, least), highest)
     elif per_op_us is not None and cpu_run:
         rule, cost = "calibrated", max(0.0, per_op_us / 2)

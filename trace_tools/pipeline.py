@@ -255,13 +255,14 @@ def _correct_for_profiler(linked, result: RankResult, run_dir: Path, rank: int) 
     if times is None:
         return
     result.untraced_step_us = times.untraced_median_us
+    waits = times.run_queue_median_us
     cost = remove_recording_overhead(linked, times.traced_median_us, times.untraced_median_us, times.recording_cpu_us,
-                                     times.recording_cost_per_op_us)
+                                     times.recording_cost_per_op_us, times.untraced_op_time_us,
+                                     waits[0] if waits else 0.0)
     result.overhead_per_op_us = cost
     result.overhead_rule = linked.stats.get("recording_overhead_rule", "")
     result.recording_overhead_us = linked.stats.get("recording_overhead_us", 0.0)
     linked.untraced_step_us = times.untraced_median_us
-    waits = times.run_queue_median_us
     removed = share_cores(linked, waits[0] if waits else None, times.communication_cpu_per_step_us,
                           times.collective_start_wait_us)
     if removed is not None:

@@ -39,6 +39,21 @@ class StepTimes:
     # Minor page faults of the training thread in each step, when measured
     traced_page_faults: list[int] | None = None
     untraced_page_faults: list[int] | None = None
+    intra_op_threads: int | None = None  # torch's intra-op threads in the rank's process, when recorded
+
+    @property
+    def untraced_op_time_us(self) -> float | None:
+        """What the training thread's ops take in an untraced step, from its CPU time: None unless the run measured
+        that time and ran every op on the training thread alone (one intra-op thread), on the CPU.
+
+        Such a thread, untraced, is at any moment running an op, waiting for a core (its run-queue wait) or blocked
+        in a collective: a CPU run's data loading is its own work (no loader workers), and nothing else puts it to
+        sleep. So its ops' untraced time is its CPU time, however the traced steps spent theirs; the traced steps'
+        time off the CPU outside the collectives (the profiler's writes and locks) is the trace's, not the run's.
+        With more intra-op threads an op also waits for its helpers, time the training thread's CPU time misses."""
+        if self.intra_op_threads != 1 or not self.untraced_thread_cpu_us:
+            return None
+        return statistics.median(self.untraced_thread_cpu_us)
 
     @property
     def recording_cpu_us(self) -> float | None:
@@ -120,6 +135,7 @@ def read_step_times(run_dir: str | Path, rank: int) -> StepTimes | None:
         return [int(n) for n in entries[0].get(key) or [] if isinstance(n, int)]
 
     per_op = entries[0].get("recording_cost_per_op_us")
+    threads = entries[0].get("intra_op_threads")
     start_wait = entries[0].get("collective_start_wait_s")
     return StepTimes(traced_us=traced, untraced_us=untraced, traced_cpu_us=micros("step_cpu_time_s"),
                      untraced_cpu_us=micros("untraced_step_cpu_time_s")[1:],
@@ -135,4 +151,5 @@ def read_step_times(run_dir: str | Path, rank: int) -> StepTimes | None:
                      collective_start_wait_us=(float(start_wait) * 1e6 if isinstance(start_wait, (int, float))
                                                and start_wait >= 0 else None),
                      traced_page_faults=counts("step_page_faults"),
-                     untraced_page_faults=counts("untraced_step_page_faults")[1:])
+                     untraced_page_faults=counts("untraced_step_page_faults")[1:],
+                     intra_op_threads=threads if isinstance(threads, int) and threads > 0 else None)

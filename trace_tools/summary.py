@@ -60,7 +60,8 @@ class RankResult:
     run_queue_removed_us: float = 0.0
     recording_overhead_us: float = 0.0     # profiler cost taken out of the step's CPU durations
     overhead_per_op_us: float = 0.0
-    overhead_rule: str = ""                # what measured the profiler's cost: "calibrated", "CPU time", "critical path"
+    overhead_rule: str = ""                # what measured the profiler's cost: "untraced CPU time", "CPU time",
+                                           # "calibrated", "critical path"
     traced_steps_us: list = field(default_factory=list)  # every traced step (the .et holds the median one)
     step_spread: float = 0.0               # (longest - shortest) / median traced step
     median_scales: dict[str, float] = field(default_factory=dict)  # "CPU"/"GPU": typical step total / sum of medians
@@ -152,6 +153,9 @@ def durations_text(rank: RankResult) -> str:
         else "one traced step"
     if rank.untraced_step_us:
         measured = {"calibrated": "half the cost of recording one op, which the tracer measured on this machine",
+                    "untraced CPU time": "so the training thread's ops take its CPU time in an untraced step "
+                                         "(run.json; every op on that thread, one intra-op thread), and at least "
+                                         "its measured cost per op",
                     "CPU time": "by the CPU time the tracer measured in traced and untraced steps, and at "
                                 "least its measured cost per op",
                     "critical path": "so the critical path takes the untraced step"}.get(rank.overhead_rule, "")

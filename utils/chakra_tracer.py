@@ -492,6 +492,9 @@ class ChakraTracer:
             "hostname": socket.gethostname(),
             "device": str(self.device),
             "device_name": device_name(self.device),
+            # Threads an op may run on (torch's intra-op pool): with one, every op runs on the training thread
+            # alone, so its CPU time is what the ops cost (trace_tools.step_timing)
+            "intra_op_threads": torch.get_num_threads(),
             "step_wall_time_s": [self.step_wall_time_s[s] for s in completed],
             # Steps before the profiler's window (the first holds one-time start-up costs): the run as it is
             # without tracing, for the conversion's correction of the profiler's own cost.
