@@ -10,7 +10,7 @@ import pytest
 from chakra.schema.protobuf.et_def_pb2 import COMM_COLL_NODE, COMP_NODE
 from conversion_helpers import CPU_FIXTURES, read_et_with_protolib, read_json, scaled_trace, write_json
 from trace_tools.graph import children_of, descendants as descendants_of
-from trace_tools.link import GPU_OP, link_host_and_device
+from trace_tools.link import GPU_OP, link_host_and_device, remove_recording_overhead
 from trace_tools.load import load_device_trace, load_host_trace, tensor_storages
 from trace_tools.pipeline import convert_rank
 from trace_tools.summary import durations_text
@@ -394,6 +394,22 @@ def test_ops_run_on_the_training_thread_alone_take_its_untraced_cpu_time(tmp_pat
     assert sum(n.duration_micros for n in nodes if n.type == COMP_NODE) / 1e6 == pytest.approx(kept * ops_s, rel=0.01)
     if intra_op_threads == 1:
         assert "so the training thread's ops take its CPU time in an untraced step" in durations_text(result)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_training_threads_cpu_time_only_sets_the_ops_of_a_trace_that_holds_no_other_thread(tmp_path, threads):
+    """The training thread's CPU time covers its own ops: a trace with another thread's ops keeps the CPU-time
+    difference as its rule (here one op moved to a second thread)."""
+    linked = link_folder(rank0_copy(CPU_FIXTURES / "gpt2_tiny_2r", tmp_path / "run"))
+    cpu_ops = [i for i in range(len(linked.kind)) if linked.kind[i] != GPU_OP and i not in linked.comm]
+    if threads == 2:
+        linked.lanes.append(("cpu", -1))
+        linked.lane[cpu_ops[-1]] = len(linked.lanes) - 1
+    total = sum(linked.work(i) for i in cpu_ops)
+    remove_recording_overhead(linked, total, total / 2, recording_cpu_us=0.1 * total, untraced_op_us=0.5 * total)
+    assert linked.stats["recording_overhead_rule"] == ("untraced CPU time" if threads == 1 else "CPU time")
+    kept = sum(linked.work(i) for i in cpu_ops) / total
+    assert kept == pytest.approx(0.5 if threads == 1 else 0.9, rel=0.01)
 
 
 @pytest.mark.parametrize("cpu_times", [True, False])

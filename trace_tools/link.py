@@ -622,12 +622,12 @@ def remove_recording_overhead(linked: LinkedTrace, traced_step_us: float, untrac
     a CPU op loses min(c x (1 + the ops recorded directly inside it), its own time), for one cost c. GPU
     durations are the device's and carry no recording cost. c comes from one of four measurements, named in the
     summary:
-    - "untraced CPU time": a CPU run whose ops all ran on the training thread (one intra-op thread) and whose
-      tracer timed that thread's CPU time in untraced steps (untraced_op_us, trace_tools.step_timing): its ops
-      untraced take that time and no more, so c takes out what the step's CPU ops hold beyond it and beyond the
-      traced run-queue wait (which trace_tools.core_sharing takes out next): the recording's CPU time and the
-      traced steps' time off the CPU outside the collectives (one trace of GPT-2 tiny had 4 ms of it a step); at
-      least the work the tracer measured for one recorded op times the ops.
+    - "untraced CPU time": a CPU run whose ops all ran on the training thread (one intra-op thread, and no other
+      thread's ops in the trace) and whose tracer timed that thread's CPU time in untraced steps (untraced_op_us,
+      trace_tools.step_timing): its ops untraced take that time and no more, so c takes out what the step's CPU ops
+      hold beyond it and beyond the traced run-queue wait (which trace_tools.core_sharing takes out next): the
+      recording's CPU time and the traced steps' time off the CPU outside the collectives (one trace of GPT-2 tiny
+      had 4 ms of it a step); at least the work the tracer measured for one recorded op times the ops.
     - "CPU time": the tracer timed the training thread's CPU time (the process's in older runs) in untraced and
       traced steps; on a CPU-only run their difference is what recording costs a step, whatever the step waited
       for (a slow network hides the cost in the wall-clock step, not in the CPU time), so c takes that much out of
@@ -667,7 +667,8 @@ def remove_recording_overhead(linked: LinkedTrace, traced_step_us: float, untrac
     as_traced = path_with_cost(0.0)
     cpu_run, highest = GPU_OP not in linked.kind, max(own[i] / weight[i] for i in cpu_ops)
     least = (per_op_us or 0.0) * len(cpu_ops)  # recording costs at least its measured work
-    if untraced_op_us is not None and cpu_run:
+    one_thread = len({linked.lane[i] for i in cpu_ops}) == 1  # what the training thread's CPU time covers
+    if untraced_op_us is not None and cpu_run and one_thread:
         rule = "untraced CPU time"
         beyond = sum(own.values()) - max(0.0, traced_run_queue_us) - untraced_op_us
         cost = _smallest_cost(lambda c: removed_with_cost(c) > max(beyond, least), highest)
