@@ -687,9 +687,9 @@ def sandbox(sandbox_template, tmp_path) -> Path:
     return root
 
 
-def _run_params():
-    for key, run in sorted(RUN.items()):
-        yield pytest.param(key, marks=[pytest.mark.slow] if run.slow else [], id=key[:80])
+def _run_params() -> list:
+    return [pytest.param(key, marks=[pytest.mark.slow] if run.slow else [], id=key[:80])
+            for key, run in sorted(RUN.items())]
 
 
 @pytest.mark.parametrize("key", _run_params())
