@@ -321,6 +321,16 @@ def test_whatif_rates_read_as_tc_reads_them_and_map_to_half_a_ring_link():
     assert ring_allreduce_s(10_000_000, rate) == pytest.approx(10_000_000 / (link_gbs(rate) * GIB))
 
 
+def test_whatif_models_run_their_own_family_trainer_at_a_size_it_knows():
+    from bench.whatif_bench import MODELS
+    from utils.families import load_family
+
+    assert {m.family for m in MODELS.values()} == {"gpt2", "bert"}
+    for setup in MODELS.values():
+        assert setup.train_script.is_file(), setup.key
+        assert setup.model_name in load_family(setup.family).size_names, setup.key
+
+
 def test_whatif_untraced_step_of_a_trace_leaves_out_the_first_step_as_the_converter_does(tmp_path):
     from bench.whatif_bench import read_run_json
 
