@@ -270,11 +270,12 @@ def parameter_count(log_dir: Path) -> int | None:
 
 # ------------------------------------------------------------------------------------------------- phases
 def verify_rates(ns: Namespace, rates: list, seconds: float) -> tuple:
-    """Payload throughput of one TCP stream at every rate (tbf's achieved rate); the unthrottled one in bits/s."""
-    rows, unthrottled = [], None
+    """Payload throughput of one TCP stream at every rate (tbf's achieved rate): the table rows and each rate's
+    payload bits/s by label."""
+    rows, payload = [], {}
     for rate in rates:
         ns.set_rate(rate)
-        bits = measure_throughput(ns, seconds)
+        bits = payload[rate.label] = measure_throughput(ns, seconds)
         if rate.throttled:
             expected = rate.bits_per_s * expected_goodput_share(ns.mtu)
             burst = rate.burst_bytes(ns.mtu, ns.burst_slack_s)
@@ -282,15 +283,27 @@ def verify_rates(ns: Namespace, rates: list, seconds: float) -> tuple:
                          f"{bits / 1e6:,.1f}", f"{bits / rate.bits_per_s:.3f}x", f"{bits / expected:.3f}x",
                          ns.drops()])
         else:
-            unthrottled = bits
             rows.append([rate.label, "-", "-", f"{bits / 1e6:,.1f}", "-", "-", 0])
         print(f"    {rate.label}: {format_bits(bits)} payload", flush=True)
-    return rows, unthrottled
+    return rows, payload
+
+
+def simulated_rates(rates: list, payload: dict, unthrottled_bits: float) -> dict:
+    """The bits/s each rate is simulated at, by label: what the network carries of a collective's bytes.
+
+    ASTRA-sim's links move payload: no packet headers, no acknowledgements. Through tbf at rate R a TCP stream gets
+    R less its headers and its acknowledgements' share of the same qdisc (0.989-0.994 R at MTU 9000), and a gloo
+    all-reduce of S bytes takes 2S over that payload rate, not over R (the micro-benchmark's real / ring column).
+    So a throttled rate is simulated at the payload rate the tbf check measured through it, as the unthrottled
+    rate is the payload rate of a gloo all-reduce.
+    """
+    return {r.label: payload[r.label] if r.throttled else unthrottled_bits for r in rates}
 
 
 def micro_benchmark(ns: Namespace, rate: Rate, sizes: tuple, repeats: int, env: dict, sim: Simulator,
-                    scratch: Path, latency_ns: float, unthrottled: bool) -> tuple:
-    """gloo all-reduce times at `rate` (and unthrottled); table rows and the unthrottled effective rate (or None)."""
+                    scratch: Path, latency_ns: float, unthrottled: bool, payload_bits: float) -> tuple:
+    """gloo all-reduce times at `rate` (and unthrottled), ASTRA-sim's at payload_bits (the payload rate measured
+    through `rate`); table rows and the unthrottled effective rate (or None)."""
     rows, effective = [], None
     for current in (rate, Rate("unthrottled", None)) if unthrottled else (rate,):
         ns.set_rate(current)
@@ -304,7 +317,7 @@ def micro_benchmark(ns: Namespace, rate: Rate, sizes: tuple, repeats: int, env: 
             size, real = result["bytes"], statistics.median(result["seconds"])
             if current.throttled:
                 ring = ring_allreduce_s(size, current.bits_per_s)
-                simulated = simulate_allreduce(sim, size, current.bits_per_s, scratch, latency_ns)
+                simulated = simulate_allreduce(sim, size, payload_bits, scratch, latency_ns)
                 rows.append([current.label, f"{size / 1e6:g}", len(result["seconds"]), f"{1000 * real:,.1f}",
                              f"{1000 * ring:,.1f}", f"{real / ring:.3f}x",
                              f"{1000 * simulated:,.1f}" if simulated else "n/a",
@@ -617,13 +630,13 @@ def bands_count(replays: list, whatifs: list) -> str:
 
 
 def write_results(folder: Path, setup: ModelSetup, trace_rate: Rate, rates: list, traces: list, real: dict,
-                  unthrottled_bits: float, latency_ns: float) -> Path:
+                  sim_bits: dict, latency_ns: float) -> Path:
     """The measurements a kept folder's traces are judged by, for bench/whatif_repredict.py: each rate's real step
-    and its ASTRA-sim bandwidth, and each trace's folder and same-process steps."""
+    and the bits/s it is simulated at, and each trace's folder and same-process steps."""
     results = {
         "model": setup.key, "trace_rate": trace_rate.label, "latency_ns": latency_ns,
-        "rates": [{"label": r.label, "bits_per_s": r.bits_per_s or unthrottled_bits, "real_ms": real[r.label].step_ms,
-                   "real_cpu_ms": real[r.label].cpu_ms} for r in rates],
+        "rates": [{"label": r.label, "bits_per_s": sim_bits[r.label], "tbf_bits_per_s": r.bits_per_s,
+                   "real_ms": real[r.label].step_ms, "real_cpu_ms": real[r.label].cpu_ms} for r in rates],
         "traces": [{"index": t.index + 1, "folder": str(t.folder.relative_to(folder)),
                     "before_window_ms": t.before_window_ms, "before_window_cpu_ms": t.before_window_cpu_ms,
                     "same_run_ms": {label: entry.step_ms for label, entry in t.after_window.items()}}
@@ -648,16 +661,16 @@ def convert(folder: Path, env: dict) -> None:
 
 
 def simulate_at(sim: Simulator, folder: Path, label: str, bits_per_s: float, latency_ns: float):
-    """ASTRA-sim on a converted run at a rate through the loopback (R/2 per link of a 2-NPU ring)."""
+    """ASTRA-sim on a converted run at a payload rate through the loopback (half of it per link of a 2-NPU ring)."""
     return sim.module.simulate_run(folder, bandwidth_gbs=link_gbs(bits_per_s), latency_ns=latency_ns,
                                    binary=sim.binary, work_dir=folder / f"astra-sim-{label_slug(label)}")
 
 
-def predict(sim: Simulator, traces: list, rates: list, unthrottled_bits: float, latency_ns: float) -> None:
+def predict(sim: Simulator, traces: list, rates: list, sim_bits: dict, latency_ns: float) -> None:
     for trace in traces:
         for rate in rates:
-            trace.predictions[rate.label] = simulate_at(sim, trace.folder, rate.label,
-                                                        rate.bits_per_s or unthrottled_bits, latency_ns)
+            trace.predictions[rate.label] = simulate_at(sim, trace.folder, rate.label, sim_bits[rate.label],
+                                                        latency_ns)
 
 
 # -------------------------------------------------------------------------------------------------- report
@@ -698,15 +711,16 @@ def report(setup: ModelSetup, args, sim: Simulator, verification: list, micro: l
              f"- network: a private namespace's `lo`, MTU {ns.mtu}, {ns.offload_note}; rates as `tc qdisc replace dev lo "
              f"root tbf rate R burst B latency {QUEUE_LATENCY}` with B = one packet + R x {ns.burst_slack_s * 1e6:g} us",
              "- ASTRA-sim: " + (f"`{sim.binary}` (analytical, congestion-unaware), 2-NPU Ring, ring all-reduce, "
-                                 f"latency {args.sim_latency_ns:g} ns, per-link bandwidth R/2"
+                                 f"latency {args.sim_latency_ns:g} ns, per-link bandwidth P/2 (P: the payload rate at R, below)"
                                  if sim.ok else f"predictions skipped: {sim.missing}"),
              f"- unthrottled R = {format_bits(unthrottled_bits)} ({unthrottled_source})", ""]
-    lines += ["tbf check: one TCP stream's payload rate through `lo` (expected share of R for full packets: "
-              f"{expected_goodput_share(ns.mtu):.3f}).", "",
+    lines += ["tbf check: one TCP stream's payload rate P through `lo` (expected share of R for full packets: "
+              f"{expected_goodput_share(ns.mtu):.3f}); the simulator's links move payload only, so rate R is "
+              "simulated at P.", "",
               format_table(["rate R", "burst B bytes", "B/R ms", "payload Mbit/s", "payload / R",
                             "payload / expected", "drops"], verification), ""]
     lines += ["All-reduce micro-benchmark: 2-rank gloo all-reduce (median of the repeats) against the ring's 2S/R "
-              "and ASTRA-sim on a 2-rank `.et` of one ALL_REDUCE at R/2 per link.", "",
+              "and ASTRA-sim on a 2-rank `.et` of one ALL_REDUCE at P/2 per link.", "",
               format_table(["rate", "MB", "repeats", "real ms", "ring 2S/R ms", "real / ring", "ASTRA-sim ms",
                             "ASTRA-sim / real"], micro), ""]
     real_rows = [[label, len(r.steps), fmt_ms(r.step_ms), fmt_ms(r.cpu_ms), fmt_ms(r.median_ms), r.spread(),
@@ -775,7 +789,7 @@ def report(setup: ModelSetup, args, sim: Simulator, verification: list, micro: l
                     row += [fmt_ms(same_ms), f"{result.step_ms / same_ms:.2f}x" if same_ms else "n/a"]
                 rows.append(row + [note])
         same_columns = ["same run ms", "predicted / same run"] if after_window else []
-        lines += ["Predictions: ASTRA-sim on each trace's `.et` at R/2 per link (the slower rank's finish) against "
+        lines += ["Predictions: ASTRA-sim on each trace's `.et` at P/2 per link (the slower rank's finish) against "
                   "the real untraced step at R. The two change columns are the step's change from the trace's own "
                   "rate, real and predicted: what the network alone adds, apart from how well the `.et` replays its "
                   "own step. CPU real / trace: the real run's CPU time per step at that rate over the traced run's "
@@ -846,8 +860,10 @@ DOCS_INTRO = """
 `bench/whatif_bench.py` (as root: it makes a network namespace and rate-limits its loopback with `tc tbf`) runs
 2-rank gloo training at several network rates, traces a run, converts it with `convert_to_et.py`, simulates the `.et`
 in ASTRA-sim at every rate and compares with the real untraced step. The loopback's qdisc is one medium for both
-directions: a 2-rank ring all-reduce of S bytes moves 2S through it, so rate R is simulated as a 2-NPU ring with R/2
-per link; the all-reduce micro-benchmark checks that equivalence, and a TCP stream checks tbf's rate. The real steps
+directions: a 2-rank ring all-reduce of S bytes moves 2S through it, so rate R is simulated as a 2-NPU ring with P/2
+per link, where P is the payload rate a TCP stream gets through tbf at R (R less the packets' headers and the
+acknowledgements' share of the qdisc: the simulator's links carry payload only); the all-reduce micro-benchmark checks
+that equivalence. The real steps
 come from one run that changes the rate every few steps in alternating order, so a shared machine's changing load
 weighs on every rate alike (one run per rate did not: the load fell from 12 to 6 between them and the unthrottled
 step came out slower than the 2 Gbit/s one). Each traced run also goes on untraced through every rate once its
@@ -985,21 +1001,23 @@ def main(argv=None) -> int:
             print(f"namespace {ns.name}: lo MTU {ns.mtu}, {ns.offload_note}", flush=True)
             phase("tbf check (payload rate of one TCP stream)")
             checked = sorted({r.label: r for r in rates + [micro_rate]}.values(), key=lambda r: -(r.bits_per_s or 1e30))
-            verification, socket_bits = verify_rates(ns, checked, args.check_seconds)
+            verification, payload = verify_rates(ns, checked, args.check_seconds)
             phase(f"all-reduce micro-benchmark at {micro_rate.label}" + ("" if args.quick else " and unthrottled"))
             micro, allreduce_bits = micro_benchmark(ns, micro_rate, sizes, args.micro_repeats, env, sim,
-                                                    root / "micro", args.sim_latency_ns, unthrottled=not args.quick)
+                                                    root / "micro", args.sim_latency_ns, unthrottled=not args.quick,
+                                                    payload_bits=payload[micro_rate.label])
             unthrottled_bits, source = ((allreduce_bits, "a gloo all-reduce's 2S/t, unthrottled") if allreduce_bits
-                                        else (socket_bits, "one TCP stream's payload rate"))
+                                        else (payload.get("unthrottled"), "one TCP stream's payload rate"))
+            sim_bits = simulated_rates(rates, payload, unthrottled_bits)
             phase(f"{args.traces} traced run(s) at {trace_rate.label}")
             traces = traced_runs(ns, setup, trace_rate, args.traces, args, env, root, rates)
             phase("untraced runs")
             real = real_runs(ns, setup, rates, args, env, root)
             if args.keep:
-                write_results(root, setup, trace_rate, rates, traces, real, unthrottled_bits, args.sim_latency_ns)
+                write_results(root, setup, trace_rate, rates, traces, real, sim_bits, args.sim_latency_ns)
             if sim.ok:
                 phase("ASTRA-sim")
-                predict(sim, traces, rates, unthrottled_bits, args.sim_latency_ns)
+                predict(sim, traces, rates, sim_bits, args.sim_latency_ns)
             text = report(setup, args, sim, verification, micro, traces, real, unthrottled_bits, source, ns,
                           invocation)
     except (BenchError, NetemUnavailable) as exc:

@@ -73,6 +73,9 @@ def reconvert(trace_folder: Path, work: Path, env: dict) -> Path:
 
 def repredict(folder: Path, results: dict, work: Path, sim, env: dict) -> list:
     points = []
+    if any("tbf_bits_per_s" not in rate for rate in results["rates"]):
+        print(f"    {folder.name}: kept before the bench simulated a throttled rate at its measured payload rate; its "
+              "rates are simulated as recorded, at tbf's rate R", flush=True)
     for trace in results["traces"]:
         converted = reconvert(folder / trace["folder"], work / f"trace-{trace['index']}", env)
         for rate in results["rates"]:

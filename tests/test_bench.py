@@ -321,6 +321,18 @@ def test_whatif_rates_read_as_tc_reads_them_and_map_to_half_a_ring_link():
     assert ring_allreduce_s(10_000_000, rate) == pytest.approx(10_000_000 / (link_gbs(rate) * GIB))
 
 
+def test_whatif_simulates_a_throttled_rate_at_the_payload_rate_measured_through_it():
+    from bench.netem import parse_rate
+    from bench.whatif_bench import simulated_rates
+
+    # tbf at R passes R less headers and acknowledgements: a gloo all-reduce takes 2S over the payload rate the TCP
+    # check measured, so that is what the simulator's payload-only links get; unthrottled is the all-reduce's own.
+    rates = [parse_rate("unthrottled"), parse_rate("1gbit"), parse_rate("100mbit")]
+    payload = {"unthrottled": 13.2e9, "1 Gbit/s": 988.8e6, "100 Mbit/s": 99.0e6}
+    assert simulated_rates(rates, payload, unthrottled_bits=14.5e9) == {
+        "unthrottled": 14.5e9, "1 Gbit/s": 988.8e6, "100 Mbit/s": 99.0e6}
+
+
 def test_whatif_models_run_their_own_family_trainer_at_a_size_it_knows():
     from bench.whatif_bench import MODELS
     from utils.families import load_family
