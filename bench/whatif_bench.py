@@ -711,8 +711,8 @@ def report(setup: ModelSetup, args, sim: Simulator, verification: list, micro: l
              f"- network: a private namespace's `lo`, MTU {ns.mtu}, {ns.offload_note}; rates as `tc qdisc replace dev lo "
              f"root tbf rate R burst B latency {QUEUE_LATENCY}` with B = one packet + R x {ns.burst_slack_s * 1e6:g} us",
              "- ASTRA-sim: " + (f"`{sim.binary}` (analytical, congestion-unaware), 2-NPU Ring, ring all-reduce, "
-                                 f"latency {args.sim_latency_ns:g} ns, per-link bandwidth P/2 (P: the payload rate at R, below)"
-                                 if sim.ok else f"predictions skipped: {sim.missing}"),
+                                 f"latency {args.sim_latency_ns:g} ns, per-link bandwidth P/2 (P: the payload rate "
+                                 "at R, below)" if sim.ok else f"predictions skipped: {sim.missing}"),
              f"- unthrottled R = {format_bits(unthrottled_bits)} ({unthrottled_source})", ""]
     lines += ["tbf check: one TCP stream's payload rate P through `lo` (expected share of R for full packets: "
               f"{expected_goodput_share(ns.mtu):.3f}); the simulator's links move payload only, so rate R is "
@@ -863,10 +863,9 @@ in ASTRA-sim at every rate and compares with the real untraced step. The loopbac
 directions: a 2-rank ring all-reduce of S bytes moves 2S through it, so rate R is simulated as a 2-NPU ring with P/2
 per link, where P is the payload rate a TCP stream gets through tbf at R (R less the packets' headers and the
 acknowledgements' share of the qdisc: the simulator's links carry payload only); the all-reduce micro-benchmark checks
-that equivalence. The real steps
-come from one run that changes the rate every few steps in alternating order, so a shared machine's changing load
-weighs on every rate alike (one run per rate did not: the load fell from 12 to 6 between them and the unthrottled
-step came out slower than the 2 Gbit/s one). Each traced run also goes on untraced through every rate once its
+that equivalence. The real steps come from one run that changes the rate every few steps in alternating order, so a
+shared machine's changing load weighs on every rate alike (one run per rate did not: the load fell from 12 to 6
+between them and the unthrottled step came out slower than the 2 Gbit/s one). Each traced run also goes on untraced through every rate once its
 window has closed (`--after-window-cycles`): two processes of the same run on this 2-core machine can differ by a
 tenth in speed minutes apart, so each prediction is set both against the untraced run and against the process it
 was traced in ("same run"). Each part below is rewritten by a run of its `--model`.
