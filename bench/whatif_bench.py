@@ -15,12 +15,12 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from bench.common import (BUNDLED_SQUAD, OUR_LOG_FILE, REPO_ROOT, STEP_CPU, STEP_LINE, TRACE_WINDOW_NOTE, BenchError,
                           child_env, exit_on_sigterm, fail, format_table, machine_description, our_step_times,
-                          run_child)
+                          run_child, train_script)
 from bench.netem import (DEFAULT_MTU, QUEUE_LATENCY, Namespace, NetemUnavailable, Rate, describe_queue,
                          expected_goodput_share, format_bits, measure_throughput, missing_requirement, parse_rate,
                          queue_counters)
@@ -68,10 +68,6 @@ class ModelSetup:
     timeout_s: int
     family: str = "gpt2"  # which trainer runs it: <family>/train.py (GPT-2's causal LM or BERT's masked LM)
 
-    @property
-    def train_script(self) -> Path:
-        return REPO_ROOT / self.family / "train.py"
-
 
 MODELS = {
     # The CPU quick runs' configuration (utils/launch/: tiny, batch 4, 128 tokens, one thread a rank).
@@ -87,17 +83,13 @@ MODELS = {
                                   skip=3, block=4, settle=1, cycles=4, warmup_cycles=1, after_window_cycles=2,
                                   rates=("unthrottled", "2gbit", "1gbit", "500mbit"),
                                   burst_slack_s=2e-3, repeats=1, timeout_s=3600),
-    # BERT's masked LM through the same trainer: a model none of the converter's rules were read from. Its tiny size
-    # has GPT-2 tiny's step counts and rates; the base shape (12 x 768, offline vocabulary) has the 124M shape's.
-    "bert-tiny": ModelSetup("bert-tiny", "BERT tiny", "tiny", 4, 128, skip=10, block=10, settle=2, cycles=4,
-                            warmup_cycles=1, after_window_cycles=2,
-                            rates=("unthrottled", "1gbit", "400mbit", "100mbit"), burst_slack_s=250e-6, repeats=3,
-                            timeout_s=900, family="bert"),
-    "bert-base-shape": ModelSetup("bert-base-shape", "BERT base shape (offline vocabulary)", "bert-base-uncased", 1,
-                                  128, skip=3, block=4, settle=1, cycles=4, warmup_cycles=1, after_window_cycles=2,
-                                  rates=("unthrottled", "2gbit", "1gbit", "500mbit"),
-                                  burst_slack_s=2e-3, repeats=1, timeout_s=3600, family="bert"),
 }
+# BERT's masked LM through the same trainer: a model none of the converter's rules were read from. Its tiny size runs
+# as GPT-2 tiny does and its base shape (12 x 768, offline vocabulary) as the 124M shape.
+MODELS["bert-tiny"] = replace(MODELS["tiny"], key="bert-tiny", label="BERT tiny", family="bert")
+MODELS["bert-base-shape"] = replace(MODELS["gpt2-124m-shape"], key="bert-base-shape",
+                                    label="BERT base shape (offline vocabulary)", model_name="bert-base-uncased",
+                                    family="bert")
 QUICK_RATES = ("unthrottled", "100mbit")
 REPLAY_BAND, WHATIF_BAND = 0.05, 0.10  # issue 9's targets: a replay within 5% of the real step, another rate within 10%
 RESULTS_FILE = "whatif_results.json"   # what a --keep folder records for bench/whatif_repredict.py
@@ -251,7 +243,7 @@ def run_training(ns: Namespace, setup: ModelSetup, work: Path, env: dict, extra:
         shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True, exist_ok=True)
     before = load1()
-    run = run_child(torchrun(ns, setup.train_script, train_args(setup, work, steps) + extra), env=env,
+    run = run_child(torchrun(ns, train_script(setup.family), train_args(setup, work, steps) + extra), env=env,
                     timeout_s=setup.timeout_s)
     after = load1()
     shutil.rmtree(work / "checkpoints", ignore_errors=True)  # the final model: 0.35 GB for the 124M shape
@@ -865,10 +857,10 @@ per link, where P is the payload rate a TCP stream gets through tbf at R (R less
 acknowledgements' share of the qdisc: the simulator's links carry payload only); the all-reduce micro-benchmark checks
 that equivalence. The real steps come from one run that changes the rate every few steps in alternating order, so a
 shared machine's changing load weighs on every rate alike (one run per rate did not: the load fell from 12 to 6
-between them and the unthrottled step came out slower than the 2 Gbit/s one). Each traced run also goes on untraced through every rate once its
-window has closed (`--after-window-cycles`): two processes of the same run on this 2-core machine can differ by a
-tenth in speed minutes apart, so each prediction is set both against the untraced run and against the process it
-was traced in ("same run"). Each part below is rewritten by a run of its `--model`.
+between them and the unthrottled step came out slower than the 2 Gbit/s one). Each traced run also goes on untraced
+through every rate once its window has closed (`--after-window-cycles`): two processes of the same run on this 2-core
+machine can differ by a tenth in speed minutes apart, so each prediction is set both against the untraced run and
+against the process it was traced in ("same run"). Each part below is rewritten by a run of its `--model`.
 """
 
 

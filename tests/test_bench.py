@@ -334,12 +334,13 @@ def test_whatif_simulates_a_throttled_rate_at_the_payload_rate_measured_through_
 
 
 def test_whatif_models_run_their_own_family_trainer_at_a_size_it_knows():
+    from bench.common import train_script
     from bench.whatif_bench import MODELS
     from utils.families import load_family
 
     assert {m.family for m in MODELS.values()} == {"gpt2", "bert"}
     for setup in MODELS.values():
-        assert setup.train_script.is_file(), setup.key
+        assert train_script(setup.family).is_file(), setup.key
         assert setup.model_name in load_family(setup.family).size_names, setup.key
 
 
