@@ -335,9 +335,10 @@ def simulate_allreduce(sim: Simulator, size: int, bits_per_s: float, scratch: Pa
 def traced_runs(ns: Namespace, setup: ModelSetup, rate: Rate, count: int, args, env: dict, root: Path,
                 rates: list) -> list:
     """`count` traced runs at `rate`, each converted to .et files. With --after-window-cycles, each run goes on
-    untraced once its window has closed (the first step line of rank 0's log without the window's note),
-    changing the rate as the untraced run does: the same process's real steps at every rate, so a prediction can also be set against the run it came
-    from, apart from how the machine's speed changed between processes."""
+    untraced once its window has closed (the first step line of rank 0's log without the window's note) and the
+    tracer has timed its untraced steps after it, changing the rate as the untraced run does: the same process's
+    real steps at every rate, so a prediction can also be set against the run it came from, apart from how the
+    machine's speed changed between processes."""
     ns.set_rate(rate)
     runs = []
     schedule = [rate] + cycle_schedule(rates, args.after_window_cycles)
@@ -347,7 +348,7 @@ def traced_runs(ns: Namespace, setup: ModelSetup, rate: Rate, count: int, args, 
         work = root / f"traced-{index}"
         folder = work / "traces" / name
         extra = ["--enable-tracing", "--trace-output-dir", work / "traces", "--trace-name", name,
-                 "--trace-wait-steps", args.trace_wait_steps]
+                 "--trace-wait-steps", args.trace_wait_steps, "--trace-after-steps", args.trace_wait_steps]
         if args.trace_active_steps:
             extra += ["--trace-active-steps", args.trace_active_steps]
         what, after_window, log = f"traced run {index + 1} at {rate.label}", {}, work / "logs" / OUR_LOG_FILE
@@ -355,12 +356,14 @@ def traced_runs(ns: Namespace, setup: ModelSetup, rate: Rate, count: int, args, 
             times, load = run_training(ns, setup, work, env, extra, None, what)
             cpu = step_cpu(log)
         else:
-            steps = window_end + args.settle + 1 + (len(schedule) - 1) * args.block + 1
+            # The steps right after the window stay at the trace rate: the tracer times them as untraced steps of
+            # the traced run (as many as before the window), and one more, left out, ends before the change.
+            at_trace_rate = max(args.settle, args.trace_wait_steps) + 1
+            steps = window_end + at_trace_rate + (len(schedule) - 1) * args.block + 1
 
             def traced_attempt(work=work, extra=extra, what=what, log=log) -> tuple:
                 shutil.rmtree(work, ignore_errors=True)
-                # The steps right after the window (the trace files being written) stay at the trace rate, left out.
-                cycler = RateCycler(ns, schedule, args.settle + 1, args.block, log, after_window=True)
+                cycler = RateCycler(ns, schedule, at_trace_rate, args.block, log, after_window=True)
                 return cycler, cycled_run(ns, setup, work, env, extra, steps, cycler, what)
 
             cycler, (times, load) = once_more_on_failure(traced_attempt)

@@ -136,6 +136,7 @@ def test_run_json_holds_run_info_versions_and_step_times(one_rank_gpt2):
     assert info["model"] == "gpt2" and info["model_config"] == {"n_layer": 2}
     assert info["batch_size_per_rank"] == 2 and info["sequence_length"] == 16 and info["precision"] == "fp32"
     assert info["world_size"] == 1 and info["traced_steps"] == [2]
+    assert info["untraced_steps"] == [0, 3]  # the wait step, and as many after the window (step 4 is not timed)
     assert info["versions"]["torch"] == torch.__version__
     assert info["versions"]["transformers"]
     [rank] = info["ranks"]
@@ -143,18 +144,18 @@ def test_run_json_holds_run_info_versions_and_step_times(one_rank_gpt2):
     assert len(rank["step_wall_time_s"]) == 1 and 0 < rank["step_wall_time_s"][0] < 60
     assert rank["files"] == {"device": "device.0.json", "host": "host.0.json", "stacks": "stacks.0.txt"}
     # the training thread's own CPU time per step: part of the process's, which holds every thread's
-    for thread_key, process_key in (("step_thread_cpu_time_s", "step_cpu_time_s"),
-                                    ("untraced_step_thread_cpu_time_s", "untraced_step_cpu_time_s")):
-        assert len(rank[thread_key]) == len(rank[process_key]) == 1
-        assert 0 < rank[thread_key][0] <= rank[process_key][0] + 1e-3
+    for thread_key, process_key, steps in (("step_thread_cpu_time_s", "step_cpu_time_s", 1),
+                                           ("untraced_step_thread_cpu_time_s", "untraced_step_cpu_time_s", 2)):
+        assert len(rank[thread_key]) == len(rank[process_key]) == steps
+        assert all(0 < thread <= process + 1e-3 for thread, process in zip(rank[thread_key], rank[process_key]))
     if chakra_tracer.thread_page_faults() is not None:  # Linux: the training thread's page faults, per step
-        assert len(rank["step_page_faults"]) == 1 and len(rank["untraced_step_page_faults"]) == 1
+        assert len(rank["step_page_faults"]) == 1 and len(rank["untraced_step_page_faults"]) == 2
         assert min(rank["step_page_faults"] + rank["untraced_step_page_faults"]) >= 0
     assert rank["heap_reserved_bytes"] >= 0
     assert rank["collective_start_wait_s"] is None  # one rank: no collective to start
     assert rank["intra_op_threads"] == torch.get_num_threads()  # whether the ops ran on the training thread alone
     if chakra_tracer.run_queue_wait_s() is not None:  # Linux: the training thread's wait for a core, per step
-        assert len(rank["step_run_queue_wait_s"]) == 1 and len(rank["untraced_step_run_queue_wait_s"]) == 1
+        assert len(rank["step_run_queue_wait_s"]) == 1 and len(rank["untraced_step_run_queue_wait_s"]) == 2
         assert min(rank["step_run_queue_wait_s"] + rank["untraced_step_run_queue_wait_s"]) >= 0
 
 
@@ -358,6 +359,16 @@ def test_tracing_flags_default_to_timed_untraced_steps_and_three_recorded_ones()
     assert sum(parse_tracing_args("--trace-wait-steps", "5", "--trace-active-steps", "10").trace_window) == 16
 
 
+def test_untraced_steps_after_the_window_default_to_as_many_as_before_it_and_lengthen_an_open_ended_run():
+    assert parse_tracing_args("--enable-tracing").trace_after_steps == 5
+    assert parse_tracing_args("--trace-wait-steps", "8").trace_after_steps == 8
+    assert parse_tracing_args("--trace-wait-steps", "8", "--trace-after-steps", "0").trace_after_steps == 0
+    # without --max-steps a traced run runs its window, then the untraced steps timed after it, and stops
+    assert parse_tracing_args("--enable-tracing").planned_steps(steps_per_epoch=1000) == 5 + 1 + 3 + 5
+    assert parse_tracing_args("--enable-tracing", "--trace-after-steps", "2").planned_steps(1000) == 11
+    assert parse_tracing_args("--enable-tracing", "--max-steps", "10").planned_steps(1000) == 10
+
+
 def test_default_trace_name_counts_ranks_and_device_kind(tmp_path):
     args = parse_tracing_args("--enable-tracing", "--trace-output-dir", str(tmp_path))
     tracer = build_tracer(args, rank=0, world_size=2, local_rank=0, device="cpu", run_info={"model": "bert"})
@@ -373,6 +384,7 @@ def test_default_trace_name_counts_ranks_and_device_kind(tmp_path):
     (["--max-steps", "2", "--trace-wait-steps", "5"], "--max-steps 2 is shorter than the trace window of 6 steps"),
     (["--trace-active-steps", "0"], "--trace-active-steps must be at least 1, got 0"),
     (["--trace-wait-steps", "-1"], "--trace-wait-steps must be at least 0, got -1"),
+    (["--trace-after-steps", "-2"], "--trace-after-steps must be at least 0, got -2"),
 ])
 def test_a_window_that_cannot_be_traced_is_refused_when_the_flags_are_parsed(flags, message, capsys):
     with pytest.raises(SystemExit) as stopped:
@@ -597,6 +609,21 @@ def test_host_trace_written_twice_fails_the_run_names_the_file_and_writes_no_run
         train(tiny_mlp(), ChakraTracer(tmp_path, "twice", run_info={"model": "m"}), steps=3)
     assert sorted(p.name for p in (tmp_path / "twice").iterdir()) == [
         "device.0.json", "host.0.json.invalid", "stacks.0.txt"]
+
+
+def test_run_json_holds_the_untraced_steps_after_the_window_as_well_numbered_apart(tmp_path):
+    tracer = ChakraTracer(tmp_path, "after", wait_steps=2, warmup_steps=1, active_steps=2, after_steps=2,
+                          run_info={"model": "m"})
+    with tracer:
+        for _ in range(9):  # 2 wait, 1 warm-up, 2 traced (3 and 4), 2 timed after, 2 more not timed
+            torch.ones(8) @ torch.ones(8)
+            tracer.step()
+    info = json.loads((tmp_path / "after" / "run.json").read_text())
+    rank = info["ranks"][0]
+    assert info["traced_steps"] == [3, 4] and info["untraced_steps"] == [0, 1, 5, 6]
+    for key in ("untraced_step_wall_time_s", "untraced_step_cpu_time_s", "untraced_step_thread_cpu_time_s"):
+        assert len(rank[key]) == 4 and min(rank[key]) >= 0, key
+    assert min(rank["untraced_step_wall_time_s"]) > 0
 
 
 def test_cuda_runs_ask_kineto_for_synchronisation_events_and_cpu_runs_do_not():

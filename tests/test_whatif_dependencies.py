@@ -261,6 +261,24 @@ def test_profiler_cost_measured_by_the_tracer_is_taken_out_of_the_durations(tmp_
     assert sum(raw.values()) > sum(n.duration_micros for n in nodes)  # the traced durations are kept beside
 
 
+def test_untraced_steps_after_the_window_count_and_only_the_runs_first_step_is_left_out(tmp_path):
+    from trace_tools.step_timing import read_step_times
+
+    rank = {"rank": 0, "step_wall_time_s": [0.05], "untraced_step_wall_time_s": [0.09, 0.03, 0.02, 0.02, 0.02],
+            "untraced_step_thread_cpu_time_s": [0.08, 0.03, 0.02, 0.02, 0.02]}
+    (tmp_path / "run.json").write_text(json.dumps({"untraced_steps": [0, 1, 6, 7, 8], "ranks": [rank]}))
+    times = read_step_times(tmp_path, 0)
+    # step 0 (start-up) left out; the early step 1 is outweighed by the three timed after the window
+    assert times.untraced_us == pytest.approx([3e4, 2e4, 2e4, 2e4]) and times.untraced_median_us == pytest.approx(2e4)
+    assert times.untraced_thread_cpu_us == pytest.approx([3e4, 2e4, 2e4, 2e4])
+    # a window with no wait steps: every untraced step is after it, and none is the run's first
+    (tmp_path / "run.json").write_text(json.dumps({"untraced_steps": [4, 5, 6, 7, 8], "ranks": [rank]}))
+    assert len(read_step_times(tmp_path, 0).untraced_us) == 5
+    # an older run.json without the step numbers: its first untraced step is step 0
+    (tmp_path / "run.json").write_text(json.dumps({"ranks": [rank]}))
+    assert len(read_step_times(tmp_path, 0).untraced_us) == 4
+
+
 def test_untraced_step_times_without_a_usable_sample_leave_durations_alone(tmp_path):
     folder = rank0_copy(CPU_FIXTURES / "gpt2_tiny_2r", tmp_path / "run")
     (folder / "run.json").write_text(json.dumps({"ranks": [{"rank": 0, "step_wall_time_s": [0.3],

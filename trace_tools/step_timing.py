@@ -15,7 +15,8 @@ STEP_SPREAD_BOUND = 0.10
 
 @dataclass
 class StepTimes:
-    """One rank's measured step times in µs: traced (inside the profiler's window) and untraced (before it)."""
+    """One rank's measured step times in µs: traced (inside the profiler's window) and untraced (before it and, in
+    runs of tracers that time them, after it)."""
 
     traced_us: list[float]
     untraced_us: list[float]
@@ -113,8 +114,9 @@ def _mean_per_step(untraced: list[float] | None, traced: list[float] | None) -> 
 
 def read_step_times(run_dir: str | Path, rank: int) -> StepTimes | None:
     """The rank's step times from run.json beside its traces, or None when the run did not measure them (foreign
-    traces, runs of older versions, a window without untraced steps before it). The first untraced step holds
-    one-time start-up costs (allocation, DDP's bucket rebuild) and is left out."""
+    traces, runs of older versions, a window without timed untraced steps). The run's first step (step 0) holds
+    one-time start-up costs (allocation, DDP's bucket rebuild) and is left out; the untraced steps after the window
+    (run.json's untraced_steps numbers them all) sample the run once its first steps are past."""
     path = Path(run_dir) / RUN_INFO
     try:
         info = json.loads(path.read_text(encoding="utf-8"))
@@ -127,7 +129,13 @@ def read_step_times(run_dir: str | Path, rank: int) -> StepTimes | None:
     def micros(key: str) -> list[float]:
         return [float(t) * 1e6 for t in entries[0].get(key) or [] if isinstance(t, (int, float))]
 
-    traced, untraced = micros("step_wall_time_s"), micros("untraced_step_wall_time_s")[1:]
+    numbers = info.get("untraced_steps")
+    first_steps = 1 if not isinstance(numbers, list) or 0 in numbers else 0  # older run.json: its first is step 0
+
+    def untraced_micros(key: str) -> list[float]:
+        return micros(key)[first_steps:]
+
+    traced, untraced = micros("step_wall_time_s"), untraced_micros("untraced_step_wall_time_s")
     if not traced or not untraced:
         return None
 
@@ -138,18 +146,19 @@ def read_step_times(run_dir: str | Path, rank: int) -> StepTimes | None:
     threads = entries[0].get("intra_op_threads")
     start_wait = entries[0].get("collective_start_wait_s")
     return StepTimes(traced_us=traced, untraced_us=untraced, traced_cpu_us=micros("step_cpu_time_s"),
-                     untraced_cpu_us=micros("untraced_step_cpu_time_s")[1:],
+                     untraced_cpu_us=untraced_micros("untraced_step_cpu_time_s"),
                      traced_thread_cpu_us=micros("step_thread_cpu_time_s"),
-                     untraced_thread_cpu_us=micros("untraced_step_thread_cpu_time_s")[1:],
+                     untraced_thread_cpu_us=untraced_micros("untraced_step_thread_cpu_time_s"),
                      recording_cost_per_op_us=float(per_op) if isinstance(per_op, (int, float)) else None,
                      traced_run_queue_us=micros("step_run_queue_wait_s"),
-                     untraced_run_queue_us=micros("untraced_step_run_queue_wait_s")[1:],
+                     untraced_run_queue_us=untraced_micros("untraced_step_run_queue_wait_s"),
                      traced_communication_cpu_us=micros("step_communication_cpu_time_s"),
-                     untraced_communication_cpu_us=micros("untraced_step_communication_cpu_time_s")[1:],
+                     untraced_communication_cpu_us=untraced_micros("untraced_step_communication_cpu_time_s"),
                      traced_communication_run_queue_us=micros("step_communication_run_queue_wait_s"),
-                     untraced_communication_run_queue_us=micros("untraced_step_communication_run_queue_wait_s")[1:],
+                     untraced_communication_run_queue_us=untraced_micros(
+                         "untraced_step_communication_run_queue_wait_s"),
                      collective_start_wait_us=(float(start_wait) * 1e6 if isinstance(start_wait, (int, float))
                                                and start_wait >= 0 else None),
                      traced_page_faults=counts("step_page_faults"),
-                     untraced_page_faults=counts("untraced_step_page_faults")[1:],
+                     untraced_page_faults=counts("untraced_step_page_faults")[first_steps:],
                      intra_op_threads=threads if isinstance(threads, int) and threads > 0 else None)

@@ -64,7 +64,7 @@ def build_tracer(config: RunConfig, *, rank: int, world_size: int, local_rank: i
                                                                  device.type)
     return ChakraTracer(
         output_dir=config.tracing.trace_output_dir, trace_name=trace_name, wait_steps=wait,
-        warmup_steps=warmup, active_steps=active, rank=rank,
+        warmup_steps=warmup, active_steps=active, after_steps=config.trace_after_steps, rank=rank,
         world_size=world_size, local_rank=local_rank, device=device, run_info=run_info)
 
 
@@ -97,6 +97,8 @@ class ChakraTracer:
         output_dir: parent folder of the run folders.
         trace_name: this run's folder name inside output_dir.
         wait_steps, warmup_steps, active_steps: torch.profiler.schedule of the single window.
+        after_steps: untraced steps timed after the window, as the wait steps are (default: as many as those), so
+            the untraced pace comes from both sides of the window and not from a run's first steps alone.
         rank, world_size, local_rank: this process's place in the job.
         device: training device; CUDA activity is recorded on CUDA devices.
         run_info: trainer-provided facts for run.json (see build_tracer).
@@ -105,11 +107,13 @@ class ChakraTracer:
     enabled = True
 
     def __init__(self, output_dir: str | os.PathLike, trace_name: str, wait_steps: int = 1, warmup_steps: int = 1,
-                 active_steps: int = 1, rank: int = 0, world_size: int = 1, local_rank: int = 0,
-                 device: torch.device | str = "cpu", run_info: dict[str, Any] | None = None) -> None:
-        if active_steps < 1 or wait_steps < 0 or warmup_steps < 0:
-            raise ValueError(f"trace window needs wait >= 0, warmup >= 0, active >= 1; "
-                             f"got {wait_steps}/{warmup_steps}/{active_steps}")
+                 active_steps: int = 1, after_steps: int | None = None, rank: int = 0, world_size: int = 1,
+                 local_rank: int = 0, device: torch.device | str = "cpu",
+                 run_info: dict[str, Any] | None = None) -> None:
+        after_steps = wait_steps if after_steps is None else after_steps
+        if active_steps < 1 or wait_steps < 0 or warmup_steps < 0 or after_steps < 0:
+            raise ValueError(f"trace window needs wait >= 0, warmup >= 0, active >= 1, after >= 0; "
+                             f"got {wait_steps}/{warmup_steps}/{active_steps}/{after_steps}")
         self.trace_dir = Path(output_dir) / trace_name
         self.trace_name = trace_name
         self.wait_steps, self.warmup_steps, self.active_steps = wait_steps, warmup_steps, active_steps
@@ -118,6 +122,8 @@ class ChakraTracer:
         self.run_info = dict(run_info or {})
         self.first_traced_step = wait_steps + warmup_steps
         self.traced_steps = list(range(self.first_traced_step, self.first_traced_step + active_steps))
+        self.after_steps = after_steps
+        self.last_timed_step = self.traced_steps[-1] + after_steps
         self.host_path = self.trace_dir / host_trace_name(rank)
         self.device_path = self.trace_dir / device_trace_name(rank)
         self.stacks_path = self.trace_dir / STACKS_TABLE.format(rank=rank)
@@ -130,7 +136,8 @@ class ChakraTracer:
         self._step_started = 0.0
         self._cpu_started = 0.0
         self.step_wall_time_s: dict[int, float] = {}          # traced steps
-        self.untraced_step_wall_time_s: dict[int, float] = {}  # steps before the profiler's window
+        # steps before the profiler's window and the after_steps after it
+        self.untraced_step_wall_time_s: dict[int, float] = {}
         # CPU time of the whole process in the same steps: what recording costs, whatever the network made it wait
         self.step_cpu_time_s: dict[int, float] = {}
         self.untraced_step_cpu_time_s: dict[int, float] = {}
@@ -220,12 +227,12 @@ class ChakraTracer:
         and CPU seconds this call spent on the tracer's own preparation (the heap reserved before the window; 0
         otherwise): not the training's, for a caller that reports its pace."""
         step = self._step
-        timed = step <= self.traced_steps[-1]
+        timed = step <= self.last_timed_step
         if step in self.traced_steps:
             self._record_step(step, self.step_wall_time_s, self.step_cpu_time_s, self.step_thread_cpu_time_s,
                               self.step_run_queue_wait_s, self.step_communication_cpu_time_s,
                               self.step_communication_run_queue_wait_s, self.step_page_faults)
-        elif step < self.wait_steps:
+        elif step < self.wait_steps or self.traced_steps[-1] < step <= self.last_timed_step:
             self._record_step(step, self.untraced_step_wall_time_s, self.untraced_step_cpu_time_s,
                               self.untraced_step_thread_cpu_time_s, self.untraced_step_run_queue_wait_s,
                               self.untraced_step_communication_cpu_time_s,
@@ -496,8 +503,9 @@ class ChakraTracer:
             # alone, so its CPU time is what the ops cost (trace_tools.step_timing)
             "intra_op_threads": torch.get_num_threads(),
             "step_wall_time_s": [self.step_wall_time_s[s] for s in completed],
-            # Steps before the profiler's window (the first holds one-time start-up costs): the run as it is
-            # without tracing, for the conversion's correction of the profiler's own cost.
+            # Steps before the profiler's window (the first holds one-time start-up costs) and after it
+            # (run.json's untraced_steps numbers them): the run as it is without tracing, for the conversion's
+            # correction of the profiler's own cost. Those after it sample the run once its first steps are past.
             "machine_load": self.machine_load,
             "untraced_step_wall_time_s": [self.untraced_step_wall_time_s[s]
                                           for s in sorted(self.untraced_step_wall_time_s)],

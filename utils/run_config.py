@@ -17,7 +17,7 @@ DEFAULT_WAIT_STEPS, DEFAULT_WARMUP_STEPS, DEFAULT_ACTIVE_STEPS = 5, 1, 3
 # The least value of each numeric flag (a flag left out, None, is not checked).
 MINIMUM = dict(seed=0, max_seq_length=16, eval_batches=0, batch_size=1, num_epochs=1, max_steps=1, warmup_steps=0,
                gradient_accumulation_steps=1, save_steps=0, logging_steps=1, loss_sync_steps=0, eval_steps=0,
-               num_gpus=1, trace_wait_steps=0, trace_warmup_steps=0, trace_active_steps=1)
+               num_gpus=1, trace_wait_steps=0, trace_warmup_steps=0, trace_active_steps=1, trace_after_steps=0)
 
 
 class ConfigError(ValueError):
@@ -102,7 +102,8 @@ class DeviceArguments:
 class TracingArguments:
     _argument_group_name = "Chakra tracing"
     enable_tracing: bool = flag(False, "capture host and device traces of the same steps on every rank; the run "
-                                       "stops after the trace window unless --max-steps asks for more")
+                                       "stops after the trace window and the untraced steps timed after it unless "
+                                       "--max-steps asks for more")
     trace_output_dir: str = flag("./outputs", "traces go to <trace-output-dir>/<trace-name>/ (default: %(default)s)")
     trace_name: Optional[str] = flag(None, "this run's trace folder (default: <model>_<N>gpu, or <model>_<N>cpu)")
     trace_wait_steps: Optional[int] = flag(None, "steps run untraced before warm-up; all but the first are timed, "
@@ -111,6 +112,9 @@ class TracingArguments:
                                                    f"trace (default: {DEFAULT_WARMUP_STEPS})")
     trace_active_steps: Optional[int] = flag(None, "steps recorded; the .et holds their median step (default: "
                                                    f"{DEFAULT_ACTIVE_STEPS})")
+    trace_after_steps: Optional[int] = flag(None, "steps run untraced after the window and timed as the wait steps "
+                                                  "are, so the untraced pace is sampled on both sides of the window "
+                                                  "(default: as many as the wait steps)")
 
     def window(self, max_steps: Optional[int]) -> "tuple[int, int, int]":
         """(wait, warmup, active) steps: the flags given, the defaults for the others; a --max-steps shorter than the
@@ -158,11 +162,19 @@ class RunConfig:
     def trace_window(self) -> "tuple[int, int, int]":
         return self.tracing.window(self.optim.max_steps)
 
+    @property
+    def trace_after_steps(self) -> int:
+        """Untraced steps timed after the window: --trace-after-steps, else as many as the wait steps. Not part of
+        the window: a --max-steps that ends the run sooner leaves the tracer fewer to time."""
+        after = self.tracing.trace_after_steps
+        return after if after is not None else self.trace_window[0]
+
     def planned_steps(self, steps_per_epoch: int) -> int:
-        """--max-steps, else --test's 10 (longer if the trace window needs it), else the trace window, else epochs."""
+        """--max-steps, else --test's 10 (longer if the trace window needs it), else the trace window and the untraced
+        steps timed after it, else epochs."""
         if self.optim.max_steps is not None:
             return self.optim.max_steps
-        window = sum(self.trace_window) if self.tracing.enable_tracing else 0
+        window = sum(self.trace_window) + self.trace_after_steps if self.tracing.enable_tracing else 0
         return max(TEST_MODE_STEPS, window) if self.optim.test else window or self.optim.num_epochs * steps_per_epoch
 
     def flags(self) -> "dict[str, Any]":

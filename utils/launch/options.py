@@ -64,7 +64,8 @@ Mode:
   --max-steps N           stop after N optimizer steps (with --test: instead of {TEST_STEPS})
   --num-epochs N          epochs in --train mode (default: 3)
   --trace / --no-trace    Chakra tracing (default: {'on' if quick else 'off'});
-                          a traced run stops after the trace window unless --max-steps asks for more
+                          a traced run stops after the trace window (and the untraced steps timed
+                          after it) unless --max-steps asks for more
 
 Hyperparameters:
   --models NAME[,NAME...] model families, registered in utils/families.py (default: {','.join(launcher.families)};
