@@ -332,61 +332,58 @@ def simulate_allreduce(sim: Simulator, size: int, bits_per_s: float, scratch: Pa
     return result.step_ms / 1000
 
 
-def traced_runs(ns: Namespace, setup: ModelSetup, rate: Rate, count: int, args, env: dict, root: Path,
-                rates: list) -> list:
-    """`count` traced runs at `rate`, each converted to .et files. With --after-window-cycles, each run goes on
+def traced_run(ns: Namespace, setup: ModelSetup, rate: Rate, index: int, args, env: dict, root: Path,
+               rates: list) -> TracedRun:
+    """Traced run number `index` at `rate`, converted to .et files. With --after-window-cycles, the run goes on
     untraced once its window has closed (the first step line of rank 0's log without the window's note) and the
     tracer has timed its untraced steps after it, changing the rate as the untraced run does: the same process's
     real steps at every rate, so a prediction can also be set against the run it came from, apart from how the
     machine's speed changed between processes."""
     ns.set_rate(rate)
-    runs = []
     schedule = [rate] + cycle_schedule(rates, args.after_window_cycles)
     window_end = args.trace_wait_steps + DEFAULT_WARMUP_STEPS + (args.trace_active_steps or DEFAULT_ACTIVE_STEPS)
-    for index in range(count):
-        name = TRACE_NAME.format(model=setup.key, rate=label_slug(rate.label), index=index)
-        work = root / f"traced-{index}"
-        folder = work / "traces" / name
-        extra = ["--enable-tracing", "--trace-output-dir", work / "traces", "--trace-name", name,
-                 "--trace-wait-steps", args.trace_wait_steps, "--trace-after-steps", args.trace_wait_steps]
-        if args.trace_active_steps:
-            extra += ["--trace-active-steps", args.trace_active_steps]
-        what, after_window, log = f"traced run {index + 1} at {rate.label}", {}, work / "logs" / OUR_LOG_FILE
-        if len(schedule) == 1:
-            times, load = run_training(ns, setup, work, env, extra, None, what)
-            cpu = step_cpu(log)
-        else:
-            # The steps right after the window stay at the trace rate: the tracer times them as untraced steps of
-            # the traced run (as many as before the window), and one more, left out, ends before the change.
-            at_trace_rate = max(args.settle, args.trace_wait_steps) + 1
-            steps = window_end + at_trace_rate + (len(schedule) - 1) * args.block + 1
+    name = TRACE_NAME.format(model=setup.key, rate=label_slug(rate.label), index=index)
+    work = root / f"traced-{index}"
+    folder = work / "traces" / name
+    extra = ["--enable-tracing", "--trace-output-dir", work / "traces", "--trace-name", name,
+             "--trace-wait-steps", args.trace_wait_steps, "--trace-after-steps", args.trace_wait_steps]
+    if args.trace_active_steps:
+        extra += ["--trace-active-steps", args.trace_active_steps]
+    what, after_window, log = f"traced run {index + 1} at {rate.label}", {}, work / "logs" / OUR_LOG_FILE
+    if len(schedule) == 1:
+        times, load = run_training(ns, setup, work, env, extra, None, what)
+        cpu = step_cpu(log)
+    else:
+        # The steps right after the window stay at the trace rate: the tracer times them as untraced steps of the
+        # traced run (as many as before the window), and one more, left out, ends before the change.
+        at_trace_rate = max(args.settle, args.trace_wait_steps) + 1
+        steps = window_end + at_trace_rate + (len(schedule) - 1) * args.block + 1
 
-            def traced_attempt(work=work, extra=extra, what=what, log=log) -> tuple:
-                shutil.rmtree(work, ignore_errors=True)
-                cycler = RateCycler(ns, schedule, at_trace_rate, args.block, log, after_window=True)
-                return cycler, cycled_run(ns, setup, work, env, extra, steps, cycler, what)
+        def traced_attempt() -> tuple:
+            shutil.rmtree(work, ignore_errors=True)
+            cycler = RateCycler(ns, schedule, at_trace_rate, args.block, log, after_window=True)
+            return cycler, cycled_run(ns, setup, work, env, extra, steps, cycler, what)
 
-            cycler, (times, load) = once_more_on_failure(traced_attempt)
-            cpu = step_cpu(log)
-            after_window = {r.label: RealRuns(r) for r in rates}
-            add_blocks(after_window, cycler.switches, timed_steps(log), ns.drops(), first_measured=1,
-                       skip=window_end, settle=args.settle, stalls=cycler.stalls, cpu=cpu)
-        run = TracedRun(index, rate, folder, load=load, parameters=parameter_count(work / "logs"),
-                        after_window=after_window)
-        skip = min(args.skip, args.trace_wait_steps - 1)
-        before = [times[s] for s in range(skip + 1, args.trace_wait_steps + 1) if s in times]
-        run.before_window_ms = 1000 * statistics.median(before) if before else None
-        before_cpu = [cpu[s] for s in range(skip + 1, args.trace_wait_steps + 1) if s in cpu]
-        run.before_window_cpu_ms = 1000 * statistics.median(before_cpu) if before_cpu else None
-        run.traced_ms, run.untraced_ms = read_run_json(folder)
-        convert(folder, env)
-        print(f"    trace {index + 1}: traced step {fmt_ms(run.traced_ms)} ms, steps before the window "
-              f"{fmt_ms(run.before_window_ms)} ms (cpu {fmt_ms(run.before_window_cpu_ms)} ms); converted", flush=True)
-        for entry in run.after_window.values():
-            print(f"      after the window, {entry.rate.label}: {fmt_ms(entry.step_ms)} ms/step, cpu "
-                  f"{fmt_ms(entry.cpu_ms)} ms/step ({len(entry.steps)} steps)", flush=True)
-        runs.append(run)
-    return runs
+        cycler, (times, load) = once_more_on_failure(traced_attempt)
+        cpu = step_cpu(log)
+        after_window = {r.label: RealRuns(r) for r in rates}
+        add_blocks(after_window, cycler.switches, timed_steps(log), ns.drops(), first_measured=1,
+                   skip=window_end, settle=args.settle, stalls=cycler.stalls, cpu=cpu)
+    run = TracedRun(index, rate, folder, load=load, parameters=parameter_count(work / "logs"),
+                    after_window=after_window)
+    skip = min(args.skip, args.trace_wait_steps - 1)
+    before = [times[s] for s in range(skip + 1, args.trace_wait_steps + 1) if s in times]
+    run.before_window_ms = 1000 * statistics.median(before) if before else None
+    before_cpu = [cpu[s] for s in range(skip + 1, args.trace_wait_steps + 1) if s in cpu]
+    run.before_window_cpu_ms = 1000 * statistics.median(before_cpu) if before_cpu else None
+    run.traced_ms, run.untraced_ms = read_run_json(folder)
+    convert(folder, env)
+    print(f"    trace {index + 1}: traced step {fmt_ms(run.traced_ms)} ms, steps before the window "
+          f"{fmt_ms(run.before_window_ms)} ms (cpu {fmt_ms(run.before_window_cpu_ms)} ms); converted", flush=True)
+    for entry in run.after_window.values():
+        print(f"      after the window, {entry.rate.label}: {fmt_ms(entry.step_ms)} ms/step, cpu "
+              f"{fmt_ms(entry.cpu_ms)} ms/step ({len(entry.steps)} steps)", flush=True)
+    return run
 
 
 def read_run_json(folder: Path) -> tuple:
@@ -580,37 +577,61 @@ def add_blocks(results: dict, switches: list, steps: list, end_drops: int, first
                 entry.cpu_segment_ms.append(1000 * statistics.median(spent))
 
 
-def real_runs(ns: Namespace, setup: ModelSetup, rates: list, args, env: dict, root: Path) -> dict:
-    """Untraced runs that cycle through the rates in blocks of steps, alternating the order each cycle, so a
-    machine getting busier or quieter during the run weighs on every rate alike. The first `warmup_cycles` cycles
-    are thrown away (the first blocks of a run came out up to 2x slower at every rate: the trainer, gloo's sockets
-    and the machine settling). A step counts for a rate when it began after that rate took effect and ended before
-    the next change; the first `settle` such steps of each block are left out too."""
-    results = {rate.label: RealRuns(rate) for rate in rates}
+def real_run(ns: Namespace, setup: ModelSetup, rates: list, repeat: int, args, env: dict, root: Path,
+             results: dict) -> None:
+    """Untraced run number `repeat`, its steps added to `results` (rate label -> RealRuns). It cycles through the
+    rates in blocks of steps, alternating the order each cycle, so a machine getting busier or quieter during the
+    run weighs on every rate alike. The first `warmup_cycles` cycles are thrown away (the first blocks of a run
+    came out up to 2x slower at every rate: the trainer, gloo's sockets and the machine settling). A step counts
+    for a rate when it began after that rate took effect and ended before the next change; the first `settle` such
+    steps of each block are left out too."""
     schedule = cycle_schedule(rates, args.warmup_cycles + args.cycles)
     total = args.skip + len(schedule) * args.block + 1  # one more step: the last block ends cleanly
-    for repeat in range(args.repeats):
-        work = root / f"real-{repeat}"
+    work = root / f"real-{repeat}"
 
-        def untraced_attempt(work=work, repeat=repeat) -> RateCycler:
-            shutil.rmtree(work, ignore_errors=True)
-            cycler = RateCycler(ns, schedule, args.skip + args.block, args.block, work / "logs" / OUR_LOG_FILE)
-            cycled_run(ns, setup, work, env, [], total, cycler,
-                       f"untraced run {repeat + 1} (rates changing every {args.block} steps)")
-            return cycler
+    def untraced_attempt() -> RateCycler:
+        shutil.rmtree(work, ignore_errors=True)
+        cycler = RateCycler(ns, schedule, args.skip + args.block, args.block, work / "logs" / OUR_LOG_FILE)
+        cycled_run(ns, setup, work, env, [], total, cycler,
+                   f"untraced run {repeat + 1} (rates changing every {args.block} steps)")
+        return cycler
 
-        cycler = once_more_on_failure(untraced_attempt)
-        add_blocks(results, cycler.switches, timed_steps(work / "logs" / OUR_LOG_FILE), ns.drops(),
-                   first_measured=args.warmup_cycles * len(rates), skip=args.skip, settle=args.settle,
-                   stalls=cycler.stalls, cpu=step_cpu(work / "logs" / OUR_LOG_FILE))
-        for entry in results.values():
-            print(f"    {entry.rate.label}: {fmt_ms(entry.step_ms)} ms/step, cpu {fmt_ms(entry.cpu_ms)} ms/step (mean "
-                  f"of the block medians {', '.join(f'{ms:,.0f}' for ms in entry.segment_ms)}; {len(entry.steps)} "
-                  "steps)", flush=True)
-    missing = [label for label, entry in results.items() if not entry.steps]
+    cycler = once_more_on_failure(untraced_attempt)
+    add_blocks(results, cycler.switches, timed_steps(work / "logs" / OUR_LOG_FILE), ns.drops(),
+               first_measured=args.warmup_cycles * len(rates), skip=args.skip, settle=args.settle,
+               stalls=cycler.stalls, cpu=step_cpu(work / "logs" / OUR_LOG_FILE))
+    for entry in results.values():
+        print(f"    {entry.rate.label}: {fmt_ms(entry.step_ms)} ms/step, cpu {fmt_ms(entry.cpu_ms)} ms/step (mean "
+              f"of the block medians {', '.join(f'{ms:,.0f}' for ms in entry.segment_ms)}; {len(entry.steps)} "
+              "steps)", flush=True)
+
+
+def run_order(traces: int, repeats: int) -> list:
+    """The order of the traced ("traced", i) and untraced ("untraced", j) runs: each kind spread evenly over the
+    benchmark's time (run k of n at (k + 1/2) / n, a traced run first on a tie), so the machine's speed drifting
+    over minutes weighs on the traces and on the untraced runs they are set against alike. Three of each
+    alternate, traced first; three traces and one untraced run put it in the middle."""
+    slots = [((index + 0.5) / traces, 0, "traced", index) for index in range(traces)]
+    slots += [((repeat + 0.5) / repeats, 1, "untraced", repeat) for repeat in range(repeats)]
+    return [(kind, number) for _, _, kind, number in sorted(slots)]
+
+
+def interleaved_runs(ns: Namespace, setup: ModelSetup, trace_rate: Rate, rates: list, args, env: dict,
+                     root: Path) -> tuple:
+    """(traced runs, untraced results by rate label) of --traces traced runs at trace_rate and --repeats untraced
+    runs, in run_order's order."""
+    traces, real = [], {rate.label: RealRuns(rate) for rate in rates}
+    for kind, number in run_order(args.traces, args.repeats):
+        if kind == "traced":
+            phase(f"traced run {number + 1} of {args.traces} at {trace_rate.label}")
+            traces.append(traced_run(ns, setup, trace_rate, number, args, env, root, rates))
+        else:
+            phase(f"untraced run {number + 1} of {args.repeats}")
+            real_run(ns, setup, rates, number, args, env, root, real)
+    missing = [label for label, entry in real.items() if not entry.steps]
     if missing:
         raise BenchError(f"no clean step at {', '.join(missing)}: every step straddled a rate change; raise --block")
-    return results
+    return traces, real
 
 
 def within_band(ratio: float, replay: bool) -> bool:
@@ -708,7 +729,11 @@ def report(setup: ModelSetup, args, sim: Simulator, verification: list, micro: l
              "- ASTRA-sim: " + (f"`{sim.binary}` (analytical, congestion-unaware), 2-NPU Ring, ring all-reduce, "
                                  f"latency {args.sim_latency_ns:g} ns, per-link bandwidth P/2 (P: the payload rate "
                                  "at R, below)" if sim.ok else f"predictions skipped: {sim.missing}"),
-             f"- unthrottled R = {format_bits(unthrottled_bits)} ({unthrottled_source})", ""]
+             f"- unthrottled R = {format_bits(unthrottled_bits)} ({unthrottled_source})",
+             "- order of the runs: " + ", ".join(f"{kind} {number + 1}" for kind, number in
+                                                  run_order(args.traces, args.repeats))
+             + " (each kind spread over the benchmark's time, so the machine's speed drifting weighs on both alike)",
+             ""]
     lines += ["tbf check: one TCP stream's payload rate P through `lo` (expected share of R for full packets: "
               f"{expected_goodput_share(ns.mtu):.3f}); the simulator's links move payload only, so rate R is "
               "simulated at P.", "",
@@ -1003,10 +1028,7 @@ def main(argv=None) -> int:
             unthrottled_bits, source = ((allreduce_bits, "a gloo all-reduce's 2S/t, unthrottled") if allreduce_bits
                                         else (payload.get("unthrottled"), "one TCP stream's payload rate"))
             sim_bits = simulated_rates(rates, payload, unthrottled_bits)
-            phase(f"{args.traces} traced run(s) at {trace_rate.label}")
-            traces = traced_runs(ns, setup, trace_rate, args.traces, args, env, root, rates)
-            phase("untraced runs")
-            real = real_runs(ns, setup, rates, args, env, root)
+            traces, real = interleaved_runs(ns, setup, trace_rate, rates, args, env, root)
             if args.keep:
                 write_results(root, setup, trace_rate, rates, traces, real, sim_bits, args.sim_latency_ns)
             if sim.ok:

@@ -344,6 +344,16 @@ def test_whatif_models_run_their_own_family_trainer_at_a_size_it_knows():
         assert setup.model_name in load_family(setup.family).size_names, setup.key
 
 
+def test_whatif_runs_alternate_traced_and_untraced_so_drift_weighs_on_both():
+    from bench.whatif_bench import run_order
+
+    assert run_order(3, 3) == [("traced", 0), ("untraced", 0), ("traced", 1), ("untraced", 1), ("traced", 2),
+                               ("untraced", 2)]
+    assert run_order(3, 1) == [("traced", 0), ("traced", 1), ("untraced", 0), ("traced", 2)]
+    assert run_order(1, 2) == [("untraced", 0), ("traced", 0), ("untraced", 1)]
+    assert sorted(run_order(2, 5)) == [("traced", 0), ("traced", 1)] + [("untraced", j) for j in range(5)]
+
+
 def test_whatif_untraced_step_of_a_trace_leaves_out_the_first_step_as_the_converter_does(tmp_path):
     from bench.whatif_bench import read_run_json
 
