@@ -731,8 +731,8 @@ def report(setup: ModelSetup, args, sim: Simulator, verification: list, micro: l
                                  "at R, below)" if sim.ok else f"predictions skipped: {sim.missing}"),
              f"- unthrottled R = {format_bits(unthrottled_bits)} ({unthrottled_source})",
              "- order of the runs: " + ", ".join(f"{kind} {number + 1}" for kind, number in
-                                                  run_order(args.traces, args.repeats))
-             + " (each kind spread over the benchmark's time, so the machine's speed drifting weighs on both alike)",
+                                                  run_order(args.traces, args.repeats)),
+             "  (each kind spread over the benchmark's time, so the machine's speed drifting weighs on both alike)",
              ""]
     lines += ["tbf check: one TCP stream's payload rate P through `lo` (expected share of R for full packets: "
               f"{expected_goodput_share(ns.mtu):.3f}); the simulator's links move payload only, so rate R is "
@@ -885,7 +885,8 @@ per link, where P is the payload rate a TCP stream gets through tbf at R (R less
 acknowledgements' share of the qdisc: the simulator's links carry payload only); the all-reduce micro-benchmark checks
 that equivalence. The real steps come from one run that changes the rate every few steps in alternating order, so a
 shared machine's changing load weighs on every rate alike (one run per rate did not: the load fell from 12 to 6
-between them and the unthrottled step came out slower than the 2 Gbit/s one). Each traced run also goes on untraced
+between them and the unthrottled step came out slower than the 2 Gbit/s one), and the traced and untraced runs
+alternate, so the machine's speed drifting over minutes weighs on both alike. Each traced run also goes on untraced
 through every rate once its window has closed (`--after-window-cycles`): two processes of the same run on this 2-core
 machine can differ by a tenth in speed minutes apart, so each prediction is set both against the untraced run and
 against the process it was traced in ("same run"). Each part below is rewritten by a run of its `--model`.
