@@ -24,8 +24,9 @@ from utils.distributed import buffers_change_in_training  # noqa: E402
 TRACED_RUN = ["--model-name", "tiny", "--max-seq-length", "64", "--batch-size", "2", "--report-to", "none",
               "--no-save-initial", "--save-steps", "0", "--eval-steps", "0", "--eval-batches", "1", "--precision",
               "fp32", "--no-compile", "--logging-steps", "1", "--enable-tracing",
-              # one step skipped, one warm-up, one recorded: the steps these tests reason about
-              "--trace-wait-steps", "1", "--trace-warmup-steps", "1", "--trace-active-steps", "1"]
+              # one step skipped, one warm-up, one recorded, none timed after it: the steps these tests reason about
+              "--trace-wait-steps", "1", "--trace-warmup-steps", "1", "--trace-active-steps", "1",
+              "--trace-after-steps", "0"]
 # Host reads that belong to training itself: the optimizer's (AdamW's step counter on the CPU) and the data
 # loader's (the MLM collator masking CPU tensors); BERT's forward also checks its padding mask (transformers' own
 # code, inside DDP's forward). Anything else is bookkeeping the trainer added. GPT-2's forward reads nothing: its
