@@ -100,7 +100,8 @@ def generate_traces(args, steps: int, cache: Path, tokenizer: Path, vocab: int) 
             "--model-name", args.model_name, "--tokenizer-path", tokenizer, "--squad-file", str(BUNDLED_SQUAD),
             "--batch-size", args.batch_size,
             "--max-seq-length", args.max_seq_length, "--enable-tracing", "--trace-wait-steps", "1",
-            "--trace-after-steps", "0", "--trace-warmup-steps", "1", "--trace-active-steps", steps, "--trace-output-dir", scratch,
+            "--trace-after-steps", "0", "--trace-warmup-steps", "1", "--trace-active-steps", steps,
+            "--trace-output-dir", scratch,
             "--trace-name", name, "--eval-steps", "0", "--eval-batches", "1", "--save-steps", "0",
             "--no-save-initial", "--save-dir", scratch / "checkpoints", "--log-dir", scratch / "logs",
             "--report-to", "none", "--logging-steps", "1"]

@@ -345,8 +345,9 @@ def traced_run(ns: Namespace, setup: ModelSetup, rate: Rate, index: int, args, e
     name = TRACE_NAME.format(model=setup.key, rate=label_slug(rate.label), index=index)
     work = root / f"traced-{index}"
     folder = work / "traces" / name
+    after_steps = args.trace_wait_steps  # untraced steps the tracer times after its window, as many as before it
     extra = ["--enable-tracing", "--trace-output-dir", work / "traces", "--trace-name", name,
-             "--trace-wait-steps", args.trace_wait_steps, "--trace-after-steps", args.trace_wait_steps]
+             "--trace-wait-steps", args.trace_wait_steps, "--trace-after-steps", after_steps]
     if args.trace_active_steps:
         extra += ["--trace-active-steps", args.trace_active_steps]
     what, after_window, log = f"traced run {index + 1} at {rate.label}", {}, work / "logs" / OUR_LOG_FILE
@@ -355,8 +356,8 @@ def traced_run(ns: Namespace, setup: ModelSetup, rate: Rate, index: int, args, e
         cpu = step_cpu(log)
     else:
         # The steps right after the window stay at the trace rate: the tracer times them as untraced steps of the
-        # traced run (as many as before the window), and one more, left out, ends before the change.
-        at_trace_rate = max(args.settle, args.trace_wait_steps) + 1
+        # traced run, and one more, left out, ends before the change.
+        at_trace_rate = max(args.settle, after_steps) + 1
         steps = window_end + at_trace_rate + (len(schedule) - 1) * args.block + 1
 
         def traced_attempt() -> tuple:

@@ -122,7 +122,6 @@ class ChakraTracer:
         self.run_info = dict(run_info or {})
         self.first_traced_step = wait_steps + warmup_steps
         self.traced_steps = list(range(self.first_traced_step, self.first_traced_step + active_steps))
-        self.after_steps = after_steps
         self.last_timed_step = self.traced_steps[-1] + after_steps
         self.host_path = self.trace_dir / host_trace_name(rank)
         self.device_path = self.trace_dir / device_trace_name(rank)
