@@ -117,6 +117,17 @@ def test_other_processes_cpu_time_is_the_machines_busy_time_less_this_jobs(tmp_p
         assert "other processes used 1.50 CPU-s of the 1.00 s window" in busy_machine_warning(load)
 
 
+def test_interrupt_time_is_the_irq_and_softirq_columns_of_all_cpus(tmp_path, monkeypatch):
+    """/proc/stat's first line: user nice system idle iowait irq softirq steal; the interrupt time is irq + softirq,
+    work no process's CPU time holds, and None without /proc/stat."""
+    monkeypatch.setattr(metrics, "_clock_ticks", lambda: 100)
+    monkeypatch.setattr(metrics, "PROC", tmp_path)
+    (tmp_path / "stat").write_text("cpu  500 7 300 99999 11 3 42 13 0 0\ncpu0 0 0 0 0\n")
+    assert metrics.interrupt_cpu_seconds() == pytest.approx(0.45)
+    (tmp_path / "stat").unlink()
+    assert metrics.interrupt_cpu_seconds() is None
+
+
 def test_load_on_this_machine_is_measured_and_an_idle_window_gives_no_warning():
     start = sample_machine_load()
     time.sleep(0.05)

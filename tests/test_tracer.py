@@ -527,6 +527,7 @@ def test_trainer_one_rank_gpt2_writes_linked_host_and_device_traces(gpt2_one_ran
     assert info["compile"] is False and info["attention"] and info["model_config"]["n_layer"] >= 1
     assert info["versions"]["torch"] == torch.__version__
     assert len(info["ranks"][0]["step_wall_time_s"]) == 1 and info["ranks"][0]["step_wall_time_s"][0] > 0
+    assert info["ranks"][0]["ranks_on_machine"] == 1  # not under torchrun: the machine's interrupt time is its own
 
 
 @pytest.mark.slow
@@ -569,6 +570,10 @@ def test_trainer_two_rank_bert_traces_every_rank_with_process_group_and_collecti
                        + r["untraced_step_communication_run_queue_wait_s"]) >= 0
             assert len(r["step_page_faults"]) == 2
             assert len(r["untraced_step_page_faults"]) == len(r["untraced_step_wall_time_s"])
+            # the machine's interrupt time in every timed step, shared by the two ranks torchrun started here
+            assert len(r["step_interrupt_cpu_time_s"]) == 2 and r["ranks_on_machine"] == 2
+            assert len(r["untraced_step_interrupt_cpu_time_s"]) == len(r["untraced_step_wall_time_s"])
+            assert min(r["step_interrupt_cpu_time_s"] + r["untraced_step_interrupt_cpu_time_s"]) >= 0
     if reason_to_leave_malloc_alone() is None:
         # the trainer keeps freed memory in the process, so the tracer faulted in the heap the window's records
         # displace before the window (utils/host_memory.py)

@@ -568,3 +568,53 @@ def test_communication_cpu_runs_beside_each_collective_and_the_wait_for_a_core_l
     compute = sum(n.duration_micros for n, a in zip(nodes, attrs) if n.type == COMP_NODE and
                   "communication_cpu_of" not in a and "communication_wait_of" not in a)
     assert plain_compute - compute == pytest.approx(0.2 * step_s * 1e6, rel=0.02)
+
+
+def test_the_kernels_interrupt_time_joins_the_collectives_cpu_work_shared_among_the_ranks_on_the_machine(tmp_path):
+    """The machine's interrupt and softirq time (the kernel's work on the packets, in no thread's CPU time) is
+    divided among the ranks on the machine and added to the communication threads' CPU time that the collectives'
+    CPU nodes share by bytes: the mean of the untraced steps after the run's first; a run.json without it (an older
+    tracer) gives the threads' time alone."""
+    folder, step_s = _core_sharing_run(tmp_path, communication_cpu=True)
+    info = json.loads((folder / "run.json").read_text())
+    # machine-wide, in 10 ms ticks: start-up 0.5 s (left out), then 20, 30 and 40 ms (mean 30 ms), two ranks
+    info["ranks"][0].update(untraced_step_interrupt_cpu_time_s=[0.5, 0.02, 0.03, 0.04],
+                            step_interrupt_cpu_time_s=[0.05] * 3, ranks_on_machine=2)
+    (folder / "run.json").write_text(json.dumps(info))
+    threads_folder = tmp_path / "threads_only"
+    shutil.copytree(folder, threads_folder)
+    del info["ranks"][0]["untraced_step_interrupt_cpu_time_s"], info["ranks"][0]["step_interrupt_cpu_time_s"]
+    (threads_folder / "run.json").write_text(json.dumps(info))
+
+    result = convert_rank0(folder, folder / "run.0.et")
+    threads_only = convert_rank0(threads_folder, threads_folder / "run.0.et")
+    assert result.interrupt_cpu_us == pytest.approx(15_000) and threads_only.interrupt_cpu_us == 0
+    assert result.communication_cpu_us == threads_only.communication_cpu_us == pytest.approx(0.3 * step_s * 1e6)
+
+    def communication_cpu_us(et: Path) -> tuple[int, float]:
+        _, nodes = read_et_with_protolib(et)
+        work = [n.duration_micros for n in nodes if any(a.name == "communication_cpu_of" for a in n.attr)]
+        return len(work), sum(work)
+
+    count, with_kernel = communication_cpu_us(folder / "run.0.et")
+    _, threads_alone = communication_cpu_us(threads_folder / "run.0.et")
+    assert threads_alone == pytest.approx(0.3 * step_s * 1e6, abs=count)
+    assert with_kernel == pytest.approx(0.3 * step_s * 1e6 + 15_000, abs=count)
+    text = durations_text(result)
+    assert "the kernel spent 15.0 ms in interrupt context" in text and "gloo's CPU time with the kernel's" in text
+    assert "interrupt context" not in durations_text(threads_only)
+
+
+def test_a_run_that_timed_only_its_traced_steps_interrupts_gives_their_mean(tmp_path):
+    """Without untraced steps measuring it the traced steps' interrupt time stands in (it is the network's, which
+    the profiler does not change); one rank on the machine keeps it all; nothing measured gives None."""
+    from trace_tools.step_timing import read_step_times
+    rank = {"rank": 0, "step_wall_time_s": [0.05] * 3, "untraced_step_wall_time_s": [0.4, 0.05, 0.05],
+            "step_interrupt_cpu_time_s": [0.0, 0.01, 0.02]}
+    (tmp_path / "run.json").write_text(json.dumps({"untraced_steps": [0, 1, 2], "ranks": [rank]}))
+    times = read_step_times(tmp_path, 0)
+    assert times.ranks_on_machine == 1 and times.interrupt_cpu_per_step_us == pytest.approx(10_000)
+    assert times.collective_cpu_per_step_us is None  # the threads' own time was not measured
+    del rank["step_interrupt_cpu_time_s"]
+    (tmp_path / "run.json").write_text(json.dumps({"untraced_steps": [0, 1, 2], "ranks": [rank]}))
+    assert read_step_times(tmp_path, 0).interrupt_cpu_per_step_us is None

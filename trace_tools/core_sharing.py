@@ -12,7 +12,10 @@ network costs no CPU at all.
 The rule follows the program instead of the traced timing: the training thread's run-queue wait in the traced
 steps (run.json, Linux's schedstat) is taken out of its ops, time it did not run; and each collective gets a CPU
 node with its share, by bytes, of the CPU time the communication threads used per untraced step (run.json; their
-mean, trace_tools.step_timing),
+mean, trace_tools.step_timing) and of the rank's share of the machine's interrupt and softirq time in those steps.
+The latter is the kernel's processing of the packets, which runs on the same cores but in no thread's CPU time: over
+loopback on a 2-core VM 0.1 CPU-s per GB sent, about as much as gloo's system calls (GPT-2 124M shape, 348 MB of
+gradients: ~30 ms a rank a step, 2% of the step; left out, the .et predicted its own process 2-4% short). Both are
 issued with the collective (after what produced its input; what consumes its result waits for it as well) and
 marked as a CPU op, so that the simulator runs it on the rank's CPU between the compute ops (ASTRA-sim runs one CPU
 op at a time per rank): on the path at full speed, hidden behind the transfer where the network is slow.
@@ -37,7 +40,7 @@ from .link import COMMUNICATION_CPU_OP, COMMUNICATION_NODE_KINDS, COMMUNICATION_
 def share_cores(linked: LinkedTrace, run_queue_wait_us: float | None,
                 communication_cpu_us: float | None, start_wait_us: float | None = None) -> float | None:
     """Take the training thread's traced run-queue wait out of its ops and give each collective a CPU node with its
-    share of the communication threads' CPU time, after a wait of start_wait_us for a core when measured; returns
+    share of the communication's CPU time (the communication threads' and the kernel's, per step), after a wait of start_wait_us for a core when measured; returns
     the wait taken out (µs per step), or None (nothing changed) on a GPU run, without collectives, or when either of
     the first two times was not measured."""
     collectives = [i for i in sorted(linked.comm) if linked.node_type[i] == COMM_COLL_NODE]

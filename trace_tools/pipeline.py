@@ -263,7 +263,7 @@ def _correct_for_profiler(linked, result: RankResult, run_dir: Path, rank: int) 
     result.overhead_rule = linked.stats.get("recording_overhead_rule", "")
     result.recording_overhead_us = linked.stats.get("recording_overhead_us", 0.0)
     linked.untraced_step_us = times.untraced_median_us
-    removed = share_cores(linked, waits[0] if waits else None, times.communication_cpu_per_step_us,
+    removed = share_cores(linked, waits[0] if waits else None, times.collective_cpu_per_step_us,
                           times.collective_start_wait_us)
     if removed is not None:
         result.cores_shared, result.run_queue_removed_us = True, removed
@@ -294,6 +294,7 @@ def _note_run_queue_wait(times: StepTimes, result: RankResult, corrected: bool) 
         return
     result.run_queue_wait_us, result.untraced_run_queue_wait_us = waits
     result.communication_cpu_us = times.communication_cpu_per_step_us or 0.0
+    result.interrupt_cpu_us = times.interrupt_cpu_per_step_us or 0.0
     result.communication_run_queue_wait_us = times.communication_run_queue_per_step_us or 0.0
     share = waits[1] / times.untraced_median_us if times.untraced_median_us > 0 else 0.0
     if share > STEP_SPREAD_BOUND and not corrected:

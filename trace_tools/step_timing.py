@@ -41,6 +41,11 @@ class StepTimes:
     traced_page_faults: list[int] | None = None
     untraced_page_faults: list[int] | None = None
     intra_op_threads: int | None = None  # torch's intra-op threads in the rank's process, when recorded
+    # The machine's time in interrupt and softirq context in each step (all its CPUs), when measured, and how many
+    # ranks ran on the machine, sharing it
+    traced_interrupt_cpu_us: list[float] | None = None
+    untraced_interrupt_cpu_us: list[float] | None = None
+    ranks_on_machine: int = 1
 
     @property
     def untraced_op_time_us(self) -> float | None:
@@ -86,6 +91,26 @@ class StepTimes:
         gloo's event loop ran without sleeping, epoll_wait returning at once), and every burst adds to the run's
         time; a median drops them all."""
         return _mean_per_step(self.untraced_communication_cpu_us, self.traced_communication_cpu_us)
+
+    @property
+    def interrupt_cpu_per_step_us(self) -> float | None:
+        """This rank's share of the machine's interrupt and softirq time in an untraced step (in a traced one when no
+        untraced step measured it; None if unmeasured): the mean, divided among the ranks on the machine. On a CPU
+        run that is the kernel's work on the collectives' packets (0.1 CPU-s per GB over loopback on a 2-core VM,
+        about as much as gloo's system calls): CPU time of the communication that no thread's CPU time holds. The
+        mean over all the steps, as /proc/stat counts it in 10 ms ticks: a sum over consecutive steps is off by a
+        tick at most, however many steps."""
+        mean = _mean_per_step(self.untraced_interrupt_cpu_us, self.traced_interrupt_cpu_us)
+        return mean / max(1, self.ranks_on_machine) if mean is not None else None
+
+    @property
+    def collective_cpu_per_step_us(self) -> float | None:
+        """The CPU work of this rank's collectives in a step: its communication threads' CPU time and its share of
+        the kernel's interrupt work (None when the threads' time was not measured)."""
+        threads = self.communication_cpu_per_step_us
+        if threads is None:
+            return None
+        return threads + (self.interrupt_cpu_per_step_us or 0.0)
 
     @property
     def communication_run_queue_per_step_us(self) -> float | None:
@@ -145,6 +170,7 @@ def read_step_times(run_dir: str | Path, rank: int) -> StepTimes | None:
     per_op = entries[0].get("recording_cost_per_op_us")
     threads = entries[0].get("intra_op_threads")
     start_wait = entries[0].get("collective_start_wait_s")
+    ranks_on_machine = entries[0].get("ranks_on_machine")
     return StepTimes(traced_us=traced, untraced_us=untraced, traced_cpu_us=micros("step_cpu_time_s"),
                      untraced_cpu_us=untraced_micros("untraced_step_cpu_time_s"),
                      traced_thread_cpu_us=micros("step_thread_cpu_time_s"),
@@ -161,4 +187,8 @@ def read_step_times(run_dir: str | Path, rank: int) -> StepTimes | None:
                                                and start_wait >= 0 else None),
                      traced_page_faults=counts("step_page_faults"),
                      untraced_page_faults=counts("untraced_step_page_faults")[first_steps:],
-                     intra_op_threads=threads if isinstance(threads, int) and threads > 0 else None)
+                     intra_op_threads=threads if isinstance(threads, int) and threads > 0 else None,
+                     traced_interrupt_cpu_us=micros("step_interrupt_cpu_time_s"),
+                     untraced_interrupt_cpu_us=untraced_micros("untraced_step_interrupt_cpu_time_s"),
+                     ranks_on_machine=ranks_on_machine if isinstance(ranks_on_machine, int) and ranks_on_machine > 0
+                     else 1)

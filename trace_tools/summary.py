@@ -49,6 +49,8 @@ class RankResult:
     run_queue_wait_us: float = 0.0
     untraced_run_queue_wait_us: float = 0.0
     communication_cpu_us: float = 0.0      # mean CPU time of gloo's threads in an untraced step (run.json); 0: unknown
+    # this rank's share of the machine's interrupt and softirq time in an untraced step (run.json); 0: unknown
+    interrupt_cpu_us: float = 0.0
     # mean time gloo's threads waited for a core in an untraced step, summed over them (run.json); 0: unknown
     communication_run_queue_wait_us: float = 0.0
     # how long an all-reduce issued after compute waited to start (run.json), put before each collective's CPU work;
@@ -174,9 +176,14 @@ def durations_text(rank: RankResult) -> str:
             if rank.communication_run_queue_wait_us:
                 text += (f" and waited {rank.communication_run_queue_wait_us / 1000:.1f} ms for a core (summed over "
                          "them, so overlapping)")
+            if rank.interrupt_cpu_us:
+                text += (f", and the kernel spent {rank.interrupt_cpu_us / 1000:.1f} ms in interrupt context (this "
+                         "rank's share of the machine's: the packets' processing, which no thread's time holds)")
         if rank.cores_shared:
             text += (f": the traced wait ({rank.run_queue_removed_us / 1000:.1f} ms) taken out of the training "
-                     "thread's ops, and gloo's CPU time given to the collectives as CPU nodes, by bytes "
+                     "thread's ops, and gloo's CPU time"
+                     + (" with the kernel's" if rank.interrupt_cpu_us else "")
+                     + " given to the collectives as CPU nodes, by bytes "
                      "(trace_tools.core_sharing)")
             if rank.collective_start_wait_us:
                 text += (f", each after a wait of {rank.collective_start_wait_us / 1000:.2f} ms that holds no core (an "

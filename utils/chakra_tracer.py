@@ -28,7 +28,7 @@ from trace_tools.layout import (DERIVED_FILES, DEVICE_TRACE, HOST_TRACE, INVALID
 from trace_tools.load import describe_json_problem
 from utils.collective_start import measure_collective_start_wait_s
 from utils.host_memory import reserve_heap_for_profiler
-from utils.metrics import busy_machine_warning, machine_load_between, sample_machine_load
+from utils.metrics import busy_machine_warning, interrupt_cpu_seconds, machine_load_between, sample_machine_load
 from utils.run_config import RunConfig
 
 logger = logging.getLogger(__name__)
@@ -163,6 +163,13 @@ class ChakraTracer:
         self._faults_started: int | None = None
         self.step_page_faults: dict[int, int] = {}
         self.untraced_step_page_faults: dict[int, int] = {}
+        # The machine's time in interrupt and softirq context, all its CPUs (utils/metrics.py): on a CPU run mostly
+        # the kernel's processing of the collectives' packets, CPU work on the compute's cores that no thread's CPU
+        # time holds; shared by the ranks on this machine
+        self._interrupt_started: float | None = None
+        self.step_interrupt_cpu_time_s: dict[int, float] = {}
+        self.untraced_step_interrupt_cpu_time_s: dict[int, float] = {}
+        self.ranks_on_machine = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
         self.heap_reserved_bytes = 0  # heap faulted in before the window (utils/host_memory.py)
         # The end of the step after which that is done (before the profiler opens the next step): before the last
         # warmup step, which is not timed, so a rank that took longer to do it is waited for there, not in a traced
@@ -230,12 +237,14 @@ class ChakraTracer:
         if step in self.traced_steps:
             self._record_step(step, self.step_wall_time_s, self.step_cpu_time_s, self.step_thread_cpu_time_s,
                               self.step_run_queue_wait_s, self.step_communication_cpu_time_s,
-                              self.step_communication_run_queue_wait_s, self.step_page_faults)
+                              self.step_communication_run_queue_wait_s, self.step_page_faults,
+                              self.step_interrupt_cpu_time_s)
         elif step < self.wait_steps or self.traced_steps[-1] < step <= self.last_timed_step:
             self._record_step(step, self.untraced_step_wall_time_s, self.untraced_step_cpu_time_s,
                               self.untraced_step_thread_cpu_time_s, self.untraced_step_run_queue_wait_s,
                               self.untraced_step_communication_cpu_time_s,
-                              self.untraced_step_communication_run_queue_wait_s, self.untraced_step_page_faults)
+                              self.untraced_step_communication_run_queue_wait_s, self.untraced_step_page_faults,
+                              self.untraced_step_interrupt_cpu_time_s)
         self._step += 1
         preparation = 0.0, 0.0
         if self._step == self._reserve_heap_after and self._step <= self.first_traced_step:
@@ -256,17 +265,20 @@ class ChakraTracer:
 
     def _restart_step_clocks(self, sync: bool) -> None:
         """Start timing the next step: wall clock, the process's, the training thread's and the communication
-        threads' CPU time, and the training and communication threads' waits for a core."""
+        threads' CPU time, the training and communication threads' waits for a core, and the machine's interrupt
+        time."""
         self._step_started = self._now(sync=sync)
         self._cpu_started = time.process_time()
         self._thread_cpu_started = time.thread_time()
         self._queue_started = run_queue_wait_s()
         self._communication_started = communication_threads_times_s()
         self._faults_started = thread_page_faults()
+        self._interrupt_started = interrupt_cpu_seconds()
 
     def _record_step(self, step: int, wall: dict[int, float], cpu: dict[int, float], thread_cpu: dict[int, float],
                      run_queue: dict[int, float], communication_cpu: dict[int, float],
-                     communication_run_queue: dict[int, float], page_faults: dict[int, int]) -> None:
+                     communication_run_queue: dict[int, float], page_faults: dict[int, int],
+                     interrupt_cpu: dict[int, float]) -> None:
         """What the step that just ended took on each clock _restart_step_clocks started."""
         wall[step] = self._now(sync=True) - self._step_started
         cpu[step] = time.process_time() - self._cpu_started
@@ -282,6 +294,9 @@ class ChakraTracer:
         faults = thread_page_faults()
         if faults is not None and self._faults_started is not None:
             page_faults[step] = faults - self._faults_started
+        interrupted = interrupt_cpu_seconds()
+        if interrupted is not None and self._interrupt_started is not None:
+            interrupt_cpu[step] = interrupted - self._interrupt_started
 
     def _note_machine_load(self) -> None:
         """What else ran on the machine during the traced steps (run.json); a warning when it was busy."""
@@ -533,6 +548,13 @@ class ChakraTracer:
             "step_page_faults": [self.step_page_faults[s] for s in completed if s in self.step_page_faults],
             "untraced_step_page_faults": [self.untraced_step_page_faults[s]
                                           for s in sorted(self.untraced_step_page_faults)],
+            # The machine's interrupt and softirq time, all CPUs, counted in clock ticks (10 ms); empty where not measured
+            # (no /proc/stat). The ranks on this machine (torchrun's LOCAL_WORLD_SIZE) share it.
+            "step_interrupt_cpu_time_s": [self.step_interrupt_cpu_time_s[s] for s in completed
+                                          if s in self.step_interrupt_cpu_time_s],
+            "untraced_step_interrupt_cpu_time_s": [self.untraced_step_interrupt_cpu_time_s[s]
+                                                   for s in sorted(self.untraced_step_interrupt_cpu_time_s)],
+            "ranks_on_machine": self.ranks_on_machine,
             "heap_reserved_bytes": self.heap_reserved_bytes,
             "recording_cost_per_op_us": self.recording_cost_per_op_us,
             "collective_start_wait_s": self.collective_start_wait_s,
