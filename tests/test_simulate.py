@@ -193,7 +193,8 @@ def test_measured_steps_come_from_run_json_and_prefer_the_untraced_ones(converte
     assert steps == {r["rank"]: pytest.approx(r["step_wall_time_s"][0] * 1e3) for r in info["ranks"]}
     assert "traced steps" in source
     for rank in info["ranks"]:
-        rank["untraced_step_wall_time_s"] = [0.030, 0.040, 0.035]
+        rank["untraced_step_wall_time_s"] = [0.300, 0.030, 0.040, 0.035]  # step 0 (start-up) left out, as converted
+    info["untraced_steps"] = [0, 1, 2, 6]
     folder = tmp_path / "run"
     folder.mkdir()
     (folder / "run.json").write_text(json.dumps(info))

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from .atomic import write_text_atomic
 from .layout import RUN_INFO, et_name, et_sets
+from .step_timing import read_step_times
 
 ASTRA_SIM_ENV = "ASTRA_SIM"
 INSTALLER = "install_astra_sim.sh"
@@ -379,7 +380,8 @@ def _median_seconds(value) -> float | None:
 
 def measured_steps(folder: Path) -> tuple[dict[int, float], str]:
     """Measured step per rank in ms, and where it comes from: run.json's untraced steps (what the .et durations
-    estimate), else its traced steps, else the traced step in CONVERSION_SUMMARY.md."""
+    estimate: the run's first step, its start-up, left out as the conversion leaves it out), else its traced steps,
+    else the traced step in CONVERSION_SUMMARY.md."""
     from .summary import converted_from
 
     for candidate in (folder, converted_from(folder)):
@@ -389,15 +391,17 @@ def measured_steps(folder: Path) -> tuple[dict[int, float], str]:
             info = json.loads((candidate / RUN_INFO).read_text(encoding="utf-8"))
         except (OSError, ValueError):
             continue
-        for key, what in (("untraced_step_wall_time_s", "untraced steps"), ("step_wall_time_s", "traced steps")):
-            steps = {}
-            for entry in info.get("ranks") or []:
-                if isinstance(entry, dict) and isinstance(entry.get("rank"), int):
-                    seconds = _median_seconds(entry.get(key))
-                    if seconds is not None:
-                        steps[entry["rank"]] = seconds * 1e3
-            if steps:
-                return steps, f"{what}, median per rank (`{key}` in {candidate / RUN_INFO})"
+        entries = [entry for entry in info.get("ranks") or []
+                   if isinstance(entry, dict) and isinstance(entry.get("rank"), int)] if isinstance(info, dict) else []
+        untraced = {entry["rank"]: times.untraced_median_us / 1e3 for entry in entries
+                    if (times := read_step_times(candidate, entry["rank"])) is not None}
+        if untraced:
+            return untraced, ("untraced steps after the run's first, median per rank (`untraced_step_wall_time_s` "
+                              f"in {candidate / RUN_INFO})")
+        traced = {entry["rank"]: seconds * 1e3 for entry in entries
+                  if (seconds := _median_seconds(entry.get("step_wall_time_s"))) is not None}
+        if traced:
+            return traced, f"traced steps, median per rank (`step_wall_time_s` in {candidate / RUN_INFO})"
     status = _summary_status(folder)
     steps = {rank: s["traced_step_us"] / 1e3 for rank, s in status.items() if s["traced_step_us"]}
     if steps:
