@@ -601,7 +601,7 @@ def test_the_kernels_interrupt_time_joins_the_collectives_cpu_work_shared_among_
     assert threads_alone == pytest.approx(0.3 * step_s * 1e6, abs=count)
     assert with_kernel == pytest.approx(0.3 * step_s * 1e6 + 15_000, abs=count)
     text = durations_text(result)
-    assert "the kernel spent 15.0 ms in interrupt context" in text and "gloo's CPU time with the kernel's" in text
+    assert "the kernel spent 15.0 ms per untraced step in interrupt context" in text and "gloo's CPU time with the kernel's" in text
     assert "interrupt context" not in durations_text(threads_only)
 
 

@@ -13,9 +13,9 @@ The rule follows the program instead of the traced timing: the training thread's
 steps (run.json, Linux's schedstat) is taken out of its ops, time it did not run; and each collective gets a CPU
 node with its share, by bytes, of the CPU time the communication threads used per untraced step (run.json; their
 mean, trace_tools.step_timing) and of the rank's share of the machine's interrupt and softirq time in those steps.
-The latter is the kernel's processing of the packets, which runs on the same cores but in no thread's CPU time: over
-loopback on a 2-core VM 0.1 CPU-s per GB sent, about as much as gloo's system calls (GPT-2 124M shape, 348 MB of
-gradients: ~30 ms a rank a step, 2% of the step; left out, the .et predicted its own process 2-4% short). Both are
+The latter is the kernel's processing of the packets, which runs on the same cores but in no thread's CPU time:
+over loopback on a 2-core VM 0.1-0.2 CPU-s per GB sent, about as much as gloo's system calls (GPT-2 124M shape,
+348 MB of gradients: 30 ms a rank a step with segmentation offload, 75 ms without, 2-5% of the step). Both are
 issued with the collective (after what produced its input; what consumes its result waits for it as well) and
 marked as a CPU op, so that the simulator runs it on the rank's CPU between the compute ops (ASTRA-sim runs one CPU
 op at a time per rank): on the path at full speed, hidden behind the transfer where the network is slow.

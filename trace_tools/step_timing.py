@@ -96,7 +96,7 @@ class StepTimes:
     def interrupt_cpu_per_step_us(self) -> float | None:
         """This rank's share of the machine's interrupt and softirq time in an untraced step (in a traced one when no
         untraced step measured it; None if unmeasured): the mean, divided among the ranks on the machine. On a CPU
-        run that is the kernel's work on the collectives' packets (0.1 CPU-s per GB over loopback on a 2-core VM,
+        run that is the kernel's work on the collectives' packets (0.1-0.2 CPU-s per GB over loopback on a 2-core VM,
         about as much as gloo's system calls): CPU time of the communication that no thread's CPU time holds. The
         mean over all the steps, as /proc/stat counts it in 10 ms ticks: a sum over consecutive steps is off by a
         tick at most, however many steps."""

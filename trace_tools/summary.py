@@ -177,8 +177,9 @@ def durations_text(rank: RankResult) -> str:
                 text += (f" and waited {rank.communication_run_queue_wait_us / 1000:.1f} ms for a core (summed over "
                          "them, so overlapping)")
             if rank.interrupt_cpu_us:
-                text += (f", and the kernel spent {rank.interrupt_cpu_us / 1000:.1f} ms in interrupt context (this "
-                         "rank's share of the machine's: the packets' processing, which no thread's time holds)")
+                text += (f", and the kernel spent {rank.interrupt_cpu_us / 1000:.1f} ms per untraced step in "
+                         "interrupt context (this rank's share of the machine's: mostly the packets' processing, which "
+                         "no thread's time holds)")
         if rank.cores_shared:
             text += (f": the traced wait ({rank.run_queue_removed_us / 1000:.1f} ms) taken out of the training "
                      "thread's ops, and gloo's CPU time"

@@ -110,9 +110,9 @@ def _busy_cpu_seconds() -> Optional[float]:
 def interrupt_cpu_seconds() -> Optional[float]:
     """All CPUs' time in interrupt and softirq context since boot (/proc/stat; None where it is missing): work no
     thread's CPU time holds. On a CPU run that is mostly the kernel's processing of the collectives' packets: over
-    loopback on a 2-core VM 0.1 CPU-s per GB sent, about as much as the sending and receiving system calls, which
-    the threads' own time does hold. /proc/stat counts it in clock ticks (10 ms): a difference over one step is off
-    by up to a tick, a sum over consecutive steps by up to a tick in all."""
+    loopback on a 2-core VM 0.1-0.2 CPU-s per GB sent (segmentation offload on and off), about as much as the
+    sending and receiving system calls, which the threads' own time does hold. /proc/stat counts it in clock ticks
+    (10 ms): a difference over one step is off by up to a tick, a sum over consecutive steps by up to a tick in all."""
     ticks = _machine_cpu_ticks()
     if ticks is None:
         return None
