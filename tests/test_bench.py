@@ -166,7 +166,9 @@ def test_collective_start_cost_times_each_size_after_compute_and_after_a_barrier
     after_compute, after_barrier = float(row[2]), float(row[3])
     assert after_compute > 0 and after_barrier > 0
     assert float(row[4]) == pytest.approx(after_compute - after_barrier, abs=0.011)
-    assert ratio_value(row[5]) == pytest.approx(after_compute / after_barrier, rel=0.05)
+    # both times and the ratio are printed to two decimals: a small ratio is off by up to 0.005 from its rounding
+    # alone (0.09x printed for 0.34 / 3.99 ms = 0.085)
+    assert ratio_value(row[5]) == pytest.approx(after_compute / after_barrier, rel=0.05, abs=0.01)
     # the tracer's measure: the mean after compute beyond its fastest, no more than the mean itself
     assert 0 <= float(row[9]) <= float(row[6])
 
