@@ -12,11 +12,7 @@ network costs no CPU at all.
 The rule follows the program instead of the traced timing: the training thread's run-queue wait in the traced
 steps (run.json, Linux's schedstat) is taken out of its ops, time it did not run; and each collective gets a CPU
 node with its share, by bytes, of the CPU time the communication threads used per untraced step (run.json; their
-mean, trace_tools.step_timing) and of the rank's share of the machine's interrupt and softirq time in those steps.
-The latter is the kernel's processing of the packets, which runs on the same cores but in no thread's CPU time:
-over loopback on a 2-core VM 0.1-0.2 CPU-s per GB sent, about as much as gloo's system calls (GPT-2 124M shape,
-348 MB of gradients: 30 ms a rank a step with segmentation offload, 75 ms without, 2-5% of the step). Both are
-issued with the collective (after what produced its input; what consumes its result waits for it as well) and
+mean, trace_tools.step_timing), issued with the collective (after what produced its input; what consumes its result waits for it as well) and
 marked as a CPU op, so that the simulator runs it on the rank's CPU between the compute ops (ASTRA-sim runs one CPU
 op at a time per rank): on the path at full speed, hidden behind the transfer where the network is slow.
 
@@ -27,6 +23,13 @@ measures that wait on the machine (run.json's collective_start_wait_s) and each 
 own before its CPU node, one that holds no core (not a CPU op: ASTRA-sim runs it beside the rank's CPU ops). Like
 the CPU work, it runs beside the transfer: it adds to a short collective and vanishes behind a long one, as measured
 (bench/collective_start_cost.py: +1.9 ms for 64 KB and 900 KB all-reduces, none for 8.4 MB).
+
+The kernel's processing of the packets (softirq) is CPU work on the same cores too, in no thread's CPU time; the
+tracer measures it (run.json's untraced_step_interrupt_cpu_time_s) and the summary reports it, but the .et leaves
+it out: it changes with the network, not only with the bytes (BERT tiny: 0.2-0.4 ms a rank a step at full speed,
+0.9-1.3 ms at 100 Mbit/s behind tbf), so a trace's would follow it to every simulated network. Added, it moved
+the predictions from 100 Mbit/s traces to full speed from 1.05-1.07 to 1.09-1.10 of the real step, and on full-
+speed traces it neither gained nor lost (docs/BENCHMARKS.md §4b, twenty-first session).
 
 GPU runs are left alone (NCCL's work is the device's), and so are runs that did not measure both times.
 """
@@ -40,7 +43,7 @@ from .link import COMMUNICATION_CPU_OP, COMMUNICATION_NODE_KINDS, COMMUNICATION_
 def share_cores(linked: LinkedTrace, run_queue_wait_us: float | None,
                 communication_cpu_us: float | None, start_wait_us: float | None = None) -> float | None:
     """Take the training thread's traced run-queue wait out of its ops and give each collective a CPU node with its
-    share of the communication's CPU time (the communication threads' and the kernel's, per step), after a wait of start_wait_us for a core when measured; returns
+    share of the communication threads' CPU time, after a wait of start_wait_us for a core when measured; returns
     the wait taken out (µs per step), or None (nothing changed) on a GPU run, without collectives, or when either of
     the first two times was not measured."""
     collectives = [i for i in sorted(linked.comm) if linked.node_type[i] == COMM_COLL_NODE]

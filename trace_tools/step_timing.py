@@ -97,20 +97,12 @@ class StepTimes:
         """This rank's share of the machine's interrupt and softirq time in an untraced step (in a traced one when no
         untraced step measured it; None if unmeasured): the mean, divided among the ranks on the machine. On a CPU
         run that is the kernel's work on the collectives' packets (0.1-0.2 CPU-s per GB over loopback on a 2-core VM,
-        about as much as gloo's system calls): CPU time of the communication that no thread's CPU time holds. The
+        about as much as gloo's system calls): CPU time of the communication that no thread's CPU time holds.
+        Reported only (trace_tools.core_sharing says why the .et leaves it out). The
         mean over all the steps, as /proc/stat counts it in 10 ms ticks: a sum over consecutive steps is off by a
         tick at most, however many steps."""
         mean = _mean_per_step(self.untraced_interrupt_cpu_us, self.traced_interrupt_cpu_us)
         return mean / max(1, self.ranks_on_machine) if mean is not None else None
-
-    @property
-    def collective_cpu_per_step_us(self) -> float | None:
-        """The CPU work of this rank's collectives in a step: its communication threads' CPU time and its share of
-        the kernel's interrupt work (None when the threads' time was not measured)."""
-        threads = self.communication_cpu_per_step_us
-        if threads is None:
-            return None
-        return threads + (self.interrupt_cpu_per_step_us or 0.0)
 
     @property
     def communication_run_queue_per_step_us(self) -> float | None:
