@@ -28,8 +28,8 @@ The kernel's processing of the packets (softirq) is CPU work on the same cores t
 tracer measures it (run.json's untraced_step_interrupt_cpu_time_s) and the summary reports it, but the .et leaves
 it out: it changes with the network, not only with the bytes (BERT tiny: 0.2-0.4 ms a rank a step at full speed,
 0.9-1.3 ms at 100 Mbit/s behind tbf), so a trace's would follow it to every simulated network. Added, it moved
-the predictions from 100 Mbit/s traces to full speed from 1.05-1.07 to 1.09-1.10 of the real step, and on full-
-speed traces it neither gained nor lost (docs/BENCHMARKS.md §4b, twenty-first session).
+BERT tiny's predictions from 100 Mbit/s traces to full speed from 1.05-1.07 to 1.09-1.10 of the real step, and on
+full-speed traces it neither gained nor lost (docs/BENCHMARKS.md §4b, twenty-first session).
 
 GPU runs are left alone (NCCL's work is the device's), and so are runs that did not measure both times.
 """

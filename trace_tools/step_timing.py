@@ -98,9 +98,8 @@ class StepTimes:
         untraced step measured it; None if unmeasured): the mean, divided among the ranks on the machine. On a CPU
         run that is the kernel's work on the collectives' packets (0.1-0.2 CPU-s per GB over loopback on a 2-core VM,
         about as much as gloo's system calls): CPU time of the communication that no thread's CPU time holds.
-        Reported only (trace_tools.core_sharing says why the .et leaves it out). The
-        mean over all the steps, as /proc/stat counts it in 10 ms ticks: a sum over consecutive steps is off by a
-        tick at most, however many steps."""
+        Reported only (trace_tools.core_sharing says why the .et leaves it out). The mean over all the steps, as
+        /proc/stat counts it in 10 ms ticks: a sum over consecutive steps is off by a tick at most, however many."""
         mean = _mean_per_step(self.untraced_interrupt_cpu_us, self.traced_interrupt_cpu_us)
         return mean / max(1, self.ranks_on_machine) if mean is not None else None
 
