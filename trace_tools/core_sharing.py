@@ -12,9 +12,10 @@ network costs no CPU at all.
 The rule follows the program instead of the traced timing: the training thread's run-queue wait in the traced
 steps (run.json, Linux's schedstat) is taken out of its ops, time it did not run; and each collective gets a CPU
 node with its share, by bytes, of the CPU time the communication threads used per untraced step (run.json; their
-mean, trace_tools.step_timing), issued with the collective (after what produced its input; what consumes its result waits for it as well) and
-marked as a CPU op, so that the simulator runs it on the rank's CPU between the compute ops (ASTRA-sim runs one CPU
-op at a time per rank): on the path at full speed, hidden behind the transfer where the network is slow.
+mean, trace_tools.step_timing), issued with the collective (after what produced its input; what consumes its result
+waits for it as well) and marked as a CPU op, so that the simulator runs it on the rank's CPU between the compute
+ops (ASTRA-sim runs one CPU op at a time per rank): on the path at full speed, hidden behind the transfer where the
+network is slow.
 
 Before that CPU work each collective waits for its threads to get a core: issued at the end of a rank's compute, its
 thread is woken on a core another rank's compute holds, and on a kernel without wakeup preemption it waits up to the

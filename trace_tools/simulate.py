@@ -17,7 +17,7 @@ from pathlib import Path
 
 from .atomic import write_text_atomic
 from .layout import RUN_INFO, et_name, et_sets
-from .step_timing import read_step_times
+from .step_timing import step_times_of
 
 ASTRA_SIM_ENV = "ASTRA_SIM"
 INSTALLER = "install_astra_sim.sh"
@@ -380,8 +380,8 @@ def _median_seconds(value) -> float | None:
 
 def measured_steps(folder: Path) -> tuple[dict[int, float], str]:
     """Measured step per rank in ms, and where it comes from: run.json's untraced steps (what the .et durations
-    estimate: the run's first step, its start-up, left out as the conversion leaves it out), else its traced steps,
-    else the traced step in CONVERSION_SUMMARY.md."""
+    estimate: the run's first step, its start-up, left out as the conversion leaves it out, trace_tools.step_timing),
+    else its traced steps, else the traced step in CONVERSION_SUMMARY.md."""
     from .summary import converted_from
 
     for candidate in (folder, converted_from(folder)):
@@ -394,7 +394,7 @@ def measured_steps(folder: Path) -> tuple[dict[int, float], str]:
         entries = [entry for entry in info.get("ranks") or []
                    if isinstance(entry, dict) and isinstance(entry.get("rank"), int)] if isinstance(info, dict) else []
         untraced = {entry["rank"]: times.untraced_median_us / 1e3 for entry in entries
-                    if (times := read_step_times(candidate, entry["rank"])) is not None}
+                    if (times := step_times_of(info, entry["rank"])) is not None}
         if untraced:
             return untraced, ("untraced steps after the run's first, median per rank (`untraced_step_wall_time_s` "
                               f"in {candidate / RUN_INFO})")

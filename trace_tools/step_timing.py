@@ -138,6 +138,11 @@ def read_step_times(run_dir: str | Path, rank: int) -> StepTimes | None:
         info = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
+    return step_times_of(info, rank)
+
+
+def step_times_of(info, rank: int) -> StepTimes | None:
+    """read_step_times on run.json's parsed content (any JSON value; None where it holds no times of the rank)."""
     entries = [r for r in info.get("ranks", []) if isinstance(r, dict) and r.get("rank") == rank] \
         if isinstance(info, dict) else []
     if not entries:

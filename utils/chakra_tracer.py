@@ -548,8 +548,8 @@ class ChakraTracer:
             "step_page_faults": [self.step_page_faults[s] for s in completed if s in self.step_page_faults],
             "untraced_step_page_faults": [self.untraced_step_page_faults[s]
                                           for s in sorted(self.untraced_step_page_faults)],
-            # The machine's interrupt and softirq time, all CPUs, counted in clock ticks (10 ms); empty where not measured
-            # (no /proc/stat). The ranks on this machine (torchrun's LOCAL_WORLD_SIZE) share it.
+            # The machine's interrupt and softirq time, all CPUs, counted in clock ticks (10 ms); empty where not
+            # measured (no /proc/stat). The ranks on this machine (torchrun's LOCAL_WORLD_SIZE) share it.
             "step_interrupt_cpu_time_s": [self.step_interrupt_cpu_time_s[s] for s in completed
                                           if s in self.step_interrupt_cpu_time_s],
             "untraced_step_interrupt_cpu_time_s": [self.untraced_step_interrupt_cpu_time_s[s]
