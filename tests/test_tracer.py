@@ -616,13 +616,23 @@ def test_host_trace_written_twice_fails_the_run_names_the_file_and_writes_no_run
         "device.0.json", "host.0.json.invalid", "stacks.0.txt"]
 
 
-def test_run_json_holds_the_untraced_steps_after_the_window_as_well_numbered_apart(tmp_path):
+def test_run_json_holds_the_untraced_steps_after_the_window_as_well_numbered_apart(tmp_path, monkeypatch):
+    reads_at_step = []
+    read = chakra_tracer.StepClocks.read
+
+    def counted_read(wall_s):
+        reads_at_step.append(tracer._step)
+        return read(wall_s)
+
+    monkeypatch.setattr(chakra_tracer.StepClocks, "read", staticmethod(counted_read))
     tracer = ChakraTracer(tmp_path, "after", wait_steps=2, warmup_steps=1, active_steps=2, after_steps=2,
                           run_info={"model": "m"})
     with tracer:
         for _ in range(9):  # 2 wait, 1 warm-up, 2 traced (3 and 4), 2 timed after, 2 more not timed
             torch.ones(8) @ torch.ones(8)
             tracer.step()
+    # Each timed step's clocks are read when it begins and when it ends; after step 6 (the last timed) ends, never
+    assert max(reads_at_step) == 6 and reads_at_step.count(6) == 2 and reads_at_step.count(5) == 2
     info = json.loads((tmp_path / "after" / "run.json").read_text())
     rank = info["ranks"][0]
     assert info["traced_steps"] == [3, 4] and info["untraced_steps"] == [0, 1, 5, 6]

@@ -13,6 +13,7 @@ import sys
 import tempfile
 import time
 import uuid
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -132,43 +133,11 @@ class ChakraTracer:
         self._finalized = False
         self._device_trace_written = False
         self._step = 0                      # optimizer steps completed so far (= the profiler's step_num)
-        self._step_started = 0.0
-        self._cpu_started = 0.0
-        self.step_wall_time_s: dict[int, float] = {}          # traced steps
-        # steps before the profiler's window and the after_steps after it
-        self.untraced_step_wall_time_s: dict[int, float] = {}
-        # CPU time of the whole process in the same steps: what recording costs, whatever the network made it wait
-        self.step_cpu_time_s: dict[int, float] = {}
-        self.untraced_step_cpu_time_s: dict[int, float] = {}
-        # CPU time of the training thread alone: the rest of the process's is its other threads' (gloo's TCP loop
-        # on a CPU run), work that shares the cores with the compute
-        self._thread_cpu_started = 0.0
-        self.step_thread_cpu_time_s: dict[int, float] = {}
-        self.untraced_step_thread_cpu_time_s: dict[int, float] = {}
-        # CPU time of the communication backend's own threads (gloo's TCP loop and workers): the collectives' CPU
-        # work, which a CPU run does on the cores its compute needs
-        self._communication_started: tuple[float, float] | None = None
-        self.step_communication_cpu_time_s: dict[int, float] = {}
-        self.untraced_step_communication_cpu_time_s: dict[int, float] = {}
-        # Time those threads were ready to run but waited for a core (the training threads had them): the
-        # collectives' results reach the training thread that much later, whatever the network
-        self.step_communication_run_queue_wait_s: dict[int, float] = {}
-        self.untraced_step_communication_run_queue_wait_s: dict[int, float] = {}
-        # Time the training thread (the one calling step()) was ready to run but waited for a core that another
-        # thread or process had: inside its ops' durations, and a property of the machine, not of the program.
-        self._queue_started: float | None = None
-        self.step_run_queue_wait_s: dict[int, float] = {}
-        self.untraced_step_run_queue_wait_s: dict[int, float] = {}
-        # Minor page faults of the training thread: a step that reuses the memory the last one freed has none
-        self._faults_started: int | None = None
-        self.step_page_faults: dict[int, int] = {}
-        self.untraced_step_page_faults: dict[int, int] = {}
-        # The machine's time in interrupt and softirq context, all its CPUs (utils/metrics.py): on a CPU run mostly
-        # the kernel's processing of the collectives' packets, CPU work on the compute's cores that no thread's CPU
-        # time holds; shared by the ranks on this machine
-        self._interrupt_started: float | None = None
-        self.step_interrupt_cpu_time_s: dict[int, float] = {}
-        self.untraced_step_interrupt_cpu_time_s: dict[int, float] = {}
+        # Every clock read when the step now running began (None once no later step is timed), and what each timed
+        # step took on them: the traced steps, and the steps before the profiler's window and the after_steps after it
+        self._step_clocks: StepClocks | None = None
+        self.traced = StepMeasures()
+        self.untraced = StepMeasures()
         self.ranks_on_machine = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
         self.heap_reserved_bytes = 0  # heap faulted in before the window (utils/host_memory.py)
         # The end of the step after which that is done (before the profiler opens the next step): before the last
@@ -225,7 +194,7 @@ class ChakraTracer:
             self._discard_traces()
             raise
         logger.info("rank %d: tracing optimizer steps %s into %s", self.rank, self.traced_steps, self.trace_dir)
-        self._restart_step_clocks(sync=True)
+        self._step_clocks = StepClocks.read(self._now(sync=True))
         return self
 
     def step(self) -> tuple[float, float]:
@@ -235,16 +204,9 @@ class ChakraTracer:
         step = self._step
         timed = step <= self.last_timed_step
         if step in self.traced_steps:
-            self._record_step(step, self.step_wall_time_s, self.step_cpu_time_s, self.step_thread_cpu_time_s,
-                              self.step_run_queue_wait_s, self.step_communication_cpu_time_s,
-                              self.step_communication_run_queue_wait_s, self.step_page_faults,
-                              self.step_interrupt_cpu_time_s)
+            self._record_step(step, self.traced)
         elif step < self.wait_steps or self.traced_steps[-1] < step <= self.last_timed_step:
-            self._record_step(step, self.untraced_step_wall_time_s, self.untraced_step_cpu_time_s,
-                              self.untraced_step_thread_cpu_time_s, self.untraced_step_run_queue_wait_s,
-                              self.untraced_step_communication_cpu_time_s,
-                              self.untraced_step_communication_run_queue_wait_s, self.untraced_step_page_faults,
-                              self.untraced_step_interrupt_cpu_time_s)
+            self._record_step(step, self.untraced)
         self._step += 1
         preparation = 0.0, 0.0
         if self._step == self._reserve_heap_after and self._step <= self.first_traced_step:
@@ -260,43 +222,14 @@ class ChakraTracer:
             self._profiler.step()
             if self._step >= self.traced_steps[-1] + 1:
                 self._finalize_capture()
-        self._restart_step_clocks(sync=timed)
+        # Past the last timed step the clocks are not read again: the rest of the run pays nothing for them
+        self._step_clocks = StepClocks.read(self._now(sync=timed)) if self._step <= self.last_timed_step else None
         return preparation
 
-    def _restart_step_clocks(self, sync: bool) -> None:
-        """Start timing the next step: wall clock, the process's, the training thread's and the communication
-        threads' CPU time, the training and communication threads' waits for a core, and the machine's interrupt
-        time."""
-        self._step_started = self._now(sync=sync)
-        self._cpu_started = time.process_time()
-        self._thread_cpu_started = time.thread_time()
-        self._queue_started = run_queue_wait_s()
-        self._communication_started = communication_threads_times_s()
-        self._faults_started = thread_page_faults()
-        self._interrupt_started = interrupt_cpu_seconds()
-
-    def _record_step(self, step: int, wall: dict[int, float], cpu: dict[int, float], thread_cpu: dict[int, float],
-                     run_queue: dict[int, float], communication_cpu: dict[int, float],
-                     communication_run_queue: dict[int, float], page_faults: dict[int, int],
-                     interrupt_cpu: dict[int, float]) -> None:
-        """What the step that just ended took on each clock _restart_step_clocks started."""
-        wall[step] = self._now(sync=True) - self._step_started
-        cpu[step] = time.process_time() - self._cpu_started
-        thread_cpu[step] = time.thread_time() - self._thread_cpu_started
-        waited = run_queue_wait_s()
-        if waited is not None and self._queue_started is not None:
-            run_queue[step] = waited - self._queue_started
-        communicated = communication_threads_times_s()
-        if communicated is not None and self._communication_started is not None:
-            # A thread that ended within the step takes its time with it: never below zero
-            communication_cpu[step] = max(0.0, communicated[0] - self._communication_started[0])
-            communication_run_queue[step] = max(0.0, communicated[1] - self._communication_started[1])
-        faults = thread_page_faults()
-        if faults is not None and self._faults_started is not None:
-            page_faults[step] = faults - self._faults_started
-        interrupted = interrupt_cpu_seconds()
-        if interrupted is not None and self._interrupt_started is not None:
-            interrupt_cpu[step] = interrupted - self._interrupt_started
+    def _record_step(self, step: int, measures: StepMeasures) -> None:
+        """What the step that just ended took on each clock read when it began."""
+        if self._step_clocks is not None:
+            measures.add(step, self._step_clocks, StepClocks.read(self._now(sync=True)))
 
     def _note_machine_load(self) -> None:
         """What else ran on the machine during the traced steps (run.json); a warning when it was busy."""
@@ -308,7 +241,7 @@ class ChakraTracer:
     def __exit__(self, exc_type, exc_val, exc_tb) -> bool:
         failed = exc_type is not None
         self._finalize_capture()
-        completed = [s for s in self.traced_steps if s in self.step_wall_time_s]
+        completed = [s for s in self.traced_steps if s in self.traced.wall_time_s]
         errors: list[str] = []
         if completed:
             errors = self._publish_traces()
@@ -516,44 +449,11 @@ class ChakraTracer:
             # Threads an op may run on (torch's intra-op pool): with one, every op runs on the training thread
             # alone, so its CPU time is what the ops cost (trace_tools.step_timing)
             "intra_op_threads": torch.get_num_threads(),
-            "step_wall_time_s": [self.step_wall_time_s[s] for s in completed],
-            # Steps before the profiler's window (the first holds one-time start-up costs) and after it
-            # (run.json's untraced_steps numbers them): the run as it is without tracing, for the conversion's
-            # correction of the profiler's own cost. Those after it sample the run once its first steps are past.
+            # Each clock's times in the traced steps (step_...) and in the untraced ones (untraced_step_..., numbered
+            # by run.json's untraced_steps), in step order; StepMeasures says what each clock is
+            **self.traced.report("step_"),
+            **self.untraced.report("untraced_step_"),
             "machine_load": self.machine_load,
-            "untraced_step_wall_time_s": [self.untraced_step_wall_time_s[s]
-                                          for s in sorted(self.untraced_step_wall_time_s)],
-            "step_cpu_time_s": [self.step_cpu_time_s[s] for s in completed],
-            "untraced_step_cpu_time_s": [self.untraced_step_cpu_time_s[s] for s in sorted(self.untraced_step_cpu_time_s)],
-            "step_thread_cpu_time_s": [self.step_thread_cpu_time_s[s] for s in completed],
-            "untraced_step_thread_cpu_time_s": [self.untraced_step_thread_cpu_time_s[s]
-                                                for s in sorted(self.untraced_step_thread_cpu_time_s)],
-            # Empty where the kernel does not count it (not Linux, or no /proc/thread-self/schedstat).
-            "step_run_queue_wait_s": [self.step_run_queue_wait_s[s] for s in completed
-                                      if s in self.step_run_queue_wait_s],
-            "untraced_step_run_queue_wait_s": [self.untraced_step_run_queue_wait_s[s]
-                                               for s in sorted(self.untraced_step_run_queue_wait_s)],
-            # Empty where not measured (not Linux, or no communication backend threads: a GPU run's NCCL work is
-            # the device's).
-            "step_communication_cpu_time_s": [self.step_communication_cpu_time_s[s] for s in completed
-                                              if s in self.step_communication_cpu_time_s],
-            "untraced_step_communication_cpu_time_s": [self.untraced_step_communication_cpu_time_s[s]
-                                                       for s in sorted(self.untraced_step_communication_cpu_time_s)],
-            "step_communication_run_queue_wait_s": [self.step_communication_run_queue_wait_s[s] for s in completed
-                                                    if s in self.step_communication_run_queue_wait_s],
-            "untraced_step_communication_run_queue_wait_s": [
-                self.untraced_step_communication_run_queue_wait_s[s]
-                for s in sorted(self.untraced_step_communication_run_queue_wait_s)],
-            # Empty where not measured (not Linux)
-            "step_page_faults": [self.step_page_faults[s] for s in completed if s in self.step_page_faults],
-            "untraced_step_page_faults": [self.untraced_step_page_faults[s]
-                                          for s in sorted(self.untraced_step_page_faults)],
-            # The machine's interrupt and softirq time, all CPUs, counted in clock ticks (10 ms); empty where not
-            # measured (no /proc/stat). The ranks on this machine (torchrun's LOCAL_WORLD_SIZE) share it.
-            "step_interrupt_cpu_time_s": [self.step_interrupt_cpu_time_s[s] for s in completed
-                                          if s in self.step_interrupt_cpu_time_s],
-            "untraced_step_interrupt_cpu_time_s": [self.untraced_step_interrupt_cpu_time_s[s]
-                                                   for s in sorted(self.untraced_step_interrupt_cpu_time_s)],
             "ranks_on_machine": self.ranks_on_machine,
             "heap_reserved_bytes": self.heap_reserved_bytes,
             "recording_cost_per_op_us": self.recording_cost_per_op_us,
@@ -585,11 +485,79 @@ class ChakraTracer:
             "ranks": [{k: v for k, v in r.items() if k != "errors"} for r in ranks],
             # The slowest rank sets each step's time in a synchronous data-parallel job.
             "step_wall_time_s_max": [max(t[i] for t in times) for i in range(len(completed))] if times else [],
-            "untraced_steps": sorted(self.untraced_step_wall_time_s),
+            "untraced_steps": sorted(self.untraced.wall_time_s),
             "machine_busy": any((r.get("machine_load") or {}).get("busy") for r in ranks),
         }
         write_text_atomic(self.trace_dir / RUN_INFO, json.dumps(info, indent=2, default=str) + "\n")
         logger.info("traces of steps %s from %d rank(s) in %s", completed, len(ranks), self.trace_dir)
+
+
+@dataclass(frozen=True)
+class StepClocks:
+    """Every clock a step is timed on, read at one moment; None where this machine does not provide that clock."""
+
+    wall_s: float
+    process_cpu_s: float
+    training_thread_cpu_s: float
+    run_queue_wait_s: float | None
+    communication_s: tuple[float, float] | None  # gloo's threads: (on a CPU, runnable but waiting for one)
+    page_faults: int | None
+    interrupt_cpu_s: float | None
+
+    @classmethod
+    def read(cls, wall_s: float) -> StepClocks:
+        """The clocks now, beside a wall time the caller read (after a device sync, on a GPU)."""
+        return cls(wall_s, time.process_time(), time.thread_time(), run_queue_wait_s(),
+                   communication_threads_times_s(), thread_page_faults(), interrupt_cpu_seconds())
+
+
+@dataclass
+class StepMeasures:
+    """What each timed step took on each clock, by step number; run.json names each list after its field. A clock
+    the machine does not provide (not Linux, no gloo threads) leaves its field empty."""
+
+    wall_time_s: dict[int, float] = field(default_factory=dict)
+    # CPU time of the whole process: what recording costs, whatever the network made it wait
+    cpu_time_s: dict[int, float] = field(default_factory=dict)
+    # CPU time of the training thread alone (the one calling step()): the rest of the process's is its other
+    # threads' (gloo's TCP loop on a CPU run), work that shares the cores with the compute
+    thread_cpu_time_s: dict[int, float] = field(default_factory=dict)
+    # Time the training thread was ready to run but waited for a core that another thread or process had: inside
+    # its ops' durations, and a property of the machine, not of the program
+    run_queue_wait_s: dict[int, float] = field(default_factory=dict)
+    # CPU time of the communication backend's own threads (gloo's TCP loop and workers): the collectives' CPU work,
+    # which a CPU run does on the cores its compute needs. Not measured on a GPU run: NCCL's work is the device's
+    communication_cpu_time_s: dict[int, float] = field(default_factory=dict)
+    # Time those threads were ready to run but waited for a core (the training threads had them): the collectives'
+    # results reach the training thread that much later, whatever the network
+    communication_run_queue_wait_s: dict[int, float] = field(default_factory=dict)
+    # Minor page faults of the training thread: a step that reuses the memory the last one freed has none
+    page_faults: dict[int, int] = field(default_factory=dict)
+    # The machine's time in interrupt and softirq context, all its CPUs, counted in clock ticks of 10 ms
+    # (utils/metrics.py): on a CPU run mostly the kernel's processing of the collectives' packets, CPU work on the
+    # compute's cores that no thread's CPU time holds; shared by the ranks on this machine (ranks_on_machine)
+    interrupt_cpu_time_s: dict[int, float] = field(default_factory=dict)
+
+    def add(self, step: int, start: StepClocks, end: StepClocks) -> None:
+        """Step `step` began at `start` and ended at `end`."""
+        self.wall_time_s[step] = end.wall_s - start.wall_s
+        self.cpu_time_s[step] = end.process_cpu_s - start.process_cpu_s
+        self.thread_cpu_time_s[step] = end.training_thread_cpu_s - start.training_thread_cpu_s
+        if start.run_queue_wait_s is not None and end.run_queue_wait_s is not None:
+            self.run_queue_wait_s[step] = end.run_queue_wait_s - start.run_queue_wait_s
+        if start.communication_s is not None and end.communication_s is not None:
+            # A thread that ended within the step takes its time with it: never below zero
+            self.communication_cpu_time_s[step] = max(0.0, end.communication_s[0] - start.communication_s[0])
+            self.communication_run_queue_wait_s[step] = max(0.0, end.communication_s[1] - start.communication_s[1])
+        if start.page_faults is not None and end.page_faults is not None:
+            self.page_faults[step] = end.page_faults - start.page_faults
+        if start.interrupt_cpu_s is not None and end.interrupt_cpu_s is not None:
+            self.interrupt_cpu_time_s[step] = end.interrupt_cpu_s - start.interrupt_cpu_s
+
+    def report(self, prefix: str) -> dict[str, list[float]]:
+        """run.json's lists, `prefix` + "wall_time_s" and so on, each in step order."""
+        return {prefix + f.name: [measured[step] for step in sorted(measured)]
+                for f in fields(self) for measured in [getattr(self, f.name)]}
 
 
 def _schedstat_s(path: str) -> tuple[float, float] | None:
