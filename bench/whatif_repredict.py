@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import statistics
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -21,7 +22,7 @@ from pathlib import Path
 
 from bench.common import BenchError, child_env, fail, format_table
 from bench.whatif_bench import (REPLAY_BAND, RESULTS_FILE, WHATIF_BAND, bands_count, convert, find_simulator,
-                                simulate_at)
+                                simulate_at, within_band)
 from trace_tools.layout import RUN_INFO, TRACE_FILE_RE
 
 
@@ -106,7 +107,34 @@ def report(points: list) -> str:
     if any(p.same_run_ms for p in points):
         lines.append(f"Against the same processes after their windows: {count(lambda p: p.same_run_ms)} within the "
                      "bands.")
+    lines += ["", "Spread of predicted / real: replays " + spread([p.predicted_ms / p.real_ms for p in points if p.replay])
+              + "; other rates " + spread([p.predicted_ms / p.real_ms for p in points if not p.replay]) + "."]
+    paired = [p for p in points if p.same_run_ms]
+    if paired:
+        # A trace's .et carries its own process's pace, so how far the real processes differ from one another is a
+        # floor under the predictions' error that no conversion can go below.
+        own = [p.same_run_ms / p.real_ms for p in paired if p.replay]
+        other = [p.same_run_ms / p.real_ms for p in paired if not p.replay]
+        lines.append("The real runs against one another (each traced process's own untraced steps after its window "
+                     "over the untraced runs' step at the same rate): at the traces' own rates " + spread(own)
+                     + f", {beyond(own, replay=True)} beyond {REPLAY_BAND:.0%}; at the other rates " + spread(other)
+                     + f", {beyond(other, replay=False)} beyond {WHATIF_BAND:.0%}.")
     return "\n".join(lines)
+
+
+def spread(ratios: list) -> str:
+    """Mean, standard deviation, mean absolute error and range of ratios whose ideal is 1."""
+    if not ratios:
+        return "none"
+    deviation = statistics.stdev(ratios) if len(ratios) > 1 else 0.0
+    return (f"mean {statistics.fmean(ratios):.3f}, sd {deviation:.1%}, mean abs. error "
+            f"{statistics.fmean(abs(r - 1) for r in ratios):.1%}, {min(ratios):.2f}x-{max(ratios):.2f}x "
+            f"({len(ratios)})")
+
+
+def beyond(ratios: list, replay: bool) -> str:
+    """'N of M': how many ratios are outside the replay's band or the other rates'."""
+    return f"{sum(not within_band(r, replay) for r in ratios)} of {len(ratios)}"
 
 
 def build_parser() -> argparse.ArgumentParser:

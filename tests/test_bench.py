@@ -265,6 +265,24 @@ def test_whatif_bench_measures_real_steps_at_every_rate_on_a_rate_limited_loopba
     assert re.search(r"Against the same processes after their windows: \d of 2 within the bands", again.stdout)
 
 
+def test_whatif_repredict_sets_the_predictions_spread_beside_the_real_processes_own():
+    """The report counts the points within the bands and sets the spread of predicted / real beside how far the real
+    processes differed from one another: a trace's .et carries its own process's pace."""
+    from bench.whatif_repredict import Point, report
+
+    points = [Point("k1", 1, "unthrottled", True, 100.0, 104.0, 110.0),   # its process ran 10% slow
+              Point("k1", 1, "1 Gbit/s", False, 200.0, 190.0, 200.0),
+              Point("k1", 2, "unthrottled", True, 100.0, 94.0, 96.0),
+              Point("k1", 2, "1 Gbit/s", False, 200.0, 230.0, None)]     # no same-process step at this rate
+    text = report(points)
+    assert "Against the untraced runs: 2 of 4 within the bands" in text  # 0.94 and 1.15 are out
+    assert "Against the same processes after their windows: 2 of 3 within the bands" in text
+    assert "replays mean 0.990, sd 7.1%, mean abs. error 5.0%, 0.94x-1.04x (2)" in text
+    assert "other rates mean 1.050, sd 14.1%, mean abs. error 10.0%, 0.95x-1.15x (2)" in text
+    assert ("at the traces' own rates mean 1.030, sd 9.9%, mean abs. error 7.0%, 0.96x-1.10x (2), 1 of 2 beyond 5%; "
+            "at the other rates mean 1.000, sd 0.0%, mean abs. error 0.0%, 1.00x-1.00x (1), 0 of 1 beyond 10%") in text
+
+
 @pytest.mark.parametrize("content", [None, "{\"rates\": []}", "not json",
                                      '{"trace_rate": "unthrottled", "latency_ns": 500, "rates": [{"label": "x"}], '
                                      '"traces": [{"index": 1, "folder": "t"}]}'])
