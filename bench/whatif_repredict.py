@@ -107,8 +107,9 @@ def report(points: list) -> str:
     if any(p.same_run_ms for p in points):
         lines.append(f"Against the same processes after their windows: {count(lambda p: p.same_run_ms)} within the "
                      "bands.")
-    lines += ["", "Spread of predicted / real: replays " + spread([p.predicted_ms / p.real_ms for p in points if p.replay])
-              + "; other rates " + spread([p.predicted_ms / p.real_ms for p in points if not p.replay]) + "."]
+    replays = [p.predicted_ms / p.real_ms for p in points if p.replay]
+    others = [p.predicted_ms / p.real_ms for p in points if not p.replay]
+    lines += ["", f"Spread of predicted / real: replays {spread(replays)}; other rates {spread(others)}."]
     paired = [p for p in points if p.same_run_ms]
     if paired:
         # A trace's .et carries its own process's pace, so how far the real processes differ from one another is a

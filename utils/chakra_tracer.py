@@ -13,7 +13,7 @@ import sys
 import tempfile
 import time
 import uuid
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -556,8 +556,7 @@ class StepMeasures:
 
     def report(self, prefix: str) -> dict[str, list[float]]:
         """run.json's lists, `prefix` + "wall_time_s" and so on, each in step order."""
-        return {prefix + f.name: [measured[step] for step in sorted(measured)]
-                for f in fields(self) for measured in [getattr(self, f.name)]}
+        return {prefix + name: [measured[step] for step in sorted(measured)] for name, measured in vars(self).items()}
 
 
 def _schedstat_s(path: str) -> tuple[float, float] | None:
