@@ -187,3 +187,37 @@ def test_a_train_script_run_by_a_python_without_the_project_says_so_in_one_line(
     assert done.returncode == 1
     [line] = done.stderr.splitlines()
     assert line.startswith(f"error: {sys.executable} has no mosim-llms") and "pip install -e ." in line
+
+
+# ---- what each side needs is declared ----------------------------------------------------------------------------
+def _unconditional_third_party_imports(path: Path, project: set[str]) -> set[str]:
+    """Top-level packages a module imports at its top level, outside try blocks (an optional import sits in one)."""
+    names = set()
+    for node in ast.parse(path.read_text(encoding="utf-8")).body:
+        if isinstance(node, ast.Import):
+            names.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module.split(".")[0])
+    return {name for name in names if name not in sys.stdlib_module_names and name not in project}
+
+
+def test_every_package_the_training_side_imports_is_required_and_checked():
+    # The trainers' own modules as a run loads them; each of their unconditional third-party imports must be in
+    # requirements.txt and in what require("training") checks, or a training-only install fails with a traceback.
+    # (The tracer's orjson was missing from both: gpt2/train.py failed to import where only requirements.txt went in.)
+    loaded = subprocess.run([sys.executable, "-c", "import sys, gpt2.train, bert.train\n"
+                             "print('\\n'.join(m.__file__ for m in list(sys.modules.values())"
+                             " if (getattr(m, '__file__', None) or '').startswith(sys.argv[1])))", str(REPO)],
+                            cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert loaded.returncode == 0, loaded.stderr[-2000:]
+    own = [Path(line) for line in loaded.stdout.splitlines() if not {"tests", ".venv"} & set(Path(line).parts)]
+    assert REPO / "utils" / "chakra_tracer.py" in own
+    project = {p.name for p in REPO.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    imported = set().union(*(_unconditional_third_party_imports(path, project) for path in own))
+    from utils.environment import MODULES
+    checked = {name.split(".")[0] for name in MODULES["training"]}
+    required = {re.split(r"[<>=!~;\[ ]", line.strip(), maxsplit=1)[0].lower()
+                for line in (REPO / "requirements.txt").read_text(encoding="utf-8").splitlines()
+                if line.strip() and not line.lstrip().startswith("#")}
+    assert "torch" in imported and imported <= checked, sorted(imported - checked)
+    assert checked <= required, sorted(checked - required)

@@ -15,7 +15,7 @@ from typing import List, Sequence
 
 # What each side imports; the requirements files say which distributions provide them.
 MODULES = {
-    "training": ("torch", "transformers", "datasets", "tokenizers", "safetensors", "numpy", "tqdm"),
+    "training": ("torch", "transformers", "datasets", "tokenizers", "safetensors", "numpy", "tqdm", "orjson"),
     "conversion": ("orjson", "tqdm", "google.protobuf", "chakra.schema.protobuf.et_def_pb2",
                    "chakra.src.third_party.utils.protolib"),
     "report": ("orjson", "tqdm", "google.protobuf", "chakra.schema.protobuf.et_def_pb2",
