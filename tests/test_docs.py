@@ -414,6 +414,7 @@ NOT_RUNNABLE: dict[str, str] = {
         "tests/test_simulate.py runs the same --ranks path on 8 NPUs where $ASTRA_SIM is built",
     # docs/BENCHMARKS.md
     "python bench/train_bench.py --threads 1": BENCHMARK,
+    "python bench/train_bench.py --repeats 1": GPUS,
     "python bench/tracing_cost.py --threads 1": BENCHMARK,
     "python bench/convert_bench.py": BENCHMARK,
     # README.md
