@@ -415,6 +415,7 @@ NOT_RUNNABLE: dict[str, str] = {
     # docs/BENCHMARKS.md
     "python bench/train_bench.py --threads 1": BENCHMARK,
     "python bench/train_bench.py --repeats 1": GPUS,
+    "python bench/train_bench.py --repeats 1 --models bert": GPUS,
     "python bench/tracing_cost.py --threads 1": BENCHMARK,
     "python bench/convert_bench.py": BENCHMARK,
     # README.md
