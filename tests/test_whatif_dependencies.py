@@ -136,6 +136,7 @@ def test_the_spread_warning_names_the_page_faults_of_the_traced_steps(tmp_path):
     result = convert_rank(folder / "host.0.json", folder / "device.0.json", folder / "run.0.et")
     [warning] = [w for w in result.warnings if "differ by" in w]
     assert "page-faulted 0, 0, 41,234 pages in the traced steps and 4 in an untraced step (median)" in warning
+    assert "trace again on a quieter machine" in warning  # run.json measured no machine load: the general advice
 
 
 def _three_steps_one_slow(tmp_path: Path, slow_factor: float) -> Path:
@@ -616,3 +617,23 @@ def test_a_run_that_timed_only_its_traced_steps_interrupts_gives_their_mean(tmp_
     del rank["step_interrupt_cpu_time_s"]
     (tmp_path / "run.json").write_text(json.dumps({"untraced_steps": [0, 1, 2], "ranks": [rank]}))
     assert read_step_times(tmp_path, 0).interrupt_cpu_per_step_us is None
+
+
+@pytest.mark.parametrize("busy, share, says", [
+    (True, 0.4, "other processes used 40% of the machine's CPUs in the traced window, so trace again on a quieter"),
+    (False, 0.0, "the machine was otherwise quiet in the traced window (other processes used 0% of its CPUs), so the "
+                 "spread is the run's own"),
+])
+def test_the_spread_warning_says_whether_the_machine_was_busy(tmp_path, busy, share, says):
+    """A quiet machine (a dedicated GPU server) is not told to trace again on a quieter one: the warning follows
+    the other processes' share of the CPUs that the tracer measured in the window."""
+    folder = _three_steps_one_slow(tmp_path, 3.0)
+    step_s = 0.03
+    (folder / "run.json").write_text(json.dumps({"ranks": [{
+        "rank": 0, "step_wall_time_s": [step_s, step_s, 3 * step_s],
+        "untraced_step_wall_time_s": [9 * step_s, step_s, step_s, step_s],
+        "machine_load": {"other_processes_cpu_share": share, "busy": busy}}]}))
+    result = convert_rank(folder / "host.0.json", folder / "device.0.json", folder / "run.0.et")
+    [warning] = [w for w in result.warnings if "differ by" in w]
+    assert says in warning
+    assert ("quieter machine" in warning) == busy

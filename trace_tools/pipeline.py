@@ -249,9 +249,8 @@ def _correct_for_profiler(linked, result: RankResult, run_dir: Path, rank: int) 
     times = read_step_times(run_dir, rank)
     if result.step_spread > STEP_SPREAD_BOUND:
         result.warnings.append(f"the {len(result.traced_steps_us)} traced steps differ by {result.step_spread:.1%} "
-                               f"(more than {STEP_SPREAD_BOUND:.0%}): durations are per-operator medians, but "
-                               "trace again on a quieter machine for a representative .et"
-                               + (_page_faults_of(times) if times is not None else ""))
+                               f"(more than {STEP_SPREAD_BOUND:.0%}; the .et holds their per-operator medians): "
+                               + _spread_cause(times) + (_page_faults_of(times) if times is not None else ""))
     if times is None:
         return
     result.untraced_step_us = times.untraced_median_us
@@ -269,6 +268,20 @@ def _correct_for_profiler(linked, result: RankResult, run_dir: Path, rank: int) 
         result.cores_shared, result.run_queue_removed_us = True, removed
         result.collective_start_wait_us = times.collective_start_wait_us or 0.0
     _note_run_queue_wait(times, result, corrected=removed is not None)
+
+
+def _spread_cause(times: StepTimes | None) -> str:
+    """What the traced steps' spread says to do, from the machine's load the tracer measured in the window: other
+    processes taking the CPUs is cured by a quieter machine; on a machine the run had to itself (a dedicated GPU
+    server) the spread is the run's own, and the same advice would send the user after a cause that is not there."""
+    share = times.other_processes_cpu_share if times is not None else None
+    if share is None or times.machine_busy is None:
+        return "trace again on a quieter machine for a representative .et"
+    if times.machine_busy:
+        return (f"other processes used {share:.0%} of the machine's CPUs in the traced window, so trace again on "
+                "a quieter machine for a representative .et")
+    return (f"the machine was otherwise quiet in the traced window (other processes used {share:.0%} of its CPUs), "
+            "so the spread is the run's own, not the machine's")
 
 
 def _page_faults_of(times: StepTimes) -> str:

@@ -46,6 +46,10 @@ class StepTimes:
     traced_interrupt_cpu_us: list[float] | None = None
     untraced_interrupt_cpu_us: list[float] | None = None
     ranks_on_machine: int = 1
+    # The share of the machine's CPUs other processes used during the traced window, and whether the tracer judged
+    # the machine busy for it (run.json's machine_load), when measured
+    other_processes_cpu_share: float | None = None
+    machine_busy: bool | None = None
 
     @property
     def untraced_op_time_us(self) -> float | None:
@@ -167,6 +171,8 @@ def step_times_of(info, rank: int) -> StepTimes | None:
     threads = entries[0].get("intra_op_threads")
     start_wait = entries[0].get("collective_start_wait_s")
     ranks_on_machine = entries[0].get("ranks_on_machine")
+    load = entries[0].get("machine_load") if isinstance(entries[0].get("machine_load"), dict) else {}
+    others, busy = load.get("other_processes_cpu_share"), load.get("busy")
     return StepTimes(traced_us=traced, untraced_us=untraced, traced_cpu_us=micros("step_cpu_time_s"),
                      untraced_cpu_us=untraced_micros("untraced_step_cpu_time_s"),
                      traced_thread_cpu_us=micros("step_thread_cpu_time_s"),
@@ -187,4 +193,7 @@ def step_times_of(info, rank: int) -> StepTimes | None:
                      traced_interrupt_cpu_us=micros("step_interrupt_cpu_time_s"),
                      untraced_interrupt_cpu_us=untraced_micros("untraced_step_interrupt_cpu_time_s"),
                      ranks_on_machine=ranks_on_machine if isinstance(ranks_on_machine, int) and ranks_on_machine > 0
-                     else 1)
+                     else 1,
+                     other_processes_cpu_share=(float(others) if isinstance(others, (int, float))
+                                                and not isinstance(others, bool) and others >= 0 else None),
+                     machine_busy=busy if isinstance(busy, bool) else None)
