@@ -183,6 +183,29 @@ def test_collective_start_cost_rejects_bad_flags_in_one_line(args, named):
     assert line.startswith("error:") and named in line
 
 
+# -------------------------------------------------------------------------------------------- process_pace
+def test_process_pace_times_the_same_work_in_separate_processes():
+    result = run_bench("process_pace.py", "--quick", timeout=300)
+    assert result.returncode == 0, result.stderr
+    rows = [row for row in table_rows(result.stdout, "") if row[0].isdigit()]
+    assert [row[0] for row in rows] == ["1", "2"] and all(row[1] == "4" for row in rows)
+    medians = [float(row[2]) for row in rows]
+    assert all(float(row[3]) <= float(row[2]) <= float(row[4]) for row in rows)
+    (summary,) = [line for line in result.stdout.splitlines() if line.startswith("slowest / fastest")]
+    # the medians are printed to 0.1 ms, the ratio from the unrounded ones: allow each median's rounding
+    rounding = 0.05 * (max(medians) + min(medians)) / min(medians) ** 2 + 0.005
+    assert ratio_value(summary.split(" = ")[1].split(";")[0]) == pytest.approx(max(medians) / min(medians),
+                                                                              abs=rounding)
+
+
+@pytest.mark.parametrize("flag", ["--processes", "--steps", "--parameters"])
+def test_process_pace_rejects_a_count_too_small_in_one_line(flag):
+    result = run_bench("process_pace.py", flag, "0", timeout=60)
+    assert result.returncode == 1
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith(f"error: {flag} 0: must be at least")
+
+
 # --------------------------------------------------------------------------------------------- tracing_cost
 @pytest.mark.slow
 def test_tracing_cost_prints_step_time_ratios_of_each_condition():
