@@ -85,9 +85,9 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     if args.quick:
         args.processes, args.steps, args.parameters = 2, 4, 1_048_576
-    for name in ("processes", "steps", "parameters"):
-        if getattr(args, name) < (16 if name == "parameters" else 1):
-            return fail(f"--{name} {getattr(args, name)}: must be at least {16 if name == 'parameters' else 1}")
+    for name, least in (("processes", 1), ("steps", 1), ("parameters", 16)):  # 16: one per tensor
+        if getattr(args, name) < least:
+            return fail(f"--{name} {getattr(args, name)}: must be at least {least}")
     if args.child:
         print(json.dumps(time_adamw_steps(args.parameters, args.steps)))
         return 0

@@ -171,8 +171,8 @@ def step_times_of(info, rank: int) -> StepTimes | None:
     threads = entries[0].get("intra_op_threads")
     start_wait = entries[0].get("collective_start_wait_s")
     ranks_on_machine = entries[0].get("ranks_on_machine")
-    load = entries[0].get("machine_load") if isinstance(entries[0].get("machine_load"), dict) else {}
-    others, busy = load.get("other_processes_cpu_share"), load.get("busy")
+    load = entries[0].get("machine_load")
+    others, busy = (load.get("other_processes_cpu_share"), load.get("busy")) if isinstance(load, dict) else (None, None)
     return StepTimes(traced_us=traced, untraced_us=untraced, traced_cpu_us=micros("step_cpu_time_s"),
                      untraced_cpu_us=untraced_micros("untraced_step_cpu_time_s"),
                      traced_thread_cpu_us=micros("step_thread_cpu_time_s"),
