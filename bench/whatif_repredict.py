@@ -107,6 +107,11 @@ def report(points: list) -> str:
     if any(p.same_run_ms for p in points):
         lines.append(f"Against the same processes after their windows: {count(lambda p: p.same_run_ms)} within the "
                      "bands.")
+    pooled = {id(p): pooled_reference_ms(p, points) for p in points}
+    if any(pooled.values()):
+        lines.append(f"Against more processes, the trace's own left out (the untraced runs' step and the other "
+                     f"traces' own untraced steps after their windows at that rate, one weight each): "
+                     f"{count(lambda p: pooled[id(p)])} within the bands.")
     replays = [p.predicted_ms / p.real_ms for p in points if p.replay]
     others = [p.predicted_ms / p.real_ms for p in points if not p.replay]
     lines += ["", f"Spread of predicted / real: replays {spread(replays)}; other rates {spread(others)}."]
@@ -121,6 +126,15 @@ def report(points: list) -> str:
                      + f", {beyond(own, replay=True)} beyond {REPLAY_BAND:.0%}; at the other rates " + spread(other)
                      + f", {beyond(other, replay=False)} beyond {WHATIF_BAND:.0%}.")
     return "\n".join(lines)
+
+
+def pooled_reference_ms(point: Point, points: list) -> float | None:
+    """The real step at the point's rate over more processes than the untraced runs': their step and each other
+    trace's process after its window (None when no other trace has one). It tells a miss that comes from the
+    reference's process pace (which pooling would move) from one the trace carries (which it would not)."""
+    others = [q.same_run_ms for q in points if q.run == point.run and q.rate == point.rate
+              and q.trace != point.trace and q.same_run_ms]
+    return statistics.fmean([point.real_ms] + others) if others else None
 
 
 def spread(ratios: list) -> str:
