@@ -240,6 +240,16 @@ def machine_description(packages: Sequence[str] = ("torch", "transformers", "acc
             f"{load} (1/5/15 min); Python {platform.python_version()}; {versions}")
 
 
+def below_minimum(args, minimums: Sequence[tuple[str, float]]) -> str | None:
+    """'--flag N: must be at least M' for the first (attribute, least) in minimums whose parsed value is below its
+    least; None when every one is at least that."""
+    for name, least in minimums:
+        value = getattr(args, name)
+        if value < least:
+            return f"--{name.replace('_', '-')} {value}: must be at least {least}"
+    return None
+
+
 def exit_on_sigterm() -> None:
     """SIGTERM ends the benchmark like Ctrl-C does: children stopped, scratch folders removed (finally blocks run)."""
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))

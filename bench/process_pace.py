@@ -17,8 +17,8 @@ import json
 import statistics
 import sys
 
-from bench.common import (BenchError, child_env, exit_on_sigterm, fail, format_table, machine_description, one_core,
-                          run_child)
+from bench.common import (BenchError, below_minimum, child_env, exit_on_sigterm, fail, format_table,
+                          machine_description, one_core, run_child)
 
 GPT2_124M_SHAPE_PARAMETERS = 86_949_120
 WARMUP_STEPS = 3
@@ -85,9 +85,9 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     if args.quick:
         args.processes, args.steps, args.parameters = 2, 4, 1_048_576
-    for name, least in (("processes", 1), ("steps", 1), ("parameters", 16)):  # 16: one per tensor
-        if getattr(args, name) < least:
-            return fail(f"--{name} {getattr(args, name)}: must be at least {least}")
+    too_small = below_minimum(args, (("processes", 1), ("steps", 1), ("parameters", 16)))  # 16: one per tensor
+    if too_small:
+        return fail(too_small)
     if args.child:
         print(json.dumps(time_adamw_steps(args.parameters, args.steps)))
         return 0

@@ -206,6 +206,33 @@ def test_process_pace_rejects_a_count_too_small_in_one_line(flag):
     assert line.startswith(f"error: {flag} 0: must be at least")
 
 
+# ---------------------------------------------------------------------------------------------- pause_cost
+def test_pause_cost_sets_the_step_after_a_pause_beside_the_back_to_back_step():
+    result = run_bench("pause_cost.py", "--quick", timeout=300)
+    assert result.returncode == 0, result.stderr
+    rows = [row for row in table_rows(result.stdout, "") if row[0].isdigit()]
+    assert [row[1] for row in rows] == ["back to back", "after a sleep", "after a spin"]
+    assert all(row[2] == "2" and float(row[4]) <= float(row[3]) <= float(row[5]) for row in rows)
+    base = float(rows[0][3])
+    assert rows[0][6] == "1.000x"
+    for row in rows[1:]:  # each kind over the round's back-to-back median; both medians are printed to 0.1 ms
+        expected = float(row[3]) / base
+        assert ratio_value(row[6]) == pytest.approx(expected, abs=(1 + expected) * 0.05 / base + 0.001)
+    summaries = [line for line in result.stdout.splitlines() if " of 0.2 s: the step's CPU time is " in line]
+    assert [line.split(" of ")[0] for line in summaries] == ["after a sleep", "after a spin"]
+    assert "GPT-2 tiny" in result.stdout
+
+
+@pytest.mark.parametrize("args, named", [(["--rounds", "0"], "--rounds 0: must be at least 1"),
+                                         (["--steps", "0"], "--steps 0: must be at least 1"),
+                                         (["--pause-s", "0"], "--pause-s 0: must be more than 0")])
+def test_pause_cost_rejects_a_bad_flag_in_one_line(args, named):
+    result = run_bench("pause_cost.py", *args, timeout=60)
+    assert result.returncode == 1
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("error: ") and named in line
+
+
 # --------------------------------------------------------------------------------------------- tracing_cost
 @pytest.mark.slow
 def test_tracing_cost_prints_step_time_ratios_of_each_condition():
@@ -300,6 +327,10 @@ def test_whatif_repredict_sets_the_predictions_spread_beside_the_real_processes_
     text = report(points)
     assert "Against the untraced runs: 2 of 4 within the bands" in text  # 0.94 and 1.15 are out
     assert "Against the same processes after their windows: 2 of 3 within the bands" in text
+    # pooled with the other trace's process: trace 1's replay against (100 + 96) / 2 (1.06, out where the untraced
+    # run alone gave 1.04), trace 2's against (100 + 110) / 2 (0.90) and at 1 Gbit/s against (200 + 200) / 2 (1.15);
+    # trace 1 at 1 Gbit/s has no other process there and is not judged
+    assert "one weight each): 0 of 3 within the bands" in text
     assert "replays mean 0.990, sd 7.1%, mean abs. error 5.0%, 0.94x-1.04x (2)" in text
     assert "other rates mean 1.050, sd 14.1%, mean abs. error 10.0%, 0.95x-1.15x (2)" in text
     assert ("at the traces' own rates mean 1.030, sd 9.9%, mean abs. error 7.0%, 0.96x-1.10x (2), 1 of 2 beyond 5%; "

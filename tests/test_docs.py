@@ -416,6 +416,8 @@ NOT_RUNNABLE: dict[str, str] = {
     "python bench/train_bench.py --threads 1": BENCHMARK,
     "python bench/train_bench.py --repeats 1": GPUS,
     "python bench/process_pace.py --processes 12": "a benchmark of 1.5 min; tests/test_bench.py runs it with --quick",
+    "python bench/pause_cost.py --pause-s 8 --rounds 4":
+        "a benchmark of 7 min; tests/test_bench.py runs it with --quick",
     "python bench/tracing_cost.py --threads 1": BENCHMARK,
     "python bench/convert_bench.py": BENCHMARK,
     # README.md
