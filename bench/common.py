@@ -236,8 +236,21 @@ def machine_description(packages: Sequence[str] = ("torch", "transformers", "acc
         pass
     load = " / ".join(f"{x:.1f}" for x in os.getloadavg())
     versions = ", ".join(f"{p} {package_version(p)}" for p in packages)
+    huge_pages = transparent_huge_pages()
+    pages = f"; transparent huge pages: {huge_pages}" if huge_pages else ""
     return (f"machine: {cpu}; {len(os.sched_getaffinity(0))} usable of {os.cpu_count()} cores; load average "
-            f"{load} (1/5/15 min); Python {platform.python_version()}; {versions}")
+            f"{load} (1/5/15 min){pages}; Python {platform.python_version()}; {versions}")
+
+
+def transparent_huge_pages(setting: Path = Path("/sys/kernel/mm/transparent_hugepage/enabled")) -> str | None:
+    """The kernel's transparent huge page mode (the bracketed word of "always [madvise] never"), or None where the
+    kernel does not say. Memory-bound steps run at another pace under another mode (docs/BENCHMARKS.md §4b), so a
+    result names the mode it was measured in."""
+    try:
+        chosen = re.search(r"\[(\w+)\]", setting.read_text(encoding="utf-8"))
+    except OSError:
+        return None
+    return chosen.group(1) if chosen else None
 
 
 def below_minimum(args, minimums: Sequence[tuple[str, float]]) -> str | None:

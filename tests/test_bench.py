@@ -206,6 +206,19 @@ def test_process_pace_rejects_a_count_too_small_in_one_line(flag):
     assert line.startswith(f"error: {flag} 0: must be at least")
 
 
+def test_machine_description_names_the_transparent_huge_page_mode(tmp_path):
+    from bench.common import transparent_huge_pages
+
+    setting = tmp_path / "enabled"
+    setting.write_text("always [madvise] never\n")
+    assert transparent_huge_pages(setting) == "madvise"
+    setting.write_text("[always] madvise never\n")
+    assert transparent_huge_pages(setting) == "always"
+    setting.write_text("garbled\n")
+    assert transparent_huge_pages(setting) is None
+    assert transparent_huge_pages(tmp_path / "missing") is None
+
+
 # ---------------------------------------------------------------------------------------------- pause_cost
 def test_pause_cost_sets_the_step_after_a_pause_beside_the_back_to_back_step():
     result = run_bench("pause_cost.py", "--quick", timeout=300)
