@@ -2,9 +2,9 @@
 
 A step traced on a fast network runs right after the last one; on a slow network the training thread waits seconds
 for the gradients' all-reduce, and its next ops start after that pause. If the machine runs the same work slower
-after a pause (its caches, shared with whatever else ran meanwhile, hold less of the process's data; a host's other
-guests share the last-level cache), a `.et` from a fast network predicts the slow one's compute too short by that
-much, and no rule in the converter can see it: the trace holds no pause. This measures it on the machine.
+after a pause (what else ran meanwhile may have taken its caches), a `.et` from a fast network predicts the slow
+one's compute too short by that much, and no rule in the converter can see it: the trace holds no pause. This
+measures it on the machine (docs/BENCHMARKS.md §4b: 0-5% on the development VM, inside the rounds' own drift).
 
 One child, pinned to one core with one thread, builds the GPT-2 124M shape (12 x 768, the offline stand-in
 vocabulary: 86,949,120 parameters) and times forward, backward and AdamW's step on one 1 x 128 batch, in rounds of
