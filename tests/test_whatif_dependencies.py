@@ -571,6 +571,44 @@ def test_communication_cpu_runs_beside_each_collective_and_the_wait_for_a_core_l
     assert plain_compute - compute == pytest.approx(0.2 * step_s * 1e6, rel=0.02)
 
 
+def test_the_wait_for_a_core_leaves_the_ops_that_ran_while_a_collective_was_in_flight(tmp_path):
+    """The training thread waits for a core while the communication threads work, so the wait leaves the ops inside
+    the collectives' traced spans: the forward before the first collective keeps its time (on a slow network it is
+    on the path), and the ops that overlapped collectives lose the wait between them."""
+    plain_folder, step_s = _core_sharing_run(tmp_path, communication_cpu=False)
+    folder, _ = _core_sharing_run(tmp_path, communication_cpu=True)
+    info = json.loads((folder / "run.json").read_text())
+    wait_s = 0.001  # less than the fixture's ops inside its collectives' spans
+    info["ranks"][0]["step_run_queue_wait_s"] = [wait_s] * 3
+    (folder / "run.json").write_text(json.dumps(info))
+    convert_rank0(plain_folder, plain_folder / "run.0.et")
+    result = convert_rank0(folder, folder / "run.0.et")
+    assert result.run_queue_removed_us == pytest.approx(wait_s * 1e6)
+    _, plain_nodes = read_et_with_protolib(plain_folder / "run.0.et")
+    _, nodes = read_et_with_protolib(folder / "run.0.et")
+    plain_by_id = {n.id: n for n in plain_nodes}
+    index = {n.id: i for i, n in enumerate(plain_nodes)}
+    parents = [[index[d] for d in list(n.data_deps) + list(n.ctrl_deps) if d in index] for n in plain_nodes]
+    first = next(i for i, n in enumerate(plain_nodes) if n.type == COMM_COLL_NODE)
+    before, stack = set(), [first]
+    while stack:  # everything the first collective waited for
+        for p in parents[stack.pop()]:
+            if p not in before:
+                before.add(p)
+                stack.append(p)
+    before_ids = {plain_nodes[i].id for i in before if plain_nodes[i].type == COMP_NODE}
+    lost = {n.id: plain_by_id[n.id].duration_micros - n.duration_micros for n in nodes
+            if n.type == COMP_NODE and n.id in plain_by_id}
+    assert before_ids and sum(lost.values()) == pytest.approx(wait_s * 1e6, abs=len(lost) / 2)
+    # Spread over all ops alike, the ops before the first collective would lose their share of the compute; they
+    # lose a fraction of that (what they lose is their callers' time around the collectives: autograd's, the step's)
+    work = {n.id: n.duration_micros for n in plain_nodes if n.id in lost}
+    share_of_work = sum(work[i] for i in before_ids) / sum(work.values())
+    share_of_wait = sum(lost[i] for i in before_ids) / sum(lost.values())
+    assert share_of_work > 0.2 and share_of_wait < share_of_work / 3
+    assert all(taken >= -1 for taken in lost.values())  # nothing gained time (1 µs of rounding)
+
+
 def test_the_kernels_interrupt_time_is_reported_per_rank_and_left_out_of_the_et(tmp_path):
     """The machine's interrupt and softirq time (the kernel's work on the packets, in no thread's CPU time) is
     divided among the ranks on the machine and reported, the mean of the untraced steps after the run's first; the

@@ -10,7 +10,10 @@ too fast (GPT-2 124M shape traced at 1 Gbit/s: 0.89-0.91 of the real unthrottled
 network costs no CPU at all.
 
 The rule follows the program instead of the traced timing: the training thread's run-queue wait in the traced
-steps (run.json, Linux's schedstat) is taken out of its ops, time it did not run; and each collective gets a CPU
+steps (run.json, Linux's schedstat) is taken out of its ops, time it did not run, out of those that ran while a
+collective was in flight, when the communication threads wanted the cores too (taken out of every op alike, it
+left the forward and the optimizer short, and those are on the path on a slow network: GPT-2 124M shape traced at
+full speed, 0.97-0.98 of the real step at 2 Gbit/s to 500 Mbit/s); and each collective gets a CPU
 node with its share, by bytes, of the CPU time the communication threads used per untraced step (run.json; their
 mean, trace_tools.step_timing), issued with the collective (after what produced its input; what consumes its result
 waits for it as well) and marked as a CPU op, so that the simulator runs it on the rank's CPU between the compute
@@ -95,19 +98,36 @@ def training_thread_ops(linked: LinkedTrace) -> list[int]:
 
 
 def _remove_run_queue_wait(linked: LinkedTrace, wait_us: float) -> float:
-    """Take wait_us out of the training thread's ops in proportion to their durations (the wait falls on whatever
-    runs when the core is taken); returns what was taken out (at most their total)."""
+    """Take wait_us out of the training thread's ops where it fell: the thread waits for a core when more threads
+    are runnable than there are cores, and on a CPU run the extra ones are the communication threads, at work while
+    a collective is in flight. So the wait leaves the ops in proportion to their time inside the traced collectives'
+    spans; the forward before the first collective and the optimizer after the last keep theirs, and those are the
+    ops that a slow network puts on the path. What exceeds that time (other processes took the cores too) leaves
+    every op in proportion to what it has left, as does all of it in a trace without collective spans. Returns
+    what was taken out (at most the ops' total)."""
     ops = training_thread_ops(linked)
     work = {i: linked.work(i) for i in ops}
-    total = sum(work.values())
-    if total <= 0.0 or wait_us <= 0.0:
+    if sum(work.values()) <= 0.0 or wait_us <= 0.0:
         return 0.0
-    removed = min(wait_us, total)
+    spans = _collective_spans(linked)
+    in_flight = {i: w * _share_inside(linked.ts[i], linked.ts[i] + linked.dur[i], spans) for i, w in work.items()}
+    queued = _spread(wait_us, in_flight, {i: 0.0 for i in ops})
+    # More wait than work in flight (a machine busy with other processes): the rest fell on any op.
+    queued = _spread(wait_us - sum(queued.values()), {i: work[i] - queued[i] for i in ops}, queued)
     if not linked.queued:
         linked.queued = [0.0] * len(linked)
-    for i in ops:
-        linked.queued[i] = removed * work[i] / total
-    return removed
+    for i, taken in queued.items():
+        linked.queued[i] = taken
+    return sum(queued.values())
+
+
+def _spread(amount_us: float, room: dict[int, float], taken: dict[int, float]) -> dict[int, float]:
+    """taken plus amount_us shared among the ops in proportion to their room, none given more than its room."""
+    total = sum(room.values())
+    if amount_us <= 0.0 or total <= 0.0:
+        return taken
+    share = min(amount_us, total) / total
+    return {i: taken[i] + room[i] * share for i in taken}
 
 
 def _add_node(linked: LinkedTrace, kind: int, collective: int, duration_us: float, after: list[int], node_id: int,
@@ -132,3 +152,24 @@ def _add_node(linked: LinkedTrace, kind: int, collective: int, duration_us: floa
         if extra:
             extra.append(0.0)  # not an op of the traced timeline: its time there was on other threads
     return node
+
+
+def _collective_spans(linked: LinkedTrace) -> list[tuple[float, float]]:
+    """The traced intervals in which a collective was in flight (its communication threads at work), merged."""
+    spans = sorted((linked.ts[c], linked.ts[c] + linked.dur[c]) for c in linked.comm
+                   if linked.node_type[c] == COMM_COLL_NODE and linked.dur[c] > 0)
+    merged: list[tuple[float, float]] = []
+    for start, end in spans:
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
+
+
+def _share_inside(start: float, end: float, spans: list[tuple[float, float]]) -> float:
+    """The fraction of [start, end] inside the spans."""
+    if end <= start:
+        return 0.0
+    inside = sum(max(0.0, min(end, b) - max(start, a)) for a, b in spans)
+    return inside / (end - start)

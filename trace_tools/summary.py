@@ -182,7 +182,8 @@ def durations_text(rank: RankResult) -> str:
                          "no thread's time holds; not in the .et, as it changes with the network)")
         if rank.cores_shared:
             text += (f": the traced wait ({rank.run_queue_removed_us / 1000:.1f} ms) taken out of the training "
-                     "thread's ops, and gloo's CPU time given to the collectives as CPU nodes, by bytes "
+                     "thread's ops, first those that ran while a collective was in flight, and gloo's CPU time given "
+                     "to the collectives as CPU nodes, by bytes "
                      "(trace_tools.core_sharing)")
             if rank.collective_start_wait_us:
                 text += (f", each after a wait of {rank.collective_start_wait_us / 1000:.2f} ms that holds no core (an "
