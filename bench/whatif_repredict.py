@@ -107,11 +107,13 @@ def report(points: list) -> str:
     if any(p.same_run_ms for p in points):
         lines.append(f"Against the same processes after their windows: {count(lambda p: p.same_run_ms)} within the "
                      "bands.")
-    pooled = {id(p): pooled_reference_ms(p, points) for p in points}
-    if any(pooled.values()):
+    def pooled(point: Point) -> float | None:
+        return pooled_reference_ms(point, points)
+
+    if any(map(pooled, points)):
         lines.append(f"Against more processes, the trace's own left out (the untraced runs' step and the other "
                      f"traces' own untraced steps after their windows at that rate, one weight each): "
-                     f"{count(lambda p: pooled[id(p)])} within the bands.")
+                     f"{count(pooled)} within the bands.")
     replays = [p.predicted_ms / p.real_ms for p in points if p.replay]
     others = [p.predicted_ms / p.real_ms for p in points if not p.replay]
     lines += ["", f"Spread of predicted / real: replays {spread(replays)}; other rates {spread(others)}."]

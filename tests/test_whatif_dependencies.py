@@ -590,12 +590,7 @@ def test_the_wait_for_a_core_leaves_the_ops_that_ran_while_a_collective_was_in_f
     index = {n.id: i for i, n in enumerate(plain_nodes)}
     parents = [[index[d] for d in list(n.data_deps) + list(n.ctrl_deps) if d in index] for n in plain_nodes]
     first = next(i for i, n in enumerate(plain_nodes) if n.type == COMM_COLL_NODE)
-    before, stack = set(), [first]
-    while stack:  # everything the first collective waited for
-        for p in parents[stack.pop()]:
-            if p not in before:
-                before.add(p)
-                stack.append(p)
+    before = descendants_of(parents, [first])  # along the parents: everything the first collective waited for
     before_ids = {plain_nodes[i].id for i in before if plain_nodes[i].type == COMP_NODE}
     lost = {n.id: plain_by_id[n.id].duration_micros - n.duration_micros for n in nodes
             if n.type == COMP_NODE and n.id in plain_by_id}
