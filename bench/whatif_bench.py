@@ -841,6 +841,15 @@ def report(setup: ModelSetup, args, sim: Simulator, verification: list, micro: l
         if same_run:
             lines += [f"Replay against each traced run's own untraced steps (the trainer's log, before the window): "
                       f"predicted / real {ratio_range(same_run)}.", ""]
+        # And against the untraced steps the tracer timed in the traced process, before and after the window: the
+        # steps whose CPU time the `.et`'s ops take. A process's pace drifts (14-21% between the steps before and after
+        # one window on the device machine's CPU), so this one sets the graph and the network apart from that drift.
+        tracer_run = [t.predictions[t.rate.label].step_ms / t.untraced_ms for t in traces
+                      if t.untraced_ms and t.rate.label in t.predictions]
+        if tracer_run:
+            lines += [f"Replay against the untraced steps the tracer timed in each traced process (run.json, before "
+                      f"and after the window; the slower rank's, as the converter reads them): predicted / real "
+                      f"{ratio_range(tracer_run)}.", ""]
     else:
         lines += [f"Predictions skipped: {sim.missing}.", ""]
     # The trace and the real runs ran at different times: on a shared machine its speed may have changed between.

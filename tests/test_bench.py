@@ -305,6 +305,9 @@ def test_whatif_bench_measures_real_steps_at_every_rate_on_a_rate_limited_loopba
                if rate == "100 Mbit/s"]
     assert 0.95 < ratio_value(micro[5]) < 2.0
     assert "traced step" in result.stdout and ("Predictions:" in result.stdout or "Predictions skipped" in result.stdout)
+    if "Predictions:" in result.stdout:  # the replay is also set against the traced process's own untraced steps
+        assert re.search(r"Replay against the untraced steps the tracer timed in each traced process .*: predicted / "
+                         r"real \d+\.\d+x", result.stdout)
     # The traced run went on untraced through both rates once its window had closed.
     after = markdown_table_after(result.stdout, "The traced runs' own untraced steps after their window")
     cells = dict(zip(after["trace"], after["1"]))
