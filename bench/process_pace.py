@@ -53,6 +53,8 @@ def measure_processes(processes: int, steps: int, parameters: int) -> list[list[
         if not run.ok:
             raise BenchError(f"process {index + 1} of {processes} failed: {run.reason()}")
         paces.append(json.loads(run.stdout.strip().splitlines()[-1]))
+        # as each child ends: a machine where importing torch alone takes seconds makes the whole run minutes long
+        print(f"    process {index + 1} of {processes}: median {statistics.median(paces[-1]):.1f} ms", flush=True)
     return paces
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from bench.common import BenchError, child_env, fail, format_table
 from bench.whatif_bench import (REPLAY_BAND, RESULTS_FILE, WHATIF_BAND, bands_count, convert, find_simulator,
-                                simulate_at, within_band)
+                                read_run_json, simulate_at, within_band)
 from trace_tools.layout import RUN_INFO, TRACE_FILE_RE
 
 
@@ -37,6 +37,7 @@ class Point:
     real_ms: float
     predicted_ms: float
     same_run_ms: float | None
+    tracer_untraced_ms: float | None = None  # a replay's: the traced process's untraced steps as its tracer timed them
 
 
 def read_results(folder: Path) -> dict:
@@ -79,11 +80,13 @@ def repredict(folder: Path, results: dict, work: Path, sim, env: dict) -> list:
               "rates are simulated as recorded, at tbf's rate R", flush=True)
     for trace in results["traces"]:
         converted = reconvert(folder / trace["folder"], work / f"trace-{trace['index']}", env)
+        tracer_untraced_ms = read_run_json(converted)[1]  # timed at the trace's rate only
         for rate in results["rates"]:
             label = rate["label"]
+            replay = label == results["trace_rate"]
             simulated = simulate_at(sim, converted, label, rate["bits_per_s"], results["latency_ns"])
-            points.append(Point(folder.name, trace["index"], label, label == results["trace_rate"], rate["real_ms"],
-                                simulated.step_ms, (trace.get("same_run_ms") or {}).get(label)))
+            points.append(Point(folder.name, trace["index"], label, replay, rate["real_ms"], simulated.step_ms,
+                                (trace.get("same_run_ms") or {}).get(label), tracer_untraced_ms if replay else None))
         print(f"    {folder.name} trace {trace['index']}: converted and simulated at {len(results['rates'])} rates",
               flush=True)
     return points
@@ -114,6 +117,12 @@ def report(points: list) -> str:
         lines.append(f"Against more processes, the trace's own left out (the untraced runs' step and the other "
                      f"traces' own untraced steps after their windows at that rate, one weight each): "
                      f"{count(pooled)} within the bands.")
+    own = [p.predicted_ms / p.tracer_untraced_ms for p in points if p.replay and p.tracer_untraced_ms]
+    if own:
+        # The steps whose CPU time the .et's ops take: this sets the graph and the network apart from the drift of a
+        # process's pace between its window and the untraced runs.
+        lines.append(f"Replays against the untraced steps the tracer timed in the traced process itself (run.json, "
+                     f"before and after the window): {bands_count(own, [])} within {REPLAY_BAND:.0%}; {spread(own)}.")
     replays = [p.predicted_ms / p.real_ms for p in points if p.replay]
     others = [p.predicted_ms / p.real_ms for p in points if not p.replay]
     lines += ["", f"Spread of predicted / real: replays {spread(replays)}; other rates {spread(others)}."]

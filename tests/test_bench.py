@@ -189,6 +189,7 @@ def test_process_pace_times_the_same_work_in_separate_processes():
     assert result.returncode == 0, result.stderr
     rows = [row for row in table_rows(result.stdout, "") if row[0].isdigit()]
     assert [row[0] for row in rows] == ["1", "2"] and all(row[1] == "4" for row in rows)
+    assert re.search(r"process 2 of 2: median \d+\.\d ms", result.stdout)  # said as each child ends
     medians = [float(row[2]) for row in rows]
     assert all(float(row[3]) <= float(row[2]) <= float(row[4]) for row in rows)
     (summary,) = [line for line in result.stdout.splitlines() if line.startswith("slowest / fastest")]
@@ -336,9 +337,9 @@ def test_whatif_repredict_sets_the_predictions_spread_beside_the_real_processes_
     processes differed from one another: a trace's .et carries its own process's pace."""
     from bench.whatif_repredict import Point, report
 
-    points = [Point("k1", 1, "unthrottled", True, 100.0, 104.0, 110.0),   # its process ran 10% slow
+    points = [Point("k1", 1, "unthrottled", True, 100.0, 104.0, 110.0, 105.0),   # its process ran 10% slow
               Point("k1", 1, "1 Gbit/s", False, 200.0, 190.0, 200.0),
-              Point("k1", 2, "unthrottled", True, 100.0, 94.0, 96.0),
+              Point("k1", 2, "unthrottled", True, 100.0, 94.0, 96.0, 88.0),
               Point("k1", 2, "1 Gbit/s", False, 200.0, 230.0, None)]     # no same-process step at this rate
     text = report(points)
     assert "Against the untraced runs: 2 of 4 within the bands" in text  # 0.94 and 1.15 are out
@@ -348,6 +349,9 @@ def test_whatif_repredict_sets_the_predictions_spread_beside_the_real_processes_
     # trace 1 at 1 Gbit/s has no other process there and is not judged
     assert "one weight each): 0 of 3 within the bands" in text
     assert "replays mean 0.990, sd 7.1%, mean abs. error 5.0%, 0.94x-1.04x (2)" in text
+    # each replay against its own process's untraced steps as the tracer timed them: 104 / 105 and 94 / 88 (1.07, out)
+    assert ("Replays against the untraced steps the tracer timed in the traced process itself (run.json, before and "
+            "after the window): 1 of 2 within 5%; mean 1.029, sd 5.5%, mean abs. error 3.9%, 0.99x-1.07x (2)") in text
     assert "other rates mean 1.050, sd 14.1%, mean abs. error 10.0%, 0.95x-1.15x (2)" in text
     assert ("at the traces' own rates mean 1.030, sd 9.9%, mean abs. error 7.0%, 0.96x-1.10x (2), 1 of 2 beyond 5%; "
             "at the other rates mean 1.000, sd 0.0%, mean abs. error 0.0%, 1.00x-1.00x (1), 0 of 1 beyond 10%") in text
