@@ -388,18 +388,20 @@ def traced_run(ns: Namespace, setup: ModelSetup, rate: Rate, index: int, args, e
 
 
 def read_run_json(folder: Path) -> tuple:
-    """(traced step ms, untraced step ms or None) from the tracer's run.json: medians of the slowest rank. The
-    untraced steps are those the converter corrects towards (trace_tools.step_timing: the run's first step, with
-    its one-time start-up costs, left out)."""
+    """(traced step ms, untraced step ms or None) from the tracer's run.json. The untraced step is the slower rank's
+    median over the steps the converter corrects each rank towards (trace_tools.step_timing: the run's first step,
+    with its one-time start-up costs, left out). Not the median of each step's slower rank: the ranks meet in every
+    step's all-reduces but each times its step from its own boundary, so a late boundary makes one rank's step
+    long and its next one short, and a step-by-step maximum takes every long half (on the device machine's CPU,
+    1,803 ms a step where the ranks' own medians were 1,684 and 1,748)."""
     path = folder / RUN_INFO
     if not path.is_file():
         raise BenchError(f"{path}: the tracer wrote no run.json")
     info = json.loads(path.read_text(encoding="utf-8"))
     traced = info.get("step_wall_time_s_max") or []
     ranks = [read_step_times(folder, r["rank"]) for r in info.get("ranks", []) if isinstance(r, dict) and "rank" in r]
-    untraced = [max(values) / 1e6 for values in zip(*[times.untraced_us for times in ranks if times])]
-    return (1000 * statistics.median(traced) if traced else None,
-            1000 * statistics.median(untraced) if untraced else None)
+    untraced = [statistics.median(times.untraced_us) / 1e3 for times in ranks if times and times.untraced_us]
+    return (1000 * statistics.median(traced) if traced else None, max(untraced) if untraced else None)
 
 
 class RateCycler(threading.Thread):

@@ -452,12 +452,23 @@ def test_whatif_untraced_step_of_a_trace_leaves_out_the_first_step_as_the_conver
     from bench.whatif_bench import read_run_json
 
     # Step 0 holds the allocator's and DDP's one-time costs (3.4 s here); the converter corrects towards the
-    # later untraced steps, and the bench's column must name the same steps: the slower rank's, step by step.
+    # later untraced steps, and the bench's column must name the same steps: the slower rank's median of them.
     ranks = [{"rank": 0, "step_wall_time_s": [2.6, 2.8], "untraced_step_wall_time_s": [3.4, 2.0, 2.2, 2.1]},
-             {"rank": 1, "step_wall_time_s": [2.7, 2.7], "untraced_step_wall_time_s": [3.3, 2.1, 2.0, 2.4]}]
+             {"rank": 1, "step_wall_time_s": [2.7, 2.7], "untraced_step_wall_time_s": [3.3, 2.1, 2.3, 2.4]}]
     (tmp_path / "run.json").write_text(json.dumps({"ranks": ranks, "step_wall_time_s_max": [2.7, 2.8]}))
     traced_ms, untraced_ms = read_run_json(tmp_path)
-    assert traced_ms == pytest.approx(2750) and untraced_ms == pytest.approx(2200)
+    assert traced_ms == pytest.approx(2750) and untraced_ms == pytest.approx(2300)
+
+
+def test_whatif_untraced_step_of_a_trace_is_not_a_step_by_step_maximum_of_ranks_whose_boundaries_jitter(tmp_path):
+    from bench.whatif_bench import read_run_json
+
+    # Both ranks take 2.2 s a step on average; a late boundary makes one rank's step long and its next one short,
+    # in turn. Each step's slower rank is always the long half (2.4 s); the ranks' own medians are the step.
+    ranks = [{"rank": 0, "step_wall_time_s": [2.5], "untraced_step_wall_time_s": [3.4, 2.0, 2.4, 2.0, 2.4, 2.2]},
+             {"rank": 1, "step_wall_time_s": [2.5], "untraced_step_wall_time_s": [3.3, 2.4, 2.0, 2.4, 2.0, 2.2]}]
+    (tmp_path / "run.json").write_text(json.dumps({"ranks": ranks, "step_wall_time_s_max": [2.5]}))
+    assert read_run_json(tmp_path)[1] == pytest.approx(2200)
 
 
 class RecordedRates:
