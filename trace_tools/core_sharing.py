@@ -41,7 +41,7 @@ from __future__ import annotations
 
 from chakra.schema.protobuf.et_def_pb2 import COMM_COLL_NODE, COMP_NODE
 
-from .link import COMMUNICATION_CPU_OP, COMMUNICATION_NODE_KINDS, COMMUNICATION_WAIT_OP, GPU_OP, LinkedTrace
+from .link import COMMUNICATION_CPU_OP, COMMUNICATION_NODE_KINDS, COMMUNICATION_WAIT_OP, GPU_OP, BusyTime, LinkedTrace
 
 
 def share_cores(linked: LinkedTrace, run_queue_wait_us: float | None,
@@ -109,8 +109,8 @@ def _remove_run_queue_wait(linked: LinkedTrace, wait_us: float) -> float:
     work = {i: linked.work(i) for i in ops}
     if sum(work.values()) <= 0.0 or wait_us <= 0.0:
         return 0.0
-    spans = _collective_spans(linked)
-    in_flight = {i: w * _share_inside(linked.ts[i], linked.ts[i] + linked.dur[i], spans) for i, w in work.items()}
+    in_flight_spans = _collective_spans(linked)
+    in_flight = {i: w * _share_inside(linked.ts[i], linked.dur[i], in_flight_spans) for i, w in work.items()}
     queued = _spread(wait_us, in_flight, {i: 0.0 for i in ops})
     # More wait than work in flight (a machine busy with other processes): the rest fell on any op.
     queued = _spread(wait_us - sum(queued.values()), {i: work[i] - queued[i] for i in ops}, queued)
@@ -154,22 +154,12 @@ def _add_node(linked: LinkedTrace, kind: int, collective: int, duration_us: floa
     return node
 
 
-def _collective_spans(linked: LinkedTrace) -> list[tuple[float, float]]:
-    """The traced intervals in which a collective was in flight (its communication threads at work), merged."""
-    spans = sorted((linked.ts[c], linked.ts[c] + linked.dur[c]) for c in linked.comm
-                   if linked.node_type[c] == COMM_COLL_NODE and linked.dur[c] > 0)
-    merged: list[tuple[float, float]] = []
-    for start, end in spans:
-        if merged and start <= merged[-1][1]:
-            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
-        else:
-            merged.append((start, end))
-    return merged
+def _collective_spans(linked: LinkedTrace) -> BusyTime:
+    """When a collective was in flight in the traced timeline (its communication threads at work)."""
+    collectives = [c for c in linked.comm if linked.node_type[c] == COMM_COLL_NODE and linked.dur[c] > 0]
+    return BusyTime([linked.ts[c] for c in collectives], [linked.ts[c] + linked.dur[c] for c in collectives])
 
 
-def _share_inside(start: float, end: float, spans: list[tuple[float, float]]) -> float:
-    """The fraction of [start, end] inside the spans."""
-    if end <= start:
-        return 0.0
-    inside = sum(max(0.0, min(end, b) - max(start, a)) for a, b in spans)
-    return inside / (end - start)
+def _share_inside(start: float, duration: float, spans: BusyTime) -> float:
+    """The fraction of [start, start + duration] inside the spans."""
+    return spans.overlap(start, start + duration) / duration if duration > 0 else 0.0

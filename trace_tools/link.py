@@ -1054,7 +1054,7 @@ class _Timeline:
     step_node: list[bool]              # the step annotation and the observer's thread nodes
     lane_ops: dict[int, list[int]]     # lane -> its nodes but the step annotation, by start
     lane_starts: dict[int, list[float]]
-    busy: dict[int, "_BusyTime"]       # lane -> when its operators kept it busy
+    busy: dict[int, "BusyTime"]       # lane -> when its operators kept it busy
     cpu_lanes: list[int]
     own_ends: dict[int, list[float]]   # lane -> end times of its nodes, sorted
     launched: "_EnqueueOrder"          # CPU lane -> GPU work it enqueued
@@ -1205,7 +1205,7 @@ def order_lanes(linked: LinkedTrace) -> _Timeline:
     return _Timeline(
         linked=linked, deps=deps, lane_nodes=lane_nodes, position=position, step_node=step_node, lane_ops=lane_ops,
         lane_starts={lane: [ts[i] for i in nodes] for lane, nodes in lane_ops.items()},
-        busy={lane: _BusyTime([ts[i] for i in nodes], [ts[i] + dur[i] for i in nodes])
+        busy={lane: BusyTime([ts[i] for i in nodes], [ts[i] + dur[i] for i in nodes])
               for lane, nodes in lane_ops.items()},
         cpu_lanes=[lane for lane, key in enumerate(linked.lanes) if key[0] == "cpu"],
         own_ends={lane: sorted(ts[i] + dur[i] for i in nodes) for lane, nodes in lane_nodes.items()},
@@ -1399,7 +1399,7 @@ def link_blocked_callers(timeline: _Timeline) -> set[int]:
         lo, hi = max(ts[p], ts[i]), min(ts[p] + dur[p], ts[i] + dur[i])
         if hi - lo > 0.5 * dur[i] > 0:
             children = lane_children.get(p, ())
-            inner = _BusyTime([ts[c] for c in children], [ts[c] + dur[c] for c in children]).overlap(lo, hi)
+            inner = BusyTime([ts[c] for c in children], [ts[c] + dur[c] for c in children]).overlap(lo, hi)
             linked.wait[p] += max(0.0, hi - lo - inner)
             after = timeline.first_op_from(lane_of[p], ts[p] + dur[p])
             if after >= 0 and timeline.add(i, after, "blocked caller"):
@@ -1558,7 +1558,7 @@ def link_synchronizing_calls(timeline: _Timeline, syncs: list[tuple[int, int, fl
             gpu_lanes_of_device[key[1]].append(lane)
     if not gpu_lanes_of_device:
         return
-    device_busy = {device: _BusyTime([ts[i] for lane in lanes for i in timeline.lane_nodes[lane]],
+    device_busy = {device: BusyTime([ts[i] for lane in lanes for i in timeline.lane_nodes[lane]],
                                      [ts[i] + linked.dur[i] for lane in lanes for i in timeline.lane_nodes[lane]])
                    for device, lanes in gpu_lanes_of_device.items()}
     launched, on_stream = timeline.launched, timeline.on_stream
@@ -1602,7 +1602,7 @@ def _innermost_around(linked: LinkedTrace, node: int, t: float) -> int:
     return -1
 
 
-class _BusyTime:
+class BusyTime:
     """Union of time intervals, answering 'how long was it busy between a and b' in O(log n)."""
 
     def __init__(self, starts: list[float], ends: list[float]):
