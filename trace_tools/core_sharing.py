@@ -29,11 +29,14 @@ the CPU work, it runs beside the transfer: it adds to a short collective and van
 (bench/collective_start_cost.py: +1.9 ms for 64 KB and 900 KB all-reduces, none for 8.4 MB).
 
 The kernel's processing of the packets (softirq) is CPU work on the same cores too, in no thread's CPU time; the
-tracer measures it (run.json's untraced_step_interrupt_cpu_time_s) and the summary reports it, but the .et leaves
-it out: it changes with the network, not only with the bytes (BERT tiny: 0.2-0.4 ms a rank a step at full speed,
-0.9-1.3 ms at 100 Mbit/s behind tbf), so a trace's would follow it to every simulated network. Added, it moved
-BERT tiny's predictions from 100 Mbit/s traces to full speed from 1.05-1.07 to 1.09-1.10 of the real step, and on
-full-speed traces it neither gained nor lost (docs/BENCHMARKS.md §4b, twenty-first session).
+tracer measures it (run.json's untraced_step_interrupt_cpu_time_s, the machine's, divided among its ranks). Where
+the ranks' compute threads hold every core of the machine (trace_tools.step_timing's ranks_fill_cores: two ranks
+on a 2-core machine), it can only run on a core a rank computes on, and it joins gloo's time in the collectives' CPU
+nodes: there a rank's untraced step is its training thread's CPU time plus gloo's plus that share (within 2.3% in
+11 of 12 ranks of six full-speed traces of the big shapes, 7% in the twelfth; docs/BENCHMARKS.md §4b, twenty-sixth
+session), and without it their replays came out short of their own processes' steps (0.89-0.98). With cores to
+spare (the 16-core device machine) it runs beside the compute and is left out, as gloo's is not: at full speed
+gloo's reduction is what the last buckets' all-reduce waits for.
 
 GPU runs are left alone (NCCL's work is the device's), and so are runs that did not measure both times.
 """
