@@ -415,6 +415,37 @@ def test_ops_run_on_the_training_thread_alone_take_its_untraced_cpu_time(tmp_pat
         assert "so the training thread's ops take its CPU time in an untraced step" in durations_text(result)
 
 
+@pytest.mark.parametrize("intra_op_threads, rule", [(1, "untraced CPU time"), (4, "CPU time")])
+def test_the_training_threads_untraced_cpu_time_is_not_overridden_by_the_measured_cost_per_op(tmp_path,
+                                                                                            intra_op_threads, rule):
+    """Where the training thread ran every op, its untraced CPU time is a measurement of what the ops take untraced:
+    a cost per recorded op from the tracer's loop on one small op (run.json's recording_cost_per_op_us; it moves
+    6.5-16.1 µs between processes on one machine) that would take more out does not. Under the "CPU time" rule
+    (helper threads), where no such measurement exists, it is still the least taken out."""
+    folder = rank0_copy(CPU_FIXTURES / "gpt2_tiny_2r", tmp_path / "run")
+    plain = convert_rank0(folder, tmp_path / "plain.0.et")
+    _, plain_nodes = read_et_with_protolib(tmp_path / "plain.0.et")
+    compute = [n.duration_micros for n in plain_nodes if n.type == COMP_NODE]
+    ops_s = sum(compute) / 1e6
+    step_s = plain.traced_step_us / 1e6
+    rank = {"rank": 0, "step_wall_time_s": [step_s], "untraced_step_wall_time_s": [9 * step_s, step_s, step_s],
+            "step_cpu_time_s": [ops_s], "untraced_step_cpu_time_s": [5 * step_s, 0.5 * ops_s, 0.5 * ops_s],
+            "step_thread_cpu_time_s": [ops_s],
+            "untraced_step_thread_cpu_time_s": [5 * step_s, 0.5 * ops_s, 0.5 * ops_s],
+            # times the ops: 0.8 of their traced time, more than the 0.5 the CPU times differ by
+            "recording_cost_per_op_us": 0.8 * ops_s * 1e6 / len(compute),
+            "intra_op_threads": intra_op_threads}
+    (folder / "run.json").write_text(json.dumps({"ranks": [rank]}))
+    result = convert_rank0(folder, folder / "run.0.et")
+    assert result.overhead_rule == rule
+    _, nodes = read_et_with_protolib(folder / "run.0.et")
+    kept = sum(n.duration_micros for n in nodes if n.type == COMP_NODE) / 1e6 / ops_s
+    if rule == "untraced CPU time":
+        assert kept == pytest.approx(0.5, rel=0.01)
+    else:
+        assert kept < 0.45
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 def test_the_training_threads_cpu_time_only_sets_the_ops_of_a_trace_that_holds_no_other_thread(tmp_path, threads):
     """The training thread's CPU time covers its own ops: a trace with another thread's ops keeps the CPU-time

@@ -158,8 +158,7 @@ def durations_text(rank: RankResult) -> str:
     if rank.untraced_step_us:
         measured = {"calibrated": "half the cost of recording one op, which the tracer measured on this machine",
                     "untraced CPU time": "so the training thread's ops take its CPU time in an untraced step "
-                                         "(run.json; every op on that thread, one intra-op thread), and at least "
-                                         "its measured cost per op",
+                                         "(run.json; every op on that thread, one intra-op thread)",
                     "CPU time": "by the CPU time the tracer measured in traced and untraced steps, and at "
                                 "least its measured cost per op",
                     "critical path": "so the critical path takes the untraced step"}.get(rank.overhead_rule, "")

@@ -618,8 +618,10 @@ def measure_recording_cost_us(calls: int = 300) -> float:
     """CPU time the recording adds to one operator on this machine, in µs: a small operator timed untraced and
     recorded as the window records (Kineto's CPU events and an ExecutionTraceObserver writing a file), the fastest of
     three rounds each. The recorder does the same work for every operator, whatever the operator computes; timed in
-    a tight loop it is a lower bound (training's operators cost it 1-4x as much), so the conversion takes at least
-    this much out of each recorded op, and otherwise the traced steps' extra CPU time."""
+    a tight loop it is meant as a lower bound (training's operators cost it 1-4x as much), so the conversion takes at
+    least this much out of each recorded op where it has no untraced CPU time of the thread that ran them, and
+    otherwise the traced steps' extra CPU time. It moves between processes on one machine (6.5-16.1 µs on a 2-core
+    VM), so it is no floor under that thread's own measurement (trace_tools.link.remove_recording_overhead)."""
     x = torch.ones(4)
 
     def per_call_us() -> float:
