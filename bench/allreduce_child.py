@@ -6,14 +6,21 @@ gradients' all-reduce, for a time drawn anew each repeat between LOW and HIGH ms
 fixed time would start every all-reduce at the same phase of the kernel's timer tick, and on a kernel that lets a
 woken thread wait for the next tick the result would depend on that phase. The time counts from the later rank's
 call.
+
+With --cpu-times each size is instead reduced --repeats times back to back, and rank 0 prints the CPU time that
+took: each rank's communication threads' (gloo's event loop and workers, as the tracer reads them) and the
+machine's interrupt and softirq time (/proc/stat), both over the whole loop (bench/communication_cpu.py).
 """
 import argparse
 import json
+import time
 
 import torch
 import torch.distributed as dist
 
+from utils.chakra_tracer import communication_threads_times_s
 from utils.collective_start import time_all_reduces
+from utils.metrics import interrupt_cpu_seconds
 
 
 def compute_range_ms(text: str) -> tuple:
@@ -25,6 +32,30 @@ def compute_range_ms(text: str) -> tuple:
     return low_ms, high_ms
 
 
+def print_cpu_times(tensor: torch.Tensor, repeats: int, warmup: int, rank: int) -> None:
+    """Reduce `tensor` `repeats` times back to back (after `warmup`); rank 0 prints the wall time and the CPU time
+    of every rank's communication threads and of the machine's interrupts over the loop, in seconds."""
+    for _ in range(warmup):
+        dist.all_reduce(tensor)
+    dist.barrier()
+    threads_before, interrupts_before = communication_threads_times_s(), interrupt_cpu_seconds()
+    started = time.perf_counter()
+    for _ in range(repeats):
+        dist.all_reduce(tensor)
+    dist.barrier()
+    wall = time.perf_counter() - started
+    threads_after, interrupts_after = communication_threads_times_s(), interrupt_cpu_seconds()
+    if threads_before is None or threads_after is None or interrupts_before is None or interrupts_after is None:
+        raise SystemExit("error: this machine does not show threads' or interrupts' CPU time (/proc)")
+    mine = torch.tensor([threads_after[0] - threads_before[0]], dtype=torch.float64)
+    everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, mine)
+    if rank == 0:
+        print(json.dumps({"bytes": tensor.numel() * 4, "repeats": repeats, "wall_s": wall,
+                          "communication_threads_cpu_s": [float(t[0]) for t in everyone],
+                          "interrupt_cpu_s": interrupts_after - interrupts_before}), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--sizes", required=True, help="comma-separated message sizes in bytes")
@@ -34,11 +65,16 @@ def main() -> None:
                         help="compute for a time drawn between LOW and HIGH ms before each all-reduce instead of "
                              "meeting at a barrier")
     parser.add_argument("--seed", type=int, default=0, help="seed of the compute times (default: %(default)s)")
+    parser.add_argument("--cpu-times", action="store_true",
+                        help="reduce back to back and print the CPU time it took instead of each one's time")
     args = parser.parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     for size in (int(s) for s in args.sizes.split(",")):
         tensor = torch.ones(size // 4, dtype=torch.float32)
+        if args.cpu_times:
+            print_cpu_times(tensor, args.repeats, args.warmup, rank)
+            continue
         times = time_all_reduces(tensor, args.repeats, args.warmup, args.after_compute_ms, args.seed)
         if rank == 0:
             print(json.dumps({"bytes": tensor.numel() * 4, "seconds": times,

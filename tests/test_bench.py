@@ -183,6 +183,34 @@ def test_collective_start_cost_rejects_bad_flags_in_one_line(args, named):
     assert line.startswith("error:") and named in line
 
 
+# ---------------------------------------------------------------------------------------- communication_cpu
+def test_communication_cpu_measures_the_threads_and_the_kernels_time_per_byte_at_each_rate():
+    from bench.netem import missing_requirement
+    problem = missing_requirement()
+    if problem:
+        pytest.skip(f"communication_cpu needs a rate-limited network namespace: {problem}")
+    result = run_bench("communication_cpu.py", "--quick", timeout=300)
+    assert result.returncode == 0, result.stderr
+    fast, slow = table_rows(result.stdout, "unthrottled")[0], table_rows(result.stdout, "100 Mbit/s")[0]
+    for row in (fast, slow):
+        reduces, each_ms, threads_each, threads_per_mb = int(row[2]), float(row[3]), float(row[4]), float(row[6])
+        assert reduces >= 3 and each_ms > 0 and threads_each > 0
+        # 1 MB messages: the CPU time per MB is the time per all-reduce
+        assert threads_per_mb == pytest.approx(threads_each, rel=0.02, abs=0.002)
+        assert float(row[8]) == pytest.approx(float(row[6]) + float(row[7]), abs=0.002)
+    # a 1 MB ring all-reduce moves 2 MB through the loopback: at 100 Mbit/s that is at least 160 ms
+    assert float(slow[3]) >= 150 > float(fast[3])
+
+
+@pytest.mark.parametrize("args, named", [(["--rates", "fast"], "--rates"), (["--mb", "0"], "--mb"),
+                                         (["--rounds", "0"], "--rounds")])
+def test_communication_cpu_rejects_bad_flags_in_one_line(args, named):
+    result = run_bench("communication_cpu.py", *args, timeout=60)
+    assert result.returncode == 1
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("error:") and named in line
+
+
 # -------------------------------------------------------------------------------------------- process_pace
 def test_process_pace_times_the_same_work_in_separate_processes():
     result = run_bench("process_pace.py", "--quick", timeout=300)

@@ -419,6 +419,8 @@ NOT_RUNNABLE: dict[str, str] = {
     "CUDA_VISIBLE_DEVICES= python bench/whatif_bench.py --model gpt2-124m-shape --rates unthrottled,2gbit,1gbit "
     "--traces 3 --cycles 2 --warmup-cycles 0 --after-window-cycles 0 --no-docs --keep /tmp/keep":
         BENCHMARK + " (this one ran on the device machine's 16-core CPU)",
+    "python bench/communication_cpu.py":
+        "a benchmark of 1.5 min as root (a rate-limited network namespace); tests/test_bench.py runs it with --quick",
     "python bench/pause_cost.py --pause-s 8 --rounds 4":
         "a benchmark of 7 min; tests/test_bench.py runs it with --quick",
     "python bench/tracing_cost.py --threads 1": BENCHMARK,
