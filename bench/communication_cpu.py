@@ -53,6 +53,11 @@ def measure(namespace: Namespace, rate: Rate, message_bytes: int, seconds: float
     return json.loads(lines[-1])
 
 
+def interrupt_ms_per_mb(run: dict) -> float:
+    """The machine's interrupt time in one child run, in ms per MB of the messages it reduced."""
+    return 1000 * run["interrupt_cpu_s"] / (run["repeats"] * run["bytes"] / 1e6)
+
+
 def report(results: dict[str, list[dict]]) -> str:
     """One row a rate: per all-reduce, and per MB of the message, the threads' and the kernel's CPU time."""
     rows = []
@@ -61,7 +66,7 @@ def report(results: dict[str, list[dict]]) -> str:
         megabytes = sum(r["repeats"] * r["bytes"] for r in runs) / 1e6
         threads_ms = 1000 * sum(sum(r["communication_threads_cpu_s"]) for r in runs)
         interrupts_ms = 1000 * sum(r["interrupt_cpu_s"] for r in runs)
-        per_run = [1000 * r["interrupt_cpu_s"] / (r["repeats"] * r["bytes"] / 1e6) for r in runs]
+        per_run = [interrupt_ms_per_mb(r) for r in runs]
         rows.append([label, len(runs), reduces, f"{1000 * sum(r['wall_s'] for r in runs) / reduces:,.1f}",
                      f"{threads_ms / reduces:.2f}", f"{interrupts_ms / reduces:.2f}",
                      f"{threads_ms / megabytes:.3f}", f"{interrupts_ms / megabytes:.3f}",
@@ -113,8 +118,7 @@ def main(argv: list | None = None) -> int:
     print(f"\n2-rank gloo all-reduce of {message_bytes / 1e6:g} MB, back to back, {args.rounds} run(s) a rate of about "
           f"{args.seconds:g} s; CPU time per all-reduce and per MB of the message (the loopback carries 2 x it).\n")
     print(report(results))
-    medians = {label: statistics.median(1000 * r["interrupt_cpu_s"] / (r["repeats"] * r["bytes"] / 1e6)
-                                        for r in runs) for label, runs in results.items()}
+    medians = {label: statistics.median(interrupt_ms_per_mb(r) for r in runs) for label, runs in results.items()}
     print("\nInterrupt ms/MB, median of the runs: " + ", ".join(f"{k} {v:.3f}" for k, v in medians.items()))
     return 0
 

@@ -173,16 +173,6 @@ def test_collective_start_cost_times_each_size_after_compute_and_after_a_barrier
     assert 0 <= float(row[9]) <= float(row[6])
 
 
-@pytest.mark.parametrize("args, named", [(["--compute-ms", "5,2"], "--compute-ms"),
-                                         (["--sizes", "65536,big"], "--sizes"),
-                                         (["--repeats", "0"], "--repeats")])
-def test_collective_start_cost_rejects_bad_flags_in_one_line(args, named):
-    result = run_bench("collective_start_cost.py", *args, timeout=60)
-    assert result.returncode == 1
-    (line,) = result.stderr.strip().splitlines()
-    assert line.startswith("error:") and named in line
-
-
 # ---------------------------------------------------------------------------------------- communication_cpu
 def test_communication_cpu_measures_the_threads_and_the_kernels_time_per_byte_at_each_rate():
     from bench.netem import missing_requirement
@@ -202,13 +192,23 @@ def test_communication_cpu_measures_the_threads_and_the_kernels_time_per_byte_at
     assert float(slow[3]) >= 150 > float(fast[3])
 
 
-@pytest.mark.parametrize("args, named", [(["--rates", "fast"], "--rates"), (["--mb", "0"], "--mb"),
-                                         (["--rounds", "0"], "--rounds")])
-def test_communication_cpu_rejects_bad_flags_in_one_line(args, named):
-    result = run_bench("communication_cpu.py", *args, timeout=60)
+# ------------------------------------------------------------------------------------- every bench's flags
+@pytest.mark.parametrize("script, args, named", [
+    ("collective_start_cost.py", ["--compute-ms", "5,2"], "--compute-ms"),
+    ("collective_start_cost.py", ["--sizes", "65536,big"], "--sizes"),
+    ("collective_start_cost.py", ["--repeats", "0"], "--repeats"),
+    ("communication_cpu.py", ["--rates", "fast"], "--rates"),
+    ("communication_cpu.py", ["--mb", "0"], "--mb"),
+    ("communication_cpu.py", ["--rounds", "0"], "--rounds"),
+    ("pause_cost.py", ["--rounds", "0"], "--rounds 0: must be at least 1"),
+    ("pause_cost.py", ["--steps", "0"], "--steps 0: must be at least 1"),
+    ("pause_cost.py", ["--pause-s", "0"], "--pause-s 0: must be more than 0"),
+])
+def test_a_bench_rejects_a_bad_flag_in_one_line_naming_it(script, args, named):
+    result = run_bench(script, *args, timeout=60)
     assert result.returncode == 1
     (line,) = result.stderr.strip().splitlines()
-    assert line.startswith("error:") and named in line
+    assert line.startswith("error: ") and named in line
 
 
 # -------------------------------------------------------------------------------------------- process_pace
@@ -263,16 +263,6 @@ def test_pause_cost_sets_the_step_after_a_pause_beside_the_back_to_back_step():
     summaries = [line for line in result.stdout.splitlines() if " of 0.2 s: the step's CPU time is " in line]
     assert [line.split(" of ")[0] for line in summaries] == ["after a sleep", "after a spin"]
     assert "GPT-2 tiny" in result.stdout
-
-
-@pytest.mark.parametrize("args, named", [(["--rounds", "0"], "--rounds 0: must be at least 1"),
-                                         (["--steps", "0"], "--steps 0: must be at least 1"),
-                                         (["--pause-s", "0"], "--pause-s 0: must be more than 0")])
-def test_pause_cost_rejects_a_bad_flag_in_one_line(args, named):
-    result = run_bench("pause_cost.py", *args, timeout=60)
-    assert result.returncode == 1
-    (line,) = result.stderr.strip().splitlines()
-    assert line.startswith("error: ") and named in line
 
 
 # --------------------------------------------------------------------------------------------- tracing_cost

@@ -671,7 +671,6 @@ def remove_recording_overhead(linked: LinkedTrace, traced_step_us: float, untrac
 
     as_traced = path_with_cost(0.0)
     cpu_run, highest = GPU_OP not in linked.kind, max(own[i] / weight[i] for i in cpu_ops)
-    least = (per_op_us or 0.0) * len(cpu_ops)  # recording costs at least its measured work
     one_thread = len({linked.lane[i] for i in cpu_ops}) == 1  # what the training thread's CPU time covers
     if untraced_op_us is not None and cpu_run and one_thread:
         rule = "untraced CPU time"
@@ -679,6 +678,7 @@ def remove_recording_overhead(linked: LinkedTrace, traced_step_us: float, untrac
         cost = _smallest_cost(lambda c: removed_with_cost(c) > beyond, highest)
     elif recording_cpu_us is not None and cpu_run:
         rule = "CPU time"
+        least = (per_op_us or 0.0) * len(cpu_ops)  # recording costs at least its measured work
         cost = _smallest_cost(lambda c: removed_with_cost(c) > max(recording_cpu_us, least), highest)
     elif per_op_us is not None and cpu_run:
         rule, cost = "calibrated", max(0.0, per_op_us / 2)

@@ -266,7 +266,7 @@ def _correct_for_profiler(linked, result: RankResult, run_dir: Path, rank: int) 
                           times.collective_start_wait_us)
     if removed is not None:
         result.cores_shared, result.run_queue_removed_us = True, removed
-        result.interrupt_in_et = times.ranks_fill_cores and bool(times.interrupt_cpu_per_step_us)
+        result.interrupt_in_et = times.interrupt_on_compute_cores_us > 0.0
         result.collective_start_wait_us = times.collective_start_wait_us or 0.0
     _note_run_queue_wait(times, result, corrected=removed is not None)
 

@@ -117,18 +117,20 @@ class StepTimes:
                 and self.ranks_on_machine * (self.intra_op_threads or 1) >= self.machine_cpus)
 
     @property
+    def interrupt_on_compute_cores_us(self) -> float:
+        """This rank's share of the kernel's interrupt time (the packets' processing) where the ranks fill the
+        machine's cores (ranks_fill_cores), which then can only run on a core a rank computes on; 0 on a machine
+        with cores to spare, where it runs beside the compute, or when unmeasured."""
+        return (self.interrupt_cpu_per_step_us or 0.0) if self.ranks_fill_cores else 0.0
+
+    @property
     def communication_work_per_step_us(self) -> float | None:
         """CPU time the collectives cost a rank's cores in an untraced step (None if the communication threads' time
-        was not measured): the communication threads' mean, and where the ranks fill the machine's cores
-        (ranks_fill_cores) this rank's share of the kernel's interrupt time, the packets' processing, which then
-        can only run on a core a rank computes on. On a machine with cores to spare it runs beside the compute and
-        is left out. Both are measured at the traced network's rate, and the .et carries them to every simulated
-        one (docs/BENCHMARKS.md §4b, twenty-sixth session, for what that does to traces taken on a slow network).
-        """
+        was not measured): the communication threads' mean plus interrupt_on_compute_cores_us. Both are measured at
+        the traced network's rate, and the .et carries them to every simulated one (docs/BENCHMARKS.md §4b,
+        twenty-sixth session, for what that does to traces taken on a slow network)."""
         threads = self.communication_cpu_per_step_us
-        if threads is None or not self.ranks_fill_cores:
-            return threads
-        return threads + (self.interrupt_cpu_per_step_us or 0.0)
+        return None if threads is None else threads + self.interrupt_on_compute_cores_us
 
     @property
     def communication_run_queue_per_step_us(self) -> float | None:
