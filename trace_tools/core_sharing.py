@@ -44,7 +44,8 @@ from __future__ import annotations
 
 from chakra.schema.protobuf.et_def_pb2 import COMM_COLL_NODE, COMP_NODE
 
-from .link import COMMUNICATION_CPU_OP, COMMUNICATION_NODE_KINDS, COMMUNICATION_WAIT_OP, GPU_OP, BusyTime, LinkedTrace
+from .intervals import BusyTime
+from .link import COMMUNICATION_CPU_OP, COMMUNICATION_NODE_KINDS, COMMUNICATION_WAIT_OP, GPU_OP, LinkedTrace
 
 
 def share_cores(linked: LinkedTrace, run_queue_wait_us: float | None,

@@ -15,6 +15,7 @@ from chakra.schema.protobuf.et_def_pb2 import (
 )
 
 from .graph import longest_path, topological_order
+from .intervals import BusyTime
 from .layout import PG_INIT_NODE, STEP_PREFIX
 from .load import DeviceTrace, HostTrace, TraceError, is_structural
 
@@ -1059,7 +1060,7 @@ class _Timeline:
     step_node: list[bool]              # the step annotation and the observer's thread nodes
     lane_ops: dict[int, list[int]]     # lane -> its nodes but the step annotation, by start
     lane_starts: dict[int, list[float]]
-    busy: dict[int, "BusyTime"]       # lane -> when its operators kept it busy
+    busy: dict[int, BusyTime]         # lane -> when its operators kept it busy
     cpu_lanes: list[int]
     own_ends: dict[int, list[float]]   # lane -> end times of its nodes, sorted
     launched: "_EnqueueOrder"          # CPU lane -> GPU work it enqueued
@@ -1605,33 +1606,6 @@ def _innermost_around(linked: LinkedTrace, node: int, t: float) -> int:
         node = linked.lane_parent[node]
         depth += 1
     return -1
-
-
-class BusyTime:
-    """Union of time intervals, answering 'how long was it busy between a and b' in O(log n)."""
-
-    def __init__(self, starts: list[float], ends: list[float]):
-        merged: list[list[float]] = []
-        for start, end in sorted(zip(starts, ends)):
-            if merged and start <= merged[-1][1]:
-                if end > merged[-1][1]:
-                    merged[-1][1] = end
-            else:
-                merged.append([start, end])
-        self.starts = [m[0] for m in merged]
-        self.ends = [m[1] for m in merged]
-        self.before = [0.0]  # busy time before interval k
-        for start, end in merged:
-            self.before.append(self.before[-1] + end - start)
-
-    def busy_until(self, t: float) -> float:
-        k = bisect.bisect_right(self.starts, t)
-        if k == 0:
-            return 0.0
-        return self.before[k - 1] + min(t, self.ends[k - 1]) - self.starts[k - 1]
-
-    def overlap(self, a: float, b: float) -> float:
-        return max(0.0, self.busy_until(b) - self.busy_until(a)) if b > a else 0.0
 
 
 def _tiebreak_keys(linked: LinkedTrace) -> list:

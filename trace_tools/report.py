@@ -22,6 +22,7 @@ from matplotlib.patches import Patch
 
 from .discover import find_runs
 from .graph import longest_path, topological_order
+from .intervals import clip_intervals, merge_intervals, subtract_intervals, total_length
 from .layout import STEP_PREFIX, et_sets
 from .link import COMM_TYPE_NAMES
 from .load import read_trace_bytes
@@ -188,48 +189,6 @@ def find_et_files(folder: Path) -> tuple[str, dict[int, Path]]:
                           f"keep one run per folder")
     name = next(iter(runs))
     return name, runs[name]
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Intervals
-# ---------------------------------------------------------------------------------------------------------------
-def merge_intervals(intervals) -> list[tuple[int, int]]:
-    """Sorted, disjoint union of (start, end) intervals; empty ones are dropped."""
-    merged: list[list[int]] = []
-    for start, end in sorted(i for i in intervals if i[1] > i[0]):
-        if merged and start <= merged[-1][1]:
-            if end > merged[-1][1]:
-                merged[-1][1] = end
-        else:
-            merged.append([start, end])
-    return [(a, b) for a, b in merged]
-
-
-def subtract_intervals(a: list[tuple[int, int]], b: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """a minus b, both merged (sorted, disjoint)."""
-    out = []
-    j = 0
-    for start, end in a:
-        while j < len(b) and b[j][1] <= start:
-            j += 1
-        k = j
-        cursor = start
-        while k < len(b) and b[k][0] < end:
-            if b[k][0] > cursor:
-                out.append((cursor, b[k][0]))
-            cursor = max(cursor, b[k][1])
-            k += 1
-        if cursor < end:
-            out.append((cursor, end))
-    return out
-
-
-def clip_intervals(a: list[tuple[int, int]], lo: int, hi: int) -> list[tuple[int, int]]:
-    return [(max(s, lo), min(e, hi)) for s, e in a if e > lo and s < hi]
-
-
-def total_length(a) -> int:
-    return sum(e - s for s, e in a)
 
 
 def place_work_intervals(trace: RankTrace) -> None:
