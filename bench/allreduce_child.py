@@ -9,10 +9,13 @@ call.
 
 With --cpu-times each size is instead reduced --repeats times back to back, and rank 0 prints the CPU time that
 took: each rank's communication threads' (gloo's event loop and workers, as the tracer reads them) and the
-machine's interrupt and softirq time (/proc/stat), both over the whole loop (bench/communication_cpu.py).
+machine's interrupt and softirq time (/proc/stat), both over the whole loop, with the CPUs' whole time over it,
+every thread's CPU time on the machine and the idle time: whether the threads' time already holds the interrupts
+(bench/communication_cpu.py).
 """
 import argparse
 import json
+import os
 import time
 
 import torch
@@ -20,7 +23,7 @@ import torch.distributed as dist
 
 from utils.chakra_tracer import communication_threads_times_s
 from utils.collective_start import time_all_reduces
-from utils.metrics import interrupt_cpu_seconds
+from utils.metrics import all_threads_cpu_seconds, idle_cpu_seconds, interrupt_cpu_seconds
 
 
 def compute_range_ms(text: str) -> tuple:
@@ -32,12 +35,23 @@ def compute_range_ms(text: str) -> tuple:
     return low_ms, high_ms
 
 
+def machine_times(rank: int) -> tuple:
+    """On rank 0 (the others: zeros): the monotonic clock, every thread's CPU time and the CPUs' idle time, the
+    clock at the middle of the reading (summing every thread's schedstat takes some ms)."""
+    if rank != 0:
+        return 0.0, 0.0, 0.0
+    start = time.monotonic()
+    threads, idle = all_threads_cpu_seconds(), idle_cpu_seconds()
+    return (start + time.monotonic()) / 2, threads, idle
+
+
 def print_cpu_times(tensor: torch.Tensor, repeats: int, warmup: int, rank: int) -> None:
     """Reduce `tensor` `repeats` times back to back (after `warmup`); rank 0 prints the wall time and the CPU time
     of every rank's communication threads and of the machine's interrupts over the loop, in seconds."""
     for _ in range(warmup):
         dist.all_reduce(tensor)
     dist.barrier()
+    machine_before = machine_times(rank)
     threads_before, interrupts_before = communication_threads_times_s(), interrupt_cpu_seconds()
     started = time.perf_counter()
     for _ in range(repeats):
@@ -45,7 +59,8 @@ def print_cpu_times(tensor: torch.Tensor, repeats: int, warmup: int, rank: int) 
     dist.barrier()
     wall = time.perf_counter() - started
     threads_after, interrupts_after = communication_threads_times_s(), interrupt_cpu_seconds()
-    if threads_before is None or threads_after is None or interrupts_before is None or interrupts_after is None:
+    machine_after = machine_times(rank)
+    if None in (threads_before, threads_after, interrupts_before, interrupts_after, *machine_before, *machine_after):
         raise SystemExit("error: this machine does not show threads' or interrupts' CPU time (/proc)")
     mine = torch.tensor([threads_after[0] - threads_before[0]], dtype=torch.float64)
     everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
@@ -53,7 +68,10 @@ def print_cpu_times(tensor: torch.Tensor, repeats: int, warmup: int, rank: int) 
     if rank == 0:
         print(json.dumps({"bytes": tensor.numel() * 4, "repeats": repeats, "wall_s": wall,
                           "communication_threads_cpu_s": [float(t[0]) for t in everyone],
-                          "interrupt_cpu_s": interrupts_after - interrupts_before}), flush=True)
+                          "interrupt_cpu_s": interrupts_after - interrupts_before,
+                          "cpus_time_s": (machine_after[0] - machine_before[0]) * (os.cpu_count() or 1),
+                          "all_threads_cpu_s": machine_after[1] - machine_before[1],
+                          "idle_cpu_s": machine_after[2] - machine_before[2]}), flush=True)
 
 
 def main() -> None:

@@ -2,9 +2,11 @@
 kernel's.
 
 The converter gives each collective of a CPU run a CPU node with the communication threads' CPU time per untraced
-step, and, where the ranks hold every core of the machine, the rank's share of the machine's interrupt time
-(trace_tools.core_sharing). Both are measured at the traced network's rate, and the .et carries them to every rate
-it is simulated at. This bench measures how each changes with the rate: two ranks under torchrun in a private network
+step (trace_tools.core_sharing), measured at the traced network's rate, and the .et carries it to every rate it is
+simulated at. The machine's interrupt time it only reports: this bench also says whether the kernel counts that
+time in the threads it interrupted (every thread's CPU time plus the idle time then make up the CPUs' whole time;
+with the interrupt time added, more than that), so that adding it would count it twice, as on a kernel without
+CONFIG_IRQ_TIME_ACCOUNTING. It measures how each changes with the rate: two ranks under torchrun in a private network
 namespace whose loopback is rate-limited with tc tbf (as bench/whatif_bench.py does; root), reducing one message
 back to back for about --seconds at each rate, the rates in alternating order over --rounds so a machine that gets
 busier or quieter favours none. /proc/stat counts interrupt time in clock ticks (10 ms), so each run lasts long
@@ -29,6 +31,9 @@ RANKS = 2
 DEFAULT_RATES = "unthrottled,1gbit,500mbit,100mbit"
 UNTHROTTLED_GUESS_BITS = 8e9  # to size the unthrottled runs (a 2-core VM's loopback moves 9-14 Gbit/s)
 CHILD_TIMEOUT_S = 900
+# Below this share of the CPUs' time, the interrupt time (in 10 ms ticks) is too small against the other times'
+# error (a thread that ended in the run, the ms the reading takes) to say where it was counted
+TELLING_INTERRUPT_SHARE = 0.02
 
 
 def repeats_for(rate: Rate, message_bytes: int, seconds: float) -> int:
@@ -58,6 +63,32 @@ def interrupt_ms_per_mb(run: dict) -> float:
     return 1000 * run["interrupt_cpu_s"] / (run["repeats"] * run["bytes"] / 1e6)
 
 
+def accounted_share(run: dict, with_interrupts: bool) -> float:
+    """Every thread's CPU time plus the idle time (plus the interrupt time) over the CPUs' whole time in a run."""
+    extra = run["interrupt_cpu_s"] if with_interrupts else 0.0
+    return (run["all_threads_cpu_s"] + run["idle_cpu_s"] + extra) / run["cpus_time_s"]
+
+
+def interrupts_inside_threads(results: dict[str, list[dict]]) -> str:
+    """Per rate, pooled over its runs: the share of the CPUs' time that no thread's CPU time and no idle time holds,
+    against the interrupt time's share, and which accounting that shows. Where the threads' time holds the
+    interrupts, little is outside both; where it does not, the interrupt time is outside."""
+    lines = []
+    for label, runs in results.items():
+        whole = sum(run["cpus_time_s"] for run in runs)
+        outside = 1 - sum(run["all_threads_cpu_s"] + run["idle_cpu_s"] for run in runs) / whole
+        interrupts = sum(run["interrupt_cpu_s"] for run in runs) / whole
+        if interrupts < TELLING_INTERRUPT_SHARE:
+            verdict = "too little interrupt time to tell where it was counted"
+        elif abs(outside) < abs(outside - interrupts):
+            verdict = "the interrupt time is in the threads' time (added to it, it would count twice)"
+        else:
+            verdict = "the interrupt time is outside the threads' time"
+        lines.append(f"- {label}: {outside:.1%} of the CPUs' time was in no thread and not idle; the interrupt time "
+                     f"was {interrupts:.1%}: {verdict}")
+    return "\n".join(lines)
+
+
 def report(results: dict[str, list[dict]]) -> str:
     """One row a rate: per all-reduce, and per MB of the message, the threads' and the kernel's CPU time."""
     rows = []
@@ -71,10 +102,12 @@ def report(results: dict[str, list[dict]]) -> str:
                      f"{threads_ms / reduces:.2f}", f"{interrupts_ms / reduces:.2f}",
                      f"{threads_ms / megabytes:.3f}", f"{interrupts_ms / megabytes:.3f}",
                      f"{(threads_ms + interrupts_ms) / megabytes:.3f}",
-                     ", ".join(f"{x:.3f}" for x in per_run)])
+                     ", ".join(f"{x:.3f}" for x in per_run),
+                     ", ".join(f"{accounted_share(r, False):.3f}" for r in runs),
+                     ", ".join(f"{accounted_share(r, True):.3f}" for r in runs)])
     headers = ["rate", "runs", "all-reduces", "ms each", "threads' CPU ms each (both ranks)",
                "interrupt CPU ms each (machine)", "threads ms/MB", "interrupts ms/MB", "both ms/MB",
-               "interrupts ms/MB in each run"]
+               "interrupts ms/MB in each run", "all threads + idle / CPUs' time", "+ interrupts / CPUs' time"]
     return format_table(headers, rows)
 
 
@@ -120,6 +153,7 @@ def main(argv: list | None = None) -> int:
     print(report(results))
     medians = {label: statistics.median(interrupt_ms_per_mb(r) for r in runs) for label, runs in results.items()}
     print("\nInterrupt ms/MB, median of the runs: " + ", ".join(f"{k} {v:.3f}" for k, v in medians.items()))
+    print("Where the kernel's interrupt time was counted:\n" + interrupts_inside_threads(results))
     return 0
 
 

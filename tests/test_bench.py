@@ -190,6 +190,13 @@ def test_communication_cpu_measures_the_threads_and_the_kernels_time_per_byte_at
         assert float(row[8]) == pytest.approx(float(row[6]) + float(row[7]), abs=0.002)
     # a 1 MB ring all-reduce moves 2 MB through the loopback: at 100 Mbit/s that is at least 160 ms
     assert float(slow[3]) >= 150 > float(fast[3])
+    # every thread's CPU time and the idle time make up about the CPUs' whole time; the interrupts only add to it
+    for row in (fast, slow):
+        alone, added = float(row[10]), float(row[11])
+        assert 0.7 < alone <= added < 1.4
+    verdicts = [line for line in result.stdout.splitlines() if line.startswith("- ")]
+    assert [line.split(":")[0] for line in verdicts] == ["- unthrottled", "- 100 Mbit/s"]
+    assert all("of the CPUs' time was in no thread and not idle" in line for line in verdicts)
 
 
 # ------------------------------------------------------------------------------------- every bench's flags

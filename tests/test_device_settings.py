@@ -117,15 +117,38 @@ def test_other_processes_cpu_time_is_the_machines_busy_time_less_this_jobs(tmp_p
         assert "other processes used 1.50 CPU-s of the 1.00 s window" in busy_machine_warning(load)
 
 
-def test_interrupt_time_is_the_irq_and_softirq_columns_of_all_cpus(tmp_path, monkeypatch):
+def test_interrupt_and_idle_time_are_their_columns_of_all_cpus(tmp_path, monkeypatch):
     """/proc/stat's first line: user nice system idle iowait irq softirq steal; the interrupt time is irq + softirq,
-    work no process's CPU time holds, and None without /proc/stat."""
+    the idle time idle + iowait, and both None without /proc/stat."""
     monkeypatch.setattr(metrics, "_clock_ticks", lambda: 100)
     monkeypatch.setattr(metrics, "PROC", tmp_path)
     (tmp_path / "stat").write_text("cpu  500 7 300 99999 11 3 42 13 0 0\ncpu0 0 0 0 0\n")
     assert metrics.interrupt_cpu_seconds() == pytest.approx(0.45)
+    assert metrics.idle_cpu_seconds() == pytest.approx(1000.10)
     (tmp_path / "stat").unlink()
-    assert metrics.interrupt_cpu_seconds() is None
+    assert metrics.interrupt_cpu_seconds() is None and metrics.idle_cpu_seconds() is None
+
+
+def test_every_threads_cpu_time_is_summed_from_schedstat_and_skips_a_thread_that_ended(tmp_path, monkeypatch):
+    """Each /proc/<pid>/task/<tid>/schedstat's first field (ns on a CPU), summed; a file that cannot be read (the
+    thread ended) is skipped; None where /proc shows no thread."""
+    monkeypatch.setattr(metrics, "PROC", tmp_path)
+    assert metrics.all_threads_cpu_seconds() is None
+    for pid, tid, text in ((1, 1, "1500000000 20 3\n"), (7, 7, "250000000 0 1\n"), (7, 9, "250000000 5 2\n"),
+                           (8, 8, "")):
+        task = tmp_path / str(pid) / "task" / str(tid)
+        task.mkdir(parents=True)
+        (task / "schedstat").write_text(text)
+    assert metrics.all_threads_cpu_seconds() == pytest.approx(2.0)
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="Linux /proc only")
+def test_every_threads_cpu_time_on_this_machine_grows_with_this_threads_work():
+    before = metrics.all_threads_cpu_seconds()
+    spent = time.thread_time()
+    while time.thread_time() - spent < 0.2:
+        pass
+    assert metrics.all_threads_cpu_seconds() - before >= 0.19
 
 
 def test_load_on_this_machine_is_measured_and_an_idle_window_gives_no_warning():

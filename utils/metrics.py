@@ -108,15 +108,40 @@ def _busy_cpu_seconds() -> Optional[float]:
 
 
 def interrupt_cpu_seconds() -> Optional[float]:
-    """All CPUs' time in interrupt and softirq context since boot (/proc/stat; None where it is missing): work no
-    thread's CPU time holds. On a CPU run that is mostly the kernel's processing of the collectives' packets: over
-    loopback on a 2-core VM 0.1-0.2 CPU-s per GB sent (segmentation offload on and off), about as much as the
-    sending and receiving system calls, which the threads' own time does hold. /proc/stat counts it in clock ticks
-    (10 ms): a difference over one step is off by up to a tick, a sum over consecutive steps by up to a tick in all."""
+    """All CPUs' time in interrupt and softirq context since boot (/proc/stat; None where it is missing). A kernel
+    with CONFIG_IRQ_TIME_ACCOUNTING keeps it out of the threads' CPU time; one without (the 2-core VM) counts it in
+    the time of the thread it interrupted too. On a CPU run that is mostly the kernel's processing of the
+    collectives' packets: over loopback on a 2-core VM 0.1-0.2 CPU-s per GB sent (segmentation offload on and
+    off). /proc/stat counts it in clock ticks (10 ms): a difference over one step is off by up to a tick, a sum over
+    consecutive steps by up to a tick in all."""
     ticks = _machine_cpu_ticks()
     if ticks is None:
         return None
     return (ticks[5] + ticks[6]) / _clock_ticks()
+
+
+def idle_cpu_seconds() -> Optional[float]:
+    """All CPUs' idle and iowait time since boot (/proc/stat; None where it is missing). Where the kernel stops the
+    tick on idle CPUs (NO_HZ) it counts this exactly, not in ticks."""
+    ticks = _machine_cpu_ticks()
+    if ticks is None:
+        return None
+    return (ticks[3] + ticks[4]) / _clock_ticks()
+
+
+def all_threads_cpu_seconds() -> Optional[float]:
+    """The time on a CPU of every thread the machine runs now, since each started, summed (Linux's
+    /proc/<pid>/task/<tid>/schedstat, in ns; None where /proc has none). A difference over a window leaves out the
+    threads that ended in it. On a kernel without CONFIG_IRQ_TIME_ACCOUNTING this time holds the interrupts that
+    came while each thread ran: over a window its difference plus the idle time's is then the CPUs' whole time."""
+    total, found = 0, False
+    for stats in PROC.glob("[0-9]*/task/[0-9]*/schedstat"):
+        try:
+            total += int(stats.read_text().split()[0])
+            found = True
+        except (OSError, ValueError, IndexError):
+            continue  # the thread ended while being read
+    return total / 1e9 if found else None
 
 
 def _processes() -> Dict[int, tuple]:
