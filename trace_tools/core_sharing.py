@@ -28,15 +28,13 @@ own before its CPU node, one that holds no core (not a CPU op: ASTRA-sim runs it
 the CPU work, it runs beside the transfer: it adds to a short collective and vanishes behind a long one, as measured
 (bench/collective_start_cost.py: +1.9 ms for 64 KB and 900 KB all-reduces, none for 8.4 MB).
 
-The kernel's processing of the packets (softirq) is CPU work on the same cores too, in no thread's CPU time; the
-tracer measures it (run.json's untraced_step_interrupt_cpu_time_s, the machine's, divided among its ranks). Where
-the ranks' compute threads hold every core of the machine (trace_tools.step_timing's ranks_fill_cores: two ranks
-on a 2-core machine), it can only run on a core a rank computes on, and it joins gloo's time in the collectives' CPU
-nodes: there a rank's untraced step is its training thread's CPU time plus gloo's plus that share (within 2.3% in
-11 of 12 ranks of six full-speed traces of the big shapes, 7% in the twelfth; docs/BENCHMARKS.md §4b, twenty-sixth
-session), and without it their replays came out short of their own processes' steps (0.89-0.98). With cores to
-spare (the 16-core device machine) it runs beside the compute and is left out, as gloo's is not: at full speed
-gloo's reduction is what the last buckets' all-reduce waits for.
+The kernel's processing of the packets (softirq) is CPU work on the same cores too. The tracer measures the
+machine's (run.json's untraced_step_interrupt_cpu_time_s) and the summary reports each rank's share, but the .et adds
+nothing for it: on a kernel that does not account interrupt time apart from the tasks' (no
+CONFIG_IRQ_TIME_ACCOUNTING, as on the 2-core VM) it is inside the CPU time of the threads it interrupted, gloo's and
+the training thread's, which the .et already holds. Over back-to-back all-reduces there, every task's CPU time
+plus the idle time came to 0.993 of the CPUs' time, and 1.05-1.06 with the interrupt time added (docs/BENCHMARKS.md
+§4b, twenty-seventh session).
 
 GPU runs are left alone (NCCL's work is the device's), and so are runs that did not measure both times.
 """

@@ -262,11 +262,10 @@ def _correct_for_profiler(linked, result: RankResult, run_dir: Path, rank: int) 
     result.overhead_rule = linked.stats.get("recording_overhead_rule", "")
     result.recording_overhead_us = linked.stats.get("recording_overhead_us", 0.0)
     linked.untraced_step_us = times.untraced_median_us
-    removed = share_cores(linked, waits[0] if waits else None, times.communication_work_per_step_us,
+    removed = share_cores(linked, waits[0] if waits else None, times.communication_cpu_per_step_us,
                           times.collective_start_wait_us)
     if removed is not None:
         result.cores_shared, result.run_queue_removed_us = True, removed
-        result.interrupt_in_et = times.interrupt_on_compute_cores_us > 0.0
         result.collective_start_wait_us = times.collective_start_wait_us or 0.0
     _note_run_queue_wait(times, result, corrected=removed is not None)
 

@@ -46,7 +46,6 @@ class StepTimes:
     traced_interrupt_cpu_us: list[float] | None = None
     untraced_interrupt_cpu_us: list[float] | None = None
     ranks_on_machine: int = 1
-    machine_cpus: int | None = None  # the CPUs of the rank's machine (run.json's machine_load), when recorded
     # The share of the machine's CPUs other processes used during the traced window, and whether the tracer judged
     # the machine busy for it (run.json's machine_load), when measured
     other_processes_cpu_share: float | None = None
@@ -101,36 +100,13 @@ class StepTimes:
     def interrupt_cpu_per_step_us(self) -> float | None:
         """This rank's share of the machine's interrupt and softirq time in an untraced step (in a traced one when no
         untraced step measured it; None if unmeasured): the mean, divided among the ranks on the machine. On a CPU
-        run that is the kernel's work on the collectives' packets (0.1-0.2 CPU-s per GB over loopback on a 2-core VM,
-        about as much as gloo's system calls): CPU time of the communication that no thread's CPU time holds.
-        Reported only (trace_tools.core_sharing says why the .et leaves it out). The mean over all the steps, as
+        run that is mostly the kernel's work on the collectives' packets. Reported only: on a kernel that does not
+        account interrupt time apart from the tasks' (no CONFIG_IRQ_TIME_ACCOUNTING, as on the 2-core VM), it is
+        already inside the CPU time of the threads it interrupted, the training thread's and gloo's, and added to
+        them it would count twice (docs/BENCHMARKS.md §4b, twenty-seventh session). The mean over all the steps, as
         /proc/stat counts it in 10 ms ticks: a sum over consecutive steps is off by a tick at most, however many."""
         mean = _mean_per_step(self.untraced_interrupt_cpu_us, self.traced_interrupt_cpu_us)
         return mean / max(1, self.ranks_on_machine) if mean is not None else None
-
-    @property
-    def ranks_fill_cores(self) -> bool:
-        """Whether the ranks' compute threads hold every CPU of the machine (ranks x intra-op threads >= CPUs; False
-        when the run did not record its CPUs): then any other CPU work there, the communication threads' and the
-        kernel's, takes a core from a rank's compute."""
-        return (self.machine_cpus is not None
-                and self.ranks_on_machine * (self.intra_op_threads or 1) >= self.machine_cpus)
-
-    @property
-    def interrupt_on_compute_cores_us(self) -> float:
-        """This rank's share of the kernel's interrupt time (the packets' processing) where the ranks fill the
-        machine's cores (ranks_fill_cores), which then can only run on a core a rank computes on; 0 on a machine
-        with cores to spare, where it runs beside the compute, or when unmeasured."""
-        return (self.interrupt_cpu_per_step_us or 0.0) if self.ranks_fill_cores else 0.0
-
-    @property
-    def communication_work_per_step_us(self) -> float | None:
-        """CPU time the collectives cost a rank's cores in an untraced step (None if the communication threads' time
-        was not measured): the communication threads' mean plus interrupt_on_compute_cores_us. Both are measured at
-        the traced network's rate, and the .et carries them to every simulated one (docs/BENCHMARKS.md §4b,
-        twenty-sixth session, for what that does to traces taken on a slow network)."""
-        threads = self.communication_cpu_per_step_us
-        return None if threads is None else threads + self.interrupt_on_compute_cores_us
 
     @property
     def communication_run_queue_per_step_us(self) -> float | None:
@@ -197,8 +173,7 @@ def step_times_of(info, rank: int) -> StepTimes | None:
     start_wait = entries[0].get("collective_start_wait_s")
     ranks_on_machine = entries[0].get("ranks_on_machine")
     load = entries[0].get("machine_load")
-    others, busy, cpus = ((load.get("other_processes_cpu_share"), load.get("busy"), load.get("cpus"))
-                          if isinstance(load, dict) else (None, None, None))
+    others, busy = (load.get("other_processes_cpu_share"), load.get("busy")) if isinstance(load, dict) else (None, None)
     return StepTimes(traced_us=traced, untraced_us=untraced, traced_cpu_us=micros("step_cpu_time_s"),
                      untraced_cpu_us=untraced_micros("untraced_step_cpu_time_s"),
                      traced_thread_cpu_us=micros("step_thread_cpu_time_s"),
@@ -220,7 +195,6 @@ def step_times_of(info, rank: int) -> StepTimes | None:
                      untraced_interrupt_cpu_us=untraced_micros("untraced_step_interrupt_cpu_time_s"),
                      ranks_on_machine=ranks_on_machine if isinstance(ranks_on_machine, int) and ranks_on_machine > 0
                      else 1,
-                     machine_cpus=cpus if isinstance(cpus, int) and not isinstance(cpus, bool) and cpus > 0 else None,
                      other_processes_cpu_share=(float(others) if isinstance(others, (int, float))
                                                 and not isinstance(others, bool) and others >= 0 else None),
                      machine_busy=busy if isinstance(busy, bool) else None)

@@ -51,8 +51,6 @@ class RankResult:
     communication_cpu_us: float = 0.0      # mean CPU time of gloo's threads in an untraced step (run.json); 0: unknown
     # this rank's share of the machine's interrupt and softirq time in an untraced step (run.json); 0: unknown
     interrupt_cpu_us: float = 0.0
-    # that time added to the collectives' CPU nodes (the ranks held every core of the machine: trace_tools.step_timing)
-    interrupt_in_et: bool = False
     # mean time gloo's threads waited for a core in an untraced step, summed over them (run.json); 0: unknown
     communication_run_queue_wait_us: float = 0.0
     # how long an all-reduce issued after compute waited to start (run.json), put before each collective's CPU work;
@@ -179,16 +177,13 @@ def durations_text(rank: RankResult) -> str:
                          "them, so overlapping)")
             if rank.interrupt_cpu_us:
                 text += (f", and the kernel spent {rank.interrupt_cpu_us / 1000:.1f} ms per untraced step in "
-                         "interrupt context (this rank's share of the machine's: mostly the packets' processing, which "
-                         "no thread's time holds; "
-                         + ("given to the collectives' CPU nodes with gloo's, as the ranks held every core of the "
-                            "machine)" if rank.interrupt_in_et else
-                            "not in the .et: the machine had cores beyond the ranks' to run it, or did not say)"))
+                         "interrupt context (this rank's share of the machine's: mostly the packets' processing; "
+                         "reported only, as the threads it interrupted may already hold it: "
+                         "trace_tools.step_timing)")
         if rank.cores_shared:
             text += (f": the traced wait ({rank.run_queue_removed_us / 1000:.1f} ms) taken out of the training "
-                     "thread's ops, first those that ran while a collective was in flight, and gloo's CPU time"
-                     + (" and the kernel's" if rank.interrupt_in_et else "") +
-                     " given to the collectives as CPU nodes, by bytes (trace_tools.core_sharing)")
+                     "thread's ops, first those that ran while a collective was in flight, and gloo's CPU time "
+                     "given to the collectives as CPU nodes, by bytes (trace_tools.core_sharing)")
             if rank.collective_start_wait_us:
                 text += (f", each after a wait of {rank.collective_start_wait_us / 1000:.2f} ms that holds no core (an "
                          "all-reduce issued after compute waited that long to start on average, run.json: "

@@ -534,8 +534,9 @@ class StepMeasures:
     # Minor page faults of the training thread: a step that reuses the memory the last one freed has none
     page_faults: dict[int, int] = field(default_factory=dict)
     # The machine's time in interrupt and softirq context, all its CPUs, counted in clock ticks of 10 ms
-    # (utils/metrics.py): on a CPU run mostly the kernel's processing of the collectives' packets, CPU work on the
-    # compute's cores that no thread's CPU time holds; shared by the ranks on this machine (ranks_on_machine)
+    # (utils/metrics.py): on a CPU run mostly the kernel's processing of the collectives' packets; shared by the
+    # ranks on this machine (ranks_on_machine). A kernel without CONFIG_IRQ_TIME_ACCOUNTING also counts it in the
+    # CPU time of the threads it interrupted
     interrupt_cpu_time_s: dict[int, float] = field(default_factory=dict)
 
     def add(self, step: int, start: StepClocks, end: StepClocks) -> None:
