@@ -419,6 +419,11 @@ NOT_RUNNABLE: dict[str, str] = {
     "CUDA_VISIBLE_DEVICES= python bench/whatif_bench.py --model gpt2-124m-shape --rates unthrottled,2gbit,1gbit "
     "--traces 3 --cycles 2 --warmup-cycles 0 --after-window-cycles 0 --no-docs --keep /tmp/keep":
         BENCHMARK + " (this one ran on the device machine's 16-core CPU)",
+    "python bench/whatif_bench.py --model tiny --trace-rate 400mbit --traces 3 --keep /tmp/k78_tiny400": BENCHMARK,
+    "python bench/whatif_bench.py --model bert-tiny --trace-rate 1gbit --traces 3 --keep /tmp/k79_berttiny1g":
+        BENCHMARK,
+    "python bench/whatif_bench.py --model gpt2-124m-shape --trace-rate 2gbit --traces 3 --keep /tmp/k80_124m2g":
+        BENCHMARK,
     "python bench/communication_cpu.py":
         "a benchmark of 1.5 min as root (a rate-limited network namespace); tests/test_bench.py runs it with --quick",
     "python bench/pause_cost.py --pause-s 8 --rounds 4":
