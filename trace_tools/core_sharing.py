@@ -32,9 +32,9 @@ The kernel's processing of the packets (softirq) is CPU work on the same cores t
 machine's (run.json's untraced_step_interrupt_cpu_time_s) and the summary reports each rank's share, but the .et adds
 nothing for it: on a kernel that does not account interrupt time apart from the tasks' (no
 CONFIG_IRQ_TIME_ACCOUNTING, as on the 2-core VM) it is inside the CPU time of the threads it interrupted, gloo's and
-the training thread's, which the .et already holds. Over back-to-back all-reduces there, every task's CPU time
-plus the idle time came to 0.993 of the CPUs' time, and 1.05-1.06 with the interrupt time added (docs/BENCHMARKS.md
-§4b, twenty-seventh session).
+the training thread's, which the .et already holds. Over back-to-back all-reduces at full speed there, every
+thread's CPU time plus the idle time came to 0.989-0.992 of the CPUs' time, and 1.18-1.20 with the interrupt time
+added (bench/communication_cpu.py; docs/BENCHMARKS.md §4b, twenty-seventh session).
 
 GPU runs are left alone (NCCL's work is the device's), and so are runs that did not measure both times.
 """
