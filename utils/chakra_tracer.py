@@ -29,7 +29,8 @@ from trace_tools.layout import (DERIVED_FILES, DEVICE_TRACE, HOST_TRACE, INVALID
 from trace_tools.load import describe_json_problem
 from utils.collective_start import measure_collective_start_wait_s
 from utils.host_memory import reserve_heap_for_profiler
-from utils.metrics import busy_machine_warning, interrupt_cpu_seconds, machine_load_between, sample_machine_load
+from utils.metrics import (busy_machine_warning, interrupt_cpu_seconds, machine_load_between, sample_machine_load,
+                           schedstat_seconds)
 from utils.run_config import RunConfig
 
 logger = logging.getLogger(__name__)
@@ -560,21 +561,10 @@ class StepMeasures:
         return {prefix + name: [measured[step] for step in sorted(measured)] for name, measured in vars(self).items()}
 
 
-def _schedstat_s(path: str) -> tuple[float, float] | None:
-    """A Linux schedstat file in seconds: (time on a CPU, time runnable but waiting for one), both kept in ns; None
-    where the file is missing or unreadable (not Linux, or the thread has ended)."""
-    try:
-        with open(path, encoding="ascii") as stats:
-            fields = stats.read().split()
-        return int(fields[0]) / 1e9, int(fields[1]) / 1e9
-    except (OSError, ValueError, IndexError):
-        return None
-
-
 def run_queue_wait_s() -> float | None:
     """Seconds the calling thread has spent runnable but waiting for a CPU since it started (Linux's
     /proc/thread-self/schedstat); None where the kernel does not provide it."""
-    times = _schedstat_s("/proc/thread-self/schedstat")
+    times = schedstat_seconds("/proc/thread-self/schedstat")
     return times[1] if times is not None else None
 
 
@@ -609,7 +599,7 @@ def communication_threads_times_s() -> tuple[float, float] | None:
                     continue
         except OSError:
             continue  # the thread ended between the listing and the read
-        times = _schedstat_s(f"/proc/self/task/{tid}/schedstat")
+        times = schedstat_seconds(f"/proc/self/task/{tid}/schedstat")
         if times is not None:
             on_cpu, waiting, found = on_cpu + times[0], waiting + times[1], True
     return (on_cpu, waiting) if found else None

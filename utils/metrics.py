@@ -131,17 +131,23 @@ def idle_cpu_seconds() -> Optional[float]:
 
 def all_threads_cpu_seconds() -> Optional[float]:
     """The time on a CPU of every thread the machine runs now, since each started, summed (Linux's
-    /proc/<pid>/task/<tid>/schedstat, in ns; None where /proc has none). A difference over a window leaves out the
+    /proc/<pid>/task/<tid>/schedstat; None where /proc has none). A difference over a window leaves out the
     threads that ended in it. On a kernel without CONFIG_IRQ_TIME_ACCOUNTING this time holds the interrupts that
     came while each thread ran: over a window its difference plus the idle time's is then the CPUs' whole time."""
-    total, found = 0, False
-    for stats in PROC.glob("[0-9]*/task/[0-9]*/schedstat"):
-        try:
-            total += int(stats.read_text().split()[0])
-            found = True
-        except (OSError, ValueError, IndexError):
-            continue  # the thread ended while being read
-    return total / 1e9 if found else None
+    times = [schedstat_seconds(path) for path in PROC.glob("[0-9]*/task/[0-9]*/schedstat")]
+    on_cpu = [t[0] for t in times if t is not None]  # None: the thread ended while being read
+    return sum(on_cpu) if on_cpu else None
+
+
+def schedstat_seconds(path) -> Optional[tuple]:
+    """A Linux schedstat file in seconds: (time on a CPU, time runnable but waiting for one), both kept in ns; None
+    where the file is missing or unreadable (not Linux, or the thread has ended)."""
+    try:
+        with open(path, encoding="ascii") as stats:
+            fields = stats.read().split()
+        return int(fields[0]) / 1e9, int(fields[1]) / 1e9
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _processes() -> Dict[int, tuple]:
