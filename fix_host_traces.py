@@ -4,6 +4,7 @@ import argparse
 import sys
 import time
 
+from trace_tools.command_line import ArgumentParser
 from utils.environment import require
 
 require("conversion")  # one line naming the environment to use, not a ModuleNotFoundError
@@ -19,7 +20,7 @@ def positive_int(text: str) -> int:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         description="Repair host traces where it is safe: several JSON documents concatenated (keeps the last "
                     "complete one), a truncated tail (closes the node list after the last complete node), duplicate "
                     "node ids (keeps the first), one complete document amid another writer's text. Refuses, with a "

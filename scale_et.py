@@ -4,11 +4,12 @@ import argparse
 import logging
 import sys
 
+from trace_tools.command_line import ArgumentParser
 from trace_tools.scale import DEFAULT_NAME, SUMMARY_NAME, ScaleError, parse_slow, scale_set
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="scale_et.py",
         description="Scale a converted data-parallel run (the <name>.<rank>.et files convert_to_et.py wrote for k "
         "traced ranks) to N ranks: rank r replays traced rank r mod k, collectives keep their sizes and run over all "

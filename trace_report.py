@@ -6,6 +6,7 @@ import sys
 import time
 from pathlib import Path
 
+from trace_tools.command_line import ArgumentParser
 from utils.environment import require
 
 require("report")  # one line naming the environment to use, not a ModuleNotFoundError
@@ -14,7 +15,7 @@ from trace_tools.report import ReportError, find_report_folders, write_report  #
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         description="For each run folder (the <name>.<rank>.et files of one run), write report.md with the step "
                     "time breakdown per rank, a timeline of the traced step, the top operators and kernels, the "
                     "communication, and the critical path beside the traced step time; report.json holds every "

@@ -21,6 +21,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from trace_tools.command_line import ArgumentParser
 from utils.chakra_tracer import communication_threads_times_s
 from utils.collective_start import time_all_reduces
 from utils.metrics import all_threads_cpu_seconds, idle_cpu_seconds, interrupt_cpu_seconds
@@ -75,7 +76,7 @@ def print_cpu_times(tensor: torch.Tensor, repeats: int, warmup: int, rank: int) 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = ArgumentParser(description=__doc__)
     parser.add_argument("--sizes", required=True, help="comma-separated message sizes in bytes")
     parser.add_argument("--repeats", type=int, default=5, help="timed all-reduces per size (default: %(default)s)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed all-reduces first (default: %(default)s)")

@@ -22,6 +22,7 @@ import sys
 from bench.allreduce_child import compute_range_ms
 from bench.common import (REPO_ROOT, BenchError, child_env, exit_on_sigterm, fail, format_table, machine_description,
                           run_child)
+from trace_tools.command_line import ArgumentParser
 from utils.collective_start import wait_beyond_fastest
 
 CHILD = REPO_ROOT / "bench" / "allreduce_child.py"
@@ -64,7 +65,7 @@ def report(idle: dict[int, list[float]], busy: dict[int, list[float]], compute_m
 
 
 def main(argv: list | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default=DEFAULT_SIZES, help="message sizes in bytes (default: %(default)s)")
     parser.add_argument("--repeats", type=int, default=100, help="timed all-reduces per size and run (default: %(default)s)")
     parser.add_argument("--rounds", type=int, default=2,

@@ -25,6 +25,7 @@ import sys
 from bench.common import (REPO_ROOT, BenchError, child_env, exit_on_sigterm, fail, format_table, machine_description,
                           run_child)
 from bench.netem import Namespace, NetemUnavailable, Rate, missing_requirement, parse_rate
+from trace_tools.command_line import ArgumentParser
 
 CHILD = REPO_ROOT / "bench" / "allreduce_child.py"
 RANKS = 2
@@ -112,7 +113,7 @@ def report(results: dict[str, list[dict]]) -> str:
 
 
 def main(argv: list | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rates", default=DEFAULT_RATES, help="comma-separated rates (default: %(default)s)")
     parser.add_argument("--mb", type=float, default=8.0, help="message size in MB (default: %(default)s)")
     parser.add_argument("--seconds", type=float, default=4.0,

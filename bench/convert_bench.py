@@ -11,6 +11,7 @@ from pathlib import Path
 
 from bench.common import (BUNDLED_SQUAD, REPO_ROOT, BenchError, child_env, exit_on_sigterm, fail, format_table,
                           full_vocab_tokenizer, machine_description, median, one_core, ratio, run_child, train_script)
+from trace_tools.command_line import ArgumentParser
 from utils.families import FAMILIES
 from trace_tools.atomic import atomic_path
 from trace_tools.layout import RUN_INFO, device_trace_name, et_name, host_trace_name
@@ -272,7 +273,7 @@ def report(sets: list, results: dict, args) -> str:
 
 # ----------------------------------------------------------------------------------------------------------- main
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="bench/convert_bench.py", description=__doc__ + " Traces come from our tracer on our trainer (GPT-2 124M, "
         "two CPU ranks by default) and are cached; each rank is then converted by ours and by chakra_converter in its "
         "own process on one core. Exits 1 when either side could not be measured.")

@@ -1,12 +1,12 @@
 """Child of convert_bench.py: one rank through our host+device -> validated .et path, or a bare orjson parse."""
-import argparse
 import json
 import sys
 import time
+from trace_tools.command_line import ArgumentParser
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = ArgumentParser(description=__doc__)
     parser.add_argument("mode", choices=["convert", "parse"],
                         help="convert: trace_tools.pipeline.convert_rank (what convert_to_et.py runs per rank); "
                              "parse: read both files and orjson.loads them once (the floor any converter pays)")

@@ -5,13 +5,13 @@ Offline, the trainer trains a stand-in tokenizer on the bundled SQuAD sample: ab
 model). Padding the stand-in with tokens that never occur in the text restores the published shapes, so the
 benchmarks time and trace the real model; tokenization of the data is unchanged.
 """
-import argparse
 import os
 import shutil
 import sys
 from pathlib import Path
 
 from bench.common import BUNDLED_SQUAD, REPO_ROOT
+from trace_tools.command_line import ArgumentParser
 from utils.families import FAMILIES, load_family
 
 DEFAULT_CACHE = REPO_ROOT / "bench" / ".cache" / "tokenizers"
@@ -50,7 +50,7 @@ def full_vocab_tokenizer(family_name: str, model_name: str,
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=list(FAMILIES), required=True)
     parser.add_argument("--model-name", required=True)
     parser.add_argument("--cache-dir", default=str(DEFAULT_CACHE))

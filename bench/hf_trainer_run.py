@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from trace_tools.command_line import ArgumentParser
 from utils.data_utils import ResumableDistributedSampler
 from utils.distributed import distributed_context
 from utils.families import FAMILIES, load_family
@@ -18,7 +19,7 @@ from utils.trainer import Trainer as OurTrainer, settle_run
 def parse_args(argv=None) -> "tuple[argparse.Namespace, RunConfig]":
     """This child's own flags, and the <family>/train.py flags of the run it mirrors (with that script's defaults
     for learning rate, weight decay, clipping, schedule and validation split)."""
-    parser = argparse.ArgumentParser(description=__doc__, epilog="Every other flag is one of <family>/train.py's.")
+    parser = ArgumentParser(description=__doc__, epilog="Every other flag is one of <family>/train.py's.")
     parser.add_argument("--family", choices=list(FAMILIES), required=True)
     parser.add_argument("--output-dir", required=True, help="Trainer's output_dir (nothing is saved into it)")
     parser.add_argument("--result", required=True, help="JSON file for the per-step times")

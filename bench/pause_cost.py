@@ -6,13 +6,15 @@ after a pause (what else ran meanwhile may have taken its caches), a `.et` from 
 one's compute too short by that much, and no rule in the converter can see it: the trace holds no pause. This
 measures it on the machine (docs/BENCHMARKS.md §4b: 0-5% on the development VM, inside the rounds' own drift).
 
-One child, pinned to one core with one thread, builds the GPT-2 124M shape (12 x 768, the offline stand-in
-vocabulary: 86,949,120 parameters) and times forward, backward and AdamW's step on one 1 x 128 batch, in rounds of
-three kinds: back to back, each step after sleeping --pause-s seconds, and each after spinning that long (the core
-kept busy on a loop that touches no memory, so a core that slows down when it idles would not show). The thread's CPU
-time per step is the measure: a pause costs nothing in CPU time unless the work after it does more.
+One child, pinned to one core with one thread, builds a model of the what-if benchmark with the trainer's offline
+stand-in vocabulary (--model: the GPT-2 124M shape, 12 x 768, 86,949,120 parameters, on a 1 x 128 batch; or GPT-2
+tiny, 225,088 parameters, on a 4 x 128 batch, whose weights and optimizer state fit in a cache where the 124M
+shape's never do) and times forward, backward and AdamW's step, in rounds of three kinds: back to back, each step
+after sleeping --pause-s seconds, and each after spinning that long (the core kept busy on a loop that touches no
+memory, so a core that slows down when it idles would not show). The thread's CPU time per step is the measure: a
+pause costs nothing in CPU time unless the work after it does more.
 
-    python bench/pause_cost.py [--pause-s 4] [--rounds 3] [--steps 5]
+    python bench/pause_cost.py [--model gpt2-124m-shape|tiny] [--pause-s 4] [--rounds 3] [--steps 5]
 """
 from __future__ import annotations
 
@@ -23,14 +25,18 @@ import sys
 
 from bench.common import (BenchError, below_minimum, child_env, exit_on_sigterm, fail, format_table,
                           machine_description, one_core, run_child)
+from trace_tools.command_line import ArgumentParser
 
 KINDS = ("back to back", "after a sleep", "after a spin")
-GPT2_124M_SHAPE_VOCABULARY = 1441  # the trainer's offline stand-in vocabulary: 86,949,120 parameters in all
+OFFLINE_VOCABULARY = 1441  # the trainer's offline stand-in vocabulary (the 124M shape: 86,949,120 parameters in all)
+# --model: (label, GPT2_SIZES key, batch size), as bench/whatif_bench.py runs them
+MODELS = {"gpt2-124m-shape": ("GPT-2 124M shape", "gpt2", 1), "tiny": ("GPT-2 tiny", "tiny", 4)}
+SEQUENCE_LENGTH = 128
 WARMUP_STEPS = 3
 CHILD_TIMEOUT_S = 3600
 
 
-def time_steps(rounds: int, steps: int, pause_s: float, quick: bool) -> dict:
+def time_steps(rounds: int, steps: int, pause_s: float, model_key: str, quick: bool) -> dict:
     """In this process: {"parameters": n, "rounds": [{kind: [thread CPU ms of each step]}]}, kinds interleaved in
     every round so that a drift of the machine weighs on each alike."""
     import time
@@ -42,12 +48,12 @@ def time_steps(rounds: int, steps: int, pause_s: float, quick: bool) -> dict:
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    shape = GPT2_SIZES["tiny"] if quick else GPT2_SIZES["gpt2"]
-    config = GPT2Config(**{**shape, "vocab_size": 512 if quick else GPT2_124M_SHAPE_VOCABULARY,
+    _, size, batch_size = MODELS[model_key]
+    config = GPT2Config(**{**GPT2_SIZES[size], "vocab_size": 512 if quick else OFFLINE_VOCABULARY,
                            "bos_token_id": 0, "eos_token_id": 0})
     model = GPT2LMHeadModel(config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    batch = torch.randint(0, config.vocab_size, (1, 128))
+    batch = torch.randint(0, config.vocab_size, (1 if quick else batch_size, SEQUENCE_LENGTH))
 
     def step() -> float:
         started = time.thread_time()
@@ -96,13 +102,15 @@ def report(measured: dict, pause_s: float) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", choices=sorted(MODELS), default="gpt2-124m-shape",
+                        help="the model whose step is timed (default: %(default)s)")
     parser.add_argument("--pause-s", type=float, default=4.0, help="seconds of each pause (default: %(default)s)")
     parser.add_argument("--rounds", type=int, default=3, help="rounds of the three kinds (default: %(default)s)")
     parser.add_argument("--steps", type=int, default=5,
                         help="timed steps of each kind in a round (default: %(default)s)")
     parser.add_argument("--quick", action="store_true",
-                        help="GPT-2 tiny, 1 round of 2 steps, 0.2 s pauses: a smoke test")
+                        help="GPT-2 tiny on a 1 x 128 batch, 1 round of 2 steps, 0.2 s pauses: a smoke test")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     return parser
 
@@ -110,22 +118,24 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     if args.quick:
-        args.rounds, args.steps, args.pause_s = 1, 2, 0.2
+        args.rounds, args.steps, args.pause_s, args.model = 1, 2, 0.2, "tiny"
     too_small = below_minimum(args, (("rounds", 1), ("steps", 1)))
     if too_small:
         return fail(too_small)
     if not 0 < args.pause_s <= 600:
         return fail(f"--pause-s {args.pause_s:g}: must be more than 0 and at most 600 seconds")
     if args.child:
-        print(json.dumps(time_steps(args.rounds, args.steps, args.pause_s, args.quick)))
+        print(json.dumps(time_steps(args.rounds, args.steps, args.pause_s, args.model, args.quick)))
         return 0
     exit_on_sigterm()
+    label, _, batch_size = MODELS[args.model]
+    batch_size = 1 if args.quick else batch_size
     print(machine_description(("torch", "transformers")))
     core = one_core()
     print(f"... one process on core {core}: {args.rounds} round(s) of {args.steps} steps of each kind, pauses of "
           f"{args.pause_s:g} s", flush=True)
     argv = [sys.executable, "-m", "bench.pause_cost", "--child", "--rounds", args.rounds, "--steps", args.steps,
-            "--pause-s", args.pause_s] + (["--quick"] if args.quick else [])
+            "--pause-s", args.pause_s, "--model", args.model] + (["--quick"] if args.quick else [])
     run = run_child(argv, env=child_env(threads=1), cpu=core, timeout_s=CHILD_TIMEOUT_S)
     try:
         if not run.ok:
@@ -133,8 +143,8 @@ def main(argv=None) -> int:
         measured = json.loads(run.stdout.strip().splitlines()[-1])
     except BenchError as exc:
         return fail(str(exc))
-    print(f"model: GPT-2 {'tiny' if args.quick else '124M shape'}, {measured['parameters']:,} parameters, "
-          "batch 1 x 128, fp32, one thread")
+    print(f"model: {label}, {measured['parameters']:,} parameters, batch {batch_size} x {SEQUENCE_LENGTH}, fp32, one "
+          "thread")
     print(report(measured, args.pause_s))
     return 0
 

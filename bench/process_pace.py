@@ -19,6 +19,7 @@ import sys
 
 from bench.common import (BenchError, below_minimum, child_env, exit_on_sigterm, fail, format_table,
                           machine_description, one_core, run_child)
+from trace_tools.command_line import ArgumentParser
 
 GPT2_124M_SHAPE_PARAMETERS = 86_949_120
 WARMUP_STEPS = 3
@@ -73,7 +74,7 @@ def report(paces: list[list[float]]) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--processes", type=int, default=8, help="fresh processes, one after another (default 8)")
     parser.add_argument("--steps", type=int, default=8, help=f"timed steps per process, after {WARMUP_STEPS} warm-up")
     parser.add_argument("--parameters", type=int, default=GPT2_124M_SHAPE_PARAMETERS,

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from bench.common import (REPO_ROOT, BenchError, child_env, exit_on_sigterm, fail, format_table, machine_description,
                           median, run_child)
+from trace_tools.command_line import ArgumentParser
 from trace_tools.layout import CONVERSION_SUMMARY, RUN_INFO, et_name
 
 BUNDLED_RUN = REPO_ROOT / "tests" / "data" / "cpu" / "gpt2_tiny_2r"
@@ -42,7 +43,7 @@ CONSISTENCY_TOLERANCE = 0.05
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = ArgumentParser(description=__doc__)
     parser.add_argument("--run", type=Path, default=None,
                         help="a converted run folder (default: tests/data/cpu/gpt2_tiny_2r, converted here)")
     parser.add_argument("--ranks", type=int, nargs="+", default=list(RANKS), metavar="N")

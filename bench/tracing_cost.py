@@ -10,6 +10,7 @@ from pathlib import Path
 from bench.common import (BUNDLED_SQUAD, BenchError, child_env, exit_on_sigterm, fail, format_table,
                           full_vocab_tokenizer, machine_description, median, our_step_times, run_child, steps_between,
                           train_script)
+from trace_tools.command_line import ArgumentParser
 from utils.families import FAMILIES
 from trace_tools.layout import RUN_INFO
 
@@ -148,7 +149,7 @@ def table_rows(label: str, samples: Samples) -> list:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="bench/tracing_cost.py", description=__doc__ + " Runs our trainer twice per model (tracing off, and "
         "--enable-tracing with a window in the middle of the run) with the same model, data and steps, reads each "
         "step's time from the trainer's log (--logging-steps 1) and compares medians. Exits 1 when a condition "

@@ -10,6 +10,7 @@ from pathlib import Path
 from bench.common import (BUNDLED_SQUAD, REPO_ROOT, BenchError, child_env, exit_on_sigterm, fail, format_table,
                           full_vocab_tokenizer, machine_description, median, our_step_times, ratio, run_child,
                           steps_between, train_script)
+from trace_tools.command_line import ArgumentParser
 from utils.families import FAMILIES, family_info
 
 CHILD_TIMEOUT_S = 3600
@@ -124,7 +125,7 @@ def measure_case(case: Case, work: Path, env: dict, repeats: int, tokenizer: Pat
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="bench/train_bench.py", description=__doc__ + " Each trainer runs in its own process; tokens/s come "
         "from the median step time after the warm-up steps. Exits 1 when a side could not be measured.")
     parser.add_argument("--models", default=",".join(FAMILIES),

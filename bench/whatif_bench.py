@@ -25,6 +25,7 @@ from bench.netem import (DEFAULT_MTU, QUEUE_LATENCY, Namespace, NetemUnavailable
                          expected_goodput_share, format_bits, measure_throughput, missing_requirement, parse_rate,
                          queue_counters)
 from trace_tools.atomic import write_text_atomic
+from trace_tools.command_line import ArgumentParser
 from trace_tools.layout import RUN_INFO, et_name
 from trace_tools.step_timing import read_step_times
 from utils.run_config import DEFAULT_ACTIVE_STEPS, DEFAULT_WARMUP_STEPS
@@ -911,7 +912,7 @@ def _per_model(name: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="bench/whatif_bench.py", description=__doc__ + " Runs as root (ip netns, tc): checks tbf's rates, "
         "compares a gloo all-reduce with the ring's time and ASTRA-sim's, traces and converts a run at one rate, runs "
         "untraced at every rate and prints predicted/real per rate. Exits 1 when something could not be measured.")

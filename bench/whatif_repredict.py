@@ -23,6 +23,7 @@ from pathlib import Path
 from bench.common import BenchError, child_env, fail, format_table
 from bench.whatif_bench import (REPLAY_BAND, RESULTS_FILE, WHATIF_BAND, bands_count, convert, find_simulator,
                                 read_run_json, simulate_at, within_band)
+from trace_tools.command_line import ArgumentParser
 from trace_tools.layout import RUN_INFO, TRACE_FILE_RE
 
 
@@ -164,7 +165,7 @@ def beyond(ratios: list, replay: bool) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("kept", nargs="+", type=Path, help="folders kept by bench/whatif_bench.py --keep")
     parser.add_argument("--astra-sim", default=None, metavar="PATH",
                         help="the ASTRA-sim analytical binary (default: $ASTRA_SIM)")

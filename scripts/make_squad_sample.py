@@ -2,7 +2,6 @@
 """Write data/squad_sample.json: a few hundred generated question/answer pairs in SQuAD v1.1 format."""
 # The paragraphs describe invented towns, people, devices, festivals and animals built from templates,
 # so the bundled sample holds no copied SQuAD text and is reproducible byte for byte from a seed.
-import argparse
 import hashlib
 import json
 import random
@@ -10,6 +9,7 @@ import sys
 from pathlib import Path
 
 from trace_tools.atomic import write_text_atomic
+from trace_tools.command_line import ArgumentParser
 
 DEFAULT_OUTPUT = Path(__file__).resolve().parent.parent / "data" / "squad_sample.json"
 
@@ -212,7 +212,7 @@ def build_sample(paragraphs_per_topic: int, seed: int) -> dict:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = ArgumentParser(description=__doc__)
     parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT, help="where to write (default: %(default)s)")
     parser.add_argument("--paragraphs-per-topic", type=int, default=12,
                         help="paragraphs per template topic; 5 topics, 6-7 questions each (default: %(default)s)")

@@ -169,6 +169,33 @@ def test_the_installed_conversion_commands_answer_help_from_any_folder(command, 
     assert done.returncode == 0 and done.stdout.startswith("usage:"), done.stderr[-2000:]
 
 
+@pytest.mark.parametrize("script, args, says", [
+    ("convert_to_et.py", ["--jobs", "many"], "argument --jobs: invalid int value: 'many'"),
+    ("convert_remaining.py", ["--bogus"], "unrecognized arguments: --bogus"),
+    ("fix_host_traces.py", ["--min-nodes"], "argument --min-nodes: expected one argument"),
+    ("trace_report.py", [], "the following arguments are required: DIR"),
+    ("simulate.py", ["run"], "the following arguments are required: --bandwidth"),
+    ("scale_et.py", ["run", "--ranks", "8", "--bogus"], "unrecognized arguments: --bogus"),
+])
+def test_every_conversion_command_refuses_a_bad_flag_in_one_line_naming_itself(script, args, says, tmp_path):
+    done = subprocess.run([sys.executable, str(REPO / script), *args], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2 and not done.stdout
+    assert done.stderr == f"error: {script}: {says} (see {script} --help)\n"
+
+
+# Scripts that the Docker image runs before the project is in it (COPY of the one file): plain argparse. The
+# trainers refuse their flags through utils/run_config.RunArgumentParser, in the same one-line form.
+PLAIN_ARGPARSE = {REPO / "scripts" / "pip_constraints.py", REPO / "scripts" / "download_tokenizers.py"}
+
+
+def test_every_other_command_line_builds_the_one_line_parser():
+    plain = [f"{path.relative_to(REPO)}:{number}" for path in SOURCES if path not in PLAIN_ARGPARSE
+             for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+             if "argparse.ArgumentParser(" in line]
+    assert not plain, "use trace_tools.command_line.ArgumentParser: " + ", ".join(plain)
+
+
 def test_mosim_train_runs_a_registered_family_and_names_the_known_ones(tmp_path):
     train = str(Path(sys.executable).parent / "mosim-train")
     usage = subprocess.run([train], cwd=tmp_path, capture_output=True, text=True, timeout=120)

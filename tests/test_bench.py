@@ -218,6 +218,18 @@ def test_a_bench_rejects_a_bad_flag_in_one_line_naming_it(script, args, named):
     assert line.startswith("error: ") and named in line
 
 
+@pytest.mark.parametrize("script, args, says", [
+    ("pause_cost.py", ["--model", "huge"], "argument --model: invalid choice: 'huge'"),
+    ("whatif_bench.py", ["--traces", "two"], "argument --traces: invalid int value: 'two'"),
+    ("communication_cpu.py", ["--bogus"], "unrecognized arguments: --bogus"),
+])
+def test_a_bench_refuses_a_flag_argparse_rejects_in_one_line_too(script, args, says):
+    result = run_bench(script, *args, timeout=60)
+    assert result.returncode == 2
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("error: ") and says in line and line.endswith("--help)")
+
+
 # -------------------------------------------------------------------------------------------- process_pace
 def test_process_pace_times_the_same_work_in_separate_processes():
     result = run_bench("process_pace.py", "--quick", timeout=300)
@@ -270,6 +282,15 @@ def test_pause_cost_sets_the_step_after_a_pause_beside_the_back_to_back_step():
     summaries = [line for line in result.stdout.splitlines() if " of 0.2 s: the step's CPU time is " in line]
     assert [line.split(" of ")[0] for line in summaries] == ["after a sleep", "after a spin"]
     assert "GPT-2 tiny" in result.stdout
+
+
+def test_pause_cost_times_the_what_if_benchmarks_tiny_model_at_its_own_batch():
+    result = run_bench("pause_cost.py", "--model", "tiny", "--rounds", "1", "--steps", "1", "--pause-s", "0.05",
+                       timeout=300)
+    assert result.returncode == 0, result.stderr
+    # the what-if benchmark's GPT-2 tiny (bench/whatif_bench.py MODELS): the offline vocabulary, 4 x 128 tokens
+    assert "model: GPT-2 tiny, 225,088 parameters, batch 4 x 128, fp32, one thread" in result.stdout
+    assert len([row for row in table_rows(result.stdout, "") if row[0].isdigit()]) == 3
 
 
 # --------------------------------------------------------------------------------------------- tracing_cost

@@ -7,6 +7,7 @@ import os
 import sys
 from pathlib import Path
 
+from .command_line import ArgumentParser
 from .discover import find_runs
 from .layout import CONVERSION_SUMMARY, et_name
 from .load import TraceError
@@ -20,7 +21,7 @@ def build_parser(remaining: bool) -> argparse.ArgumentParser:
     what = ("Convert only the ranks that have no good .et: missing, failed or interrupted in the last "
             "CONVERSION_SUMMARY.md, an .et that no longer validates, or traces changed since it was made."
             if remaining else "Link and convert PyTorch host + device traces into Chakra .et files, one per rank.")
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="convert_remaining.py" if remaining else "convert_to_et.py",
         description=what + " Each run (a folder with host.<rank>.json[.gz] + device.<rank>.json[.gz], or the flat "
         "<name>_host.json + <name>_device.json) gets <name>.<rank>.et for every rank, validated after writing, and "

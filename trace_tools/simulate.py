@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .atomic import write_text_atomic
+from .command_line import ArgumentParser
 from .layout import RUN_INFO, et_name, et_sets
 from .step_timing import step_times_of
 
@@ -503,7 +504,7 @@ def write_simulation(result: SimulationResult, folder: Path, invocation: str) ->
 # Command line
 # ---------------------------------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="simulate.py",
         description="Simulate a converted run (<name>.<rank>.et files) in ASTRA-sim's analytical backend on a chosen "
         "network; print the predicted step per rank beside the measured one and write SIMULATION.md into the run "
