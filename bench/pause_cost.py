@@ -4,7 +4,8 @@ A step traced on a fast network runs right after the last one; on a slow network
 for the gradients' all-reduce, and its next ops start after that pause. If the machine runs the same work slower
 after a pause (what else ran meanwhile may have taken its caches), a `.et` from a fast network predicts the slow
 one's compute too short by that much, and no rule in the converter can see it: the trace holds no pause. This
-measures it on the machine (docs/BENCHMARKS.md §4b: 0-5% on the development VM, inside the rounds' own drift).
+measures it on the machine (docs/BENCHMARKS.md §4b: 0-5% for the 124M shape on the development VM, 1.05-1.21x
+for GPT-2 tiny after 0.15 s, both inside the rounds' own drift).
 
 One child, pinned to one core with one thread, builds a model of the what-if benchmark with the trainer's offline
 stand-in vocabulary (--model: the GPT-2 124M shape, 12 x 768, 86,949,120 parameters, on a 1 x 128 batch; or GPT-2

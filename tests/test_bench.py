@@ -199,6 +199,41 @@ def test_communication_cpu_measures_the_threads_and_the_kernels_time_per_byte_at
     assert all("of the CPUs' time was in no thread and not idle" in line for line in verdicts)
 
 
+# ------------------------------------------------------------------------------------------------- rate_cpu
+def test_rate_cpu_times_one_processs_threads_at_each_rate_after_the_window(tmp_path):
+    from bench.netem import missing_requirement
+    problem = missing_requirement()
+    if problem:
+        pytest.skip(f"rate_cpu needs a rate-limited network namespace: {problem}")
+    result = run_bench("rate_cpu.py", "--quick", "--keep", str(tmp_path), timeout=600)
+    assert result.returncode == 0, result.stderr
+    rows = {(row[0], row[1]): row for row in table_rows(result.stdout, "") if row[1].isdigit()}
+    assert set(rows) == {(rate, rank) for rate in ("unthrottled", "100 Mbit/s") for rank in ("0", "1")}
+    info = json.loads((tmp_path / "traces" / "rate_cpu" / "run.json").read_text())
+    assert {r["rank"] for r in info["ranks"]} == {0, 1}
+    for (rate, _), row in rows.items():
+        steps, wall, thread, communication, process = int(row[2]), *(float(c.replace(",", "")) for c in row[3:7])
+        assert steps >= 2 and 0 < thread < process and communication > 0
+        assert process <= wall * 1.1  # one process's CPU on one core a rank (the communication threads too)
+        if rate == "unthrottled":
+            assert row[7:10] == ["1.00x"] * 3
+    # 2 x 0.9 MB of gradients through a 100 Mbit/s loopback: at least 140 ms a step, against tens unthrottled
+    assert all(float(rows["100 Mbit/s", r][3].replace(",", "")) > 140 > float(rows["unthrottled", r][3]) for r in "01")
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--rates", "unthrottled"], "--rates unthrottled: give at least two different rates"),
+    (["--rates", "unthrottled,fast"], "--rates unthrottled,fast: 'fast' is not a rate"),
+    (["--block", "3", "--settle", "3"], "--settle 3: must be less than --block 3"),
+    (["--cycles", "0"], "--cycles 0: must be at least 1"),
+])
+def test_rate_cpu_refuses_bad_flags_before_it_needs_root(args, says):
+    result = run_bench("rate_cpu.py", *args, timeout=60)
+    assert result.returncode == 1, result.stderr
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("error: ") and says in line
+
+
 # ------------------------------------------------------------------------------------- every bench's flags
 @pytest.mark.parametrize("script, args, named", [
     ("collective_start_cost.py", ["--compute-ms", "5,2"], "--compute-ms"),

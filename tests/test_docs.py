@@ -428,6 +428,12 @@ NOT_RUNNABLE: dict[str, str] = {
         "a benchmark of 1.5 min as root (a rate-limited network namespace); tests/test_bench.py runs it with --quick",
     "python bench/pause_cost.py --pause-s 8 --rounds 4":
         "a benchmark of 7 min; tests/test_bench.py runs it with --quick",
+    "python bench/pause_cost.py --model tiny --pause-s 0.15 --rounds 6 --steps 20":
+        "a benchmark of 2 min; tests/test_bench.py runs the tiny model with one step of each kind",
+    "python bench/rate_cpu.py --model tiny --cycles 4":
+        "a benchmark of 3 min as root (a rate-limited network namespace); tests/test_bench.py runs it with --quick",
+    "python bench/rate_cpu.py --model bert-tiny --cycles 4":
+        "a benchmark of 3 min as root (a rate-limited network namespace); tests/test_bench.py runs it with --quick",
     "python bench/tracing_cost.py --threads 1": BENCHMARK,
     "python bench/convert_bench.py": BENCHMARK,
     # README.md

@@ -15,7 +15,8 @@ collective was in flight, when the communication threads wanted the cores too (t
 left the forward and the optimizer short, and those are on the path on a slow network: GPT-2 124M shape traced at
 full speed, 0.97-0.98 of the real step at 2 Gbit/s to 500 Mbit/s); and each collective gets a CPU
 node with its share, by bytes, of the CPU time the communication threads used per untraced step (run.json; their
-mean, trace_tools.step_timing), issued with the collective (after what produced its input; what consumes its result
+mean, trace_tools.step_timing; the traced rate's, which through tbf is 1.6-2.7x the full-speed one on the
+2-core VM: bench/rate_cpu.py), issued with the collective (after what produced its input; what consumes its result
 waits for it as well) and marked as a CPU op, so that the simulator runs it on the rank's CPU between the compute
 ops (ASTRA-sim runs one CPU op at a time per rank): on the path at full speed, hidden behind the transfer where the
 network is slow.
