@@ -434,6 +434,10 @@ NOT_RUNNABLE: dict[str, str] = {
         "a benchmark of 3 min as root (a rate-limited network namespace); tests/test_bench.py runs it with --quick",
     "python bench/rate_cpu.py --model bert-tiny --cycles 4":
         "a benchmark of 3 min as root (a rate-limited network namespace); tests/test_bench.py runs it with --quick",
+    "python bench/whatif_bench.py --model bert-tiny --trace-rate 400mbit --traces 3 --no-docs --keep "
+    "/tmp/k81_berttiny400": BENCHMARK,
+    "python bench/whatif_bench.py --model tiny --trace-rate 1gbit --traces 3 --no-docs --keep /tmp/k82_tiny1g":
+        BENCHMARK,
     "python bench/tracing_cost.py --threads 1": BENCHMARK,
     "python bench/convert_bench.py": BENCHMARK,
     # README.md
