@@ -17,6 +17,7 @@ steps, less `--settle` after each change, and its ratio to the first rate's.
 from __future__ import annotations
 
 import json
+import shutil
 import statistics
 import sys
 import tempfile
@@ -34,6 +35,7 @@ WAIT_STEPS = 4      # untraced steps before the window: gloo's connections and t
 ACTIVE_STEPS = 1    # the window (after the tracer's warm-up steps) is not measured here
 FIRST_BLOCK = 2     # steps after the window before the first change (the tracer writes its files then)
 TRACE_NAME = "rate_cpu"
+RUN_FOLDER = "run"  # the run's logs and traces, under --keep DIR or a temporary folder
 # run.json's per-step lists (seconds), by column
 COLUMNS = (("wall ms", "untraced_step_wall_time_s"), ("training thread CPU ms", "untraced_step_thread_cpu_time_s"),
            ("communication threads CPU ms", "untraced_step_communication_cpu_time_s"),
@@ -80,13 +82,15 @@ def report(medians: dict, first: str) -> str:
     return format_table(headers, rows)
 
 
-def run(args, work: Path) -> tuple:
-    """The cycled traced run: (its run.json, {rate label: the trainer's steps at it}, the first rate's label)."""
+def run(args, folder: Path) -> tuple:
+    """The cycled traced run in folder/run (made afresh): (its run.json, {rate label: the trainer's steps at it}, the
+    first rate's label)."""
     setup = MODELS[args.model]
     rates = [parse_rate(text) for text in args.rates.split(",")]
     schedule = [rates[0]] + cycle_schedule(rates, args.cycles)
     after = FIRST_BLOCK + (len(schedule) - 1) * args.block + 1
     steps = WAIT_STEPS + DEFAULT_WARMUP_STEPS + ACTIVE_STEPS + after
+    work = folder / RUN_FOLDER
     extra = ["--enable-tracing", "--trace-output-dir", work / "traces", "--trace-name", TRACE_NAME,
              "--trace-wait-steps", WAIT_STEPS, "--trace-active-steps", ACTIVE_STEPS, "--trace-after-steps", after]
     log = work / "logs" / OUR_LOG_FILE
@@ -95,6 +99,8 @@ def run(args, work: Path) -> tuple:
               f"{args.block} steps each", flush=True)
 
         def attempt() -> RateCycler:
+            shutil.rmtree(work, ignore_errors=True)  # the cycler follows the log from its start
+            work.mkdir(parents=True)
             cycler = RateCycler(namespace, schedule, FIRST_BLOCK, args.block, log, after_window=True)
             cycled_run(namespace, setup, work, child_env(threads=1), extra, steps, cycler, "the cycled run")
             return cycler
@@ -117,7 +123,7 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--block", type=int, default=None, help="steps at one rate (default: the what-if bench's)")
     parser.add_argument("--settle", type=int, default=None,
                         help="steps left out after each change (default: the what-if bench's)")
-    parser.add_argument("--keep", default=None, metavar="DIR", help="keep the run's logs and run.json in DIR")
+    parser.add_argument("--keep", default=None, metavar="DIR", help="keep the run's logs and run.json in DIR/run")
     parser.add_argument("--quick", action="store_true",
                         help="GPT-2 tiny, unthrottled and 100 Mbit/s, one pass of 4-step blocks: a smoke test")
     return parser

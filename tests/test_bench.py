@@ -209,7 +209,7 @@ def test_rate_cpu_times_one_processs_threads_at_each_rate_after_the_window(tmp_p
     assert result.returncode == 0, result.stderr
     rows = {(row[0], row[1]): row for row in table_rows(result.stdout, "") if row[1].isdigit()}
     assert set(rows) == {(rate, rank) for rate in ("unthrottled", "100 Mbit/s") for rank in ("0", "1")}
-    info = json.loads((tmp_path / "traces" / "rate_cpu" / "run.json").read_text())
+    info = json.loads((tmp_path / "run" / "traces" / "rate_cpu" / "run.json").read_text())
     assert {r["rank"] for r in info["ranks"]} == {0, 1}
     for (rate, _), row in rows.items():
         steps, wall, thread, communication, process = int(row[2]), *(float(c.replace(",", "")) for c in row[3:7])
