@@ -42,15 +42,20 @@ COLUMNS = (("wall ms", "untraced_step_wall_time_s"), ("training thread CPU ms", 
            ("process CPU ms", "untraced_step_cpu_time_s"))
 
 
-def steps_at_each_rate(switches: list, steps: list, first_step: int, settle: int) -> dict:
+def steps_at_each_rate(switches: list, steps: list, first_step: int, settle: int, stalls: list = ()) -> dict:
     """{rate label: [trainer step numbers]}: the steps from `first_step` on that began after a change to the rate and
-    ended before the next change, less the first `settle` of each block. `switches` are RateCycler's, `steps`
-    timed_steps'."""
+    ended before the next change, less the first `settle` after each change (none where the alternating order turns
+    round and a block repeats its predecessor's rate), and less any step during which a stalled qdisc was replaced.
+    `switches` and `stalls` are RateCycler's, `steps` timed_steps'."""
     at_rate: dict = {}
     ends = [when for when, *_ in switches[1:]] + [float("inf")]
+    since, previous = 0.0, None
     for (began, rate, *_), ended in zip(switches, ends):
-        inside = [step for step, start, end in steps if step >= first_step and start >= began and end <= ended]
-        at_rate.setdefault(rate.label, []).extend(inside[settle:])
+        changed = rate.label != previous
+        since, previous = (began if changed else since), rate.label
+        inside = [step for step, start, end in steps if step >= first_step and start >= since and began < end <= ended
+                  and not any(start <= when <= end for when, *_ in stalls)]
+        at_rate.setdefault(rate.label, []).extend(inside[settle:] if changed else inside)
     return at_rate
 
 
@@ -110,7 +115,7 @@ def run(args, folder: Path) -> tuple:
     if not path.is_file():
         raise BenchError(f"{path}: the tracer wrote no run.json")
     first_step = WAIT_STEPS + DEFAULT_WARMUP_STEPS + ACTIVE_STEPS + 1  # the trainer's first step after the window
-    at_rate = steps_at_each_rate(cycler.switches[1:], timed_steps(log), first_step, args.settle)
+    at_rate = steps_at_each_rate(cycler.switches[1:], timed_steps(log), first_step, args.settle, cycler.stalls)
     return json.loads(path.read_text(encoding="utf-8")), at_rate, rates[0].label
 
 

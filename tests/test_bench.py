@@ -221,6 +221,21 @@ def test_rate_cpu_times_one_processs_threads_at_each_rate_after_the_window(tmp_p
     assert all(float(rows["100 Mbit/s", r][3].replace(",", "")) > 140 > float(rows["unthrottled", r][3]) for r in "01")
 
 
+def test_rate_cpu_assigns_steps_to_rates_leaving_out_settling_and_stalled_steps():
+    from bench.netem import parse_rate
+    from bench.rate_cpu import steps_at_each_rate
+    fast, slow = parse_rate("unthrottled"), parse_rate("100mbit")
+    # rates from t = 0, 10, 20 (the order turns round: slow again) and 30; steps of 1 s each, step n in [n-1, n]
+    switches = [(0.0, fast, 0.5, 0), (10.0, slow, 0.5, 0), (20.0, slow, 0.5, 0), (30.0, fast, 0.5, 0)]
+    steps = [(n, n - 1.0, float(n)) for n in range(1, 40)]
+    stalls = [(25.5, slow, "held 3 packets")]
+    at_rate = steps_at_each_rate(switches, steps, first_step=3, settle=2, stalls=stalls)
+    assert at_rate[fast.label] == [5, 6, 7, 8, 9, 10, 33, 34, 35, 36, 37, 38, 39]
+    # after the change at 10 s: two settle; the block from 20 s repeats the rate, so none settle there; step 26
+    # (25-26 s) is left out for the stall
+    assert at_rate[slow.label] == [13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 27, 28, 29, 30]
+
+
 @pytest.mark.parametrize("args, says", [
     (["--rates", "unthrottled"], "--rates unthrottled: give at least two different rates"),
     (["--rates", "unthrottled,fast"], "--rates unthrottled,fast: 'fast' is not a rate"),
