@@ -38,8 +38,8 @@ CHILD_TIMEOUT_S = 3600
 
 
 def time_steps(rounds: int, steps: int, pause_s: float, model_key: str, quick: bool) -> dict:
-    """In this process: {"parameters": n, "rounds": [{kind: [thread CPU ms of each step]}]}, kinds interleaved in
-    every round so that a drift of the machine weighs on each alike."""
+    """In this process: {"parameters": n, "batch": [rows, tokens], "rounds": [{kind: [thread CPU ms of each step]}]},
+    kinds interleaved in every round so that a drift of the machine weighs on each alike."""
     import time
 
     import torch
@@ -81,7 +81,7 @@ def time_steps(rounds: int, steps: int, pause_s: float, model_key: str, quick: b
                 pause(kind)
                 times[kind].append(step())
         measured.append(times)
-    return {"parameters": sum(p.numel() for p in model.parameters()), "rounds": measured}
+    return {"parameters": sum(p.numel() for p in model.parameters()), "batch": list(batch.shape), "rounds": measured}
 
 
 def report(measured: dict, pause_s: float) -> str:
@@ -129,8 +129,6 @@ def main(argv=None) -> int:
         print(json.dumps(time_steps(args.rounds, args.steps, args.pause_s, args.model, args.quick)))
         return 0
     exit_on_sigterm()
-    label, _, batch_size = MODELS[args.model]
-    batch_size = 1 if args.quick else batch_size
     print(machine_description(("torch", "transformers")))
     core = one_core()
     print(f"... one process on core {core}: {args.rounds} round(s) of {args.steps} steps of each kind, pauses of "
@@ -144,7 +142,8 @@ def main(argv=None) -> int:
         measured = json.loads(run.stdout.strip().splitlines()[-1])
     except BenchError as exc:
         return fail(str(exc))
-    print(f"model: {label}, {measured['parameters']:,} parameters, batch {batch_size} x {SEQUENCE_LENGTH}, fp32, one "
+    rows, tokens = measured["batch"]
+    print(f"model: {MODELS[args.model][0]}, {measured['parameters']:,} parameters, batch {rows} x {tokens}, fp32, one "
           "thread")
     print(report(measured, args.pause_s))
     return 0

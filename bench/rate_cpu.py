@@ -26,7 +26,8 @@ from pathlib import Path
 from bench.common import (OUR_LOG_FILE, BenchError, below_minimum, child_env, exit_on_sigterm, fail, format_table,
                           machine_description)
 from bench.netem import Namespace, NetemUnavailable, missing_requirement, parse_rate
-from bench.whatif_bench import MODELS, RateCycler, cycle_schedule, cycled_run, once_more_on_failure, timed_steps
+from bench.whatif_bench import (MODELS, ModelSetup, RateCycler, cycle_schedule, cycled_run, once_more_on_failure,
+                                timed_steps)
 from trace_tools.command_line import ArgumentParser
 from trace_tools.layout import RUN_INFO
 from utils.run_config import DEFAULT_WARMUP_STEPS
@@ -87,11 +88,8 @@ def report(medians: dict, first: str) -> str:
     return format_table(headers, rows)
 
 
-def run(args, folder: Path) -> tuple:
-    """The cycled traced run in folder/run (made afresh): (its run.json, {rate label: the trainer's steps at it}, the
-    first rate's label)."""
-    setup = MODELS[args.model]
-    rates = [parse_rate(text) for text in args.rates.split(",")]
+def run(args, setup: ModelSetup, rates: list, folder: Path) -> tuple:
+    """The cycled traced run in folder/run (made afresh): (its run.json, {rate label: the trainer's steps at it})."""
     schedule = [rates[0]] + cycle_schedule(rates, args.cycles)
     after = FIRST_BLOCK + (len(schedule) - 1) * args.block + 1
     steps = WAIT_STEPS + DEFAULT_WARMUP_STEPS + ACTIVE_STEPS + after
@@ -116,7 +114,7 @@ def run(args, folder: Path) -> tuple:
         raise BenchError(f"{path}: the tracer wrote no run.json")
     first_step = WAIT_STEPS + DEFAULT_WARMUP_STEPS + ACTIVE_STEPS + 1  # the trainer's first step after the window
     at_rate = steps_at_each_rate(cycler.switches[1:], timed_steps(log), first_step, args.settle, cycler.stalls)
-    return json.loads(path.read_text(encoding="utf-8")), at_rate, rates[0].label
+    return json.loads(path.read_text(encoding="utf-8")), at_rate
 
 
 def build_parser() -> ArgumentParser:
@@ -148,10 +146,10 @@ def main(argv=None) -> int:
     if args.settle >= args.block:
         return fail(f"--settle {args.settle}: must be less than --block {args.block}")
     try:
-        labels = [parse_rate(text).label for text in args.rates.split(",")]
+        rates = [parse_rate(text) for text in args.rates.split(",")]
     except ValueError as exc:
         return fail(f"--rates {args.rates}: {exc}")
-    if len(set(labels)) < 2:
+    if len({rate.label for rate in rates}) < 2:
         return fail(f"--rates {args.rates}: give at least two different rates")
     problem = missing_requirement()
     if problem:
@@ -161,13 +159,13 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="rate_cpu-") as scratch:
         work = Path(args.keep) if args.keep else Path(scratch)
         try:
-            info, at_rate, first = run(args, work)
+            info, at_rate = run(args, setup, rates, work)
         except (BenchError, NetemUnavailable) as exc:
             return fail(str(exc))
-    medians = per_rate_medians(info, at_rate)
+    medians, first = per_rate_medians(info, at_rate), rates[0].label
     if not any(label == first for label, _ in medians):
         return fail(f"no step of the run was timed at {first}: nothing to compare with")
-    print(f"{MODELS[args.model].label}, one process; medians over each rate's steps after its first {args.settle}:")
+    print(f"{setup.label}, one process; medians over each rate's steps after its first {args.settle}:")
     print(report(medians, first))
     return 0
 
