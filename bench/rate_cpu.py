@@ -128,14 +128,14 @@ def build_parser() -> ArgumentParser:
                         help="steps left out after each change (default: the what-if bench's)")
     parser.add_argument("--keep", default=None, metavar="DIR", help="keep the run's logs and run.json in DIR/run")
     parser.add_argument("--quick", action="store_true",
-                        help="GPT-2 tiny, unthrottled and 100 Mbit/s, one pass of 4-step blocks: a smoke test")
+                        help="GPT-2 tiny, unthrottled and 100 Mbit/s, one pass of 6-step blocks: a smoke test")
     return parser
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     if args.quick:
-        args.model, args.rates, args.cycles, args.block, args.settle = "tiny", "unthrottled,100mbit", 1, 4, 1
+        args.model, args.rates, args.cycles, args.block, args.settle = "tiny", "unthrottled,100mbit", 1, 6, 1
     setup = MODELS[args.model]
     args.rates = args.rates or ",".join(setup.rates)
     args.block = setup.block if args.block is None else args.block
