@@ -10,6 +10,7 @@ import platform
 import re
 import shlex
 import shutil
+import signal
 import statistics
 import sys
 import tempfile
@@ -621,10 +622,11 @@ def run_order(traces: int, repeats: int) -> list:
 
 
 def interleaved_runs(ns: Namespace, setup: ModelSetup, trace_rate: Rate, rates: list, args, env: dict,
-                     root: Path) -> tuple:
+                     root: Path, on_run_done=None) -> tuple:
     """(traced runs, untraced results by rate label) of --traces traced runs at trace_rate and --repeats untraced
-    runs, in run_order's order."""
+    runs, in run_order's order. After each run, on_run_done(traces, real, Progress) if given."""
     traces, real = [], {rate.label: RealRuns(rate) for rate in rates}
+    untraced_done = 0
     for kind, number in run_order(args.traces, args.repeats):
         if kind == "traced":
             phase(f"traced run {number + 1} of {args.traces} at {trace_rate.label}")
@@ -632,6 +634,9 @@ def interleaved_runs(ns: Namespace, setup: ModelSetup, trace_rate: Rate, rates: 
         else:
             phase(f"untraced run {number + 1} of {args.repeats}")
             real_run(ns, setup, rates, number, args, env, root, real)
+            untraced_done += 1
+        if on_run_done:
+            on_run_done(traces, real, Progress(len(traces), args.traces, untraced_done, args.repeats))
     missing = [label for label, entry in real.items() if not entry.steps]
     if missing:
         raise BenchError(f"no clean step at {', '.join(missing)}: every step straddled a rate change; raise --block")
@@ -649,10 +654,32 @@ def bands_count(replays: list, whatifs: list) -> str:
     return f"{inside} of {len(replays) + len(whatifs)}"
 
 
+@dataclass(frozen=True)
+class Progress:
+    """How many of the planned traced and untraced runs have finished."""
+
+    traced: int
+    traced_planned: int
+    untraced: int
+    untraced_planned: int
+
+    @property
+    def complete(self) -> bool:
+        return self.traced == self.traced_planned and self.untraced == self.untraced_planned
+
+    def describe(self) -> str:
+        return (f"{self.traced} of {self.traced_planned} traced and {self.untraced} of {self.untraced_planned} "
+                "untraced runs")
+
+
 def write_results(folder: Path, setup: ModelSetup, trace_rate: Rate, rates: list, traces: list, real: dict,
-                  sim_bits: dict, latency_ns: float) -> Path:
+                  sim_bits: dict, latency_ns: float, progress: Progress | None = None) -> Path | None:
     """The measurements a kept folder's traces are judged by, for bench/whatif_repredict.py: each rate's real step
-    and the bits/s it is simulated at, and each trace's folder and same-process steps."""
+    and the bits/s it is simulated at, and each trace's folder and same-process steps. Written after every run, so a
+    benchmark cut short keeps what its finished runs measured ("partial": the runs done of those planned); None,
+    and nothing written, until a trace and a real step at every rate exist."""
+    if not traces or any(real[r.label].step_ms is None for r in rates):
+        return None
     results = {
         "model": setup.key, "trace_rate": trace_rate.label, "latency_ns": latency_ns,
         "rates": [{"label": r.label, "bits_per_s": sim_bits[r.label], "tbf_bits_per_s": r.bits_per_s,
@@ -662,6 +689,9 @@ def write_results(folder: Path, setup: ModelSetup, trace_rate: Rate, rates: list
                     "same_run_ms": {label: entry.step_ms for label, entry in t.after_window.items()}}
                    for t in traces],
     }
+    if progress and not progress.complete:
+        results["partial"] = {"traced": progress.traced, "traced_planned": progress.traced_planned,
+                              "untraced": progress.untraced, "untraced_planned": progress.untraced_planned}
     path = folder / RESULTS_FILE
     write_text_atomic(path, json.dumps(results, indent=2) + "\n")
     return path
@@ -965,7 +995,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-docs", action="store_true", help="print only (--quick never writes the docs)")
     parser.add_argument("--keep", metavar="DIR", default=None,
                         help=f"keep the runs' logs, traces and .et files in DIR, with {RESULTS_FILE} (the real steps) "
-                             "for bench/whatif_repredict.py")
+                             "for bench/whatif_repredict.py, rewritten after every run: a benchmark stopped early "
+                             "keeps what its finished runs measured")
     return parser
 
 
@@ -1008,6 +1039,20 @@ def resolve(args) -> tuple:
     return setup, rates, trace_rate, micro_rate, sizes
 
 
+def kept_note(root: Path, keep: str | None) -> str:
+    """For a benchmark that stopped early with --keep: where what its finished runs measured is, to be judged."""
+    path = root / RESULTS_FILE
+    if not keep:
+        return ""
+    if not path.is_file():
+        return f"; no trace with a real step at every rate had been measured, so {path} was not written"
+    partial = json.loads(path.read_text(encoding="utf-8")).get("partial")
+    runs = ("every run" if not partial else
+            Progress(partial["traced"], partial["traced_planned"], partial["untraced"],
+                     partial["untraced_planned"]).describe())
+    return f"; what {runs} measured is in {path}: judge it with `python bench/whatif_repredict.py {root}`"
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
@@ -1028,6 +1073,8 @@ def main(argv=None) -> int:
     print("ASTRA-sim: " + (str(sim.binary) if sim.ok else f"predictions skipped: {sim.missing}"), flush=True)
     root = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="whatif_bench-"))
     root.mkdir(parents=True, exist_ok=True)
+    if args.keep:  # a results file left by an earlier run in this folder would stand for this run's
+        (root / RESULTS_FILE).unlink(missing_ok=True)
     try:
         slack = args.burst_slack_us * 1e-6 if args.burst_slack_us is not None else setup.burst_slack_s
         with Namespace(args.mtu, slack) as ns:
@@ -1042,20 +1089,28 @@ def main(argv=None) -> int:
             unthrottled_bits, source = ((allreduce_bits, "a gloo all-reduce's 2S/t, unthrottled") if allreduce_bits
                                         else (payload.get("unthrottled"), "one TCP stream's payload rate"))
             sim_bits = simulated_rates(rates, payload, unthrottled_bits)
-            traces, real = interleaved_runs(ns, setup, trace_rate, rates, args, env, root)
-            if args.keep:
-                write_results(root, setup, trace_rate, rates, traces, real, sim_bits, args.sim_latency_ns)
+
+            def keep_results(traces: list, real: dict, progress: Progress) -> None:
+                write_results(root, setup, trace_rate, rates, traces, real, sim_bits, args.sim_latency_ns, progress)
+
+            traces, real = interleaved_runs(ns, setup, trace_rate, rates, args, env, root,
+                                            keep_results if args.keep else None)
             if sim.ok:
                 phase("ASTRA-sim")
                 predict(sim, traces, rates, sim_bits, args.sim_latency_ns)
             text = report(setup, args, sim, verification, micro, traces, real, unthrottled_bits, source, ns,
                           invocation)
     except (BenchError, NetemUnavailable) as exc:
-        return fail(str(exc))
+        return fail(str(exc) + kept_note(root, args.keep))
     except KeyboardInterrupt:
-        print("error: bench/whatif_bench.py: interrupted; the runs were stopped and the namespace removed",
-              file=sys.stderr)
+        print("error: bench/whatif_bench.py: interrupted; the runs were stopped and the namespace removed"
+              + kept_note(root, args.keep), file=sys.stderr)
         return 130
+    except SystemExit as exc:
+        if exc.code == 128 + signal.SIGTERM:  # exit_on_sigterm: a `timeout` or a job scheduler ended the benchmark
+            print("error: bench/whatif_bench.py: stopped by SIGTERM; the runs were stopped and the namespace removed"
+                  + kept_note(root, args.keep), file=sys.stderr)
+        raise
     except Exception as exc:  # the simulator's errors (SimulationError) and a broken .et: one line, exit 1
         if type(exc).__name__ != "SimulationError":
             raise

@@ -53,6 +53,10 @@ def read_results(folder: Path) -> dict:
             raise ValueError("a rate without its bandwidth or real step")
         if not all(int(t["index"]) and t["folder"] for t in results["traces"]):
             raise ValueError("a trace without its folder")
+        partial = results.get("partial")
+        if partial is not None and not (0 < int(partial["traced"]) <= int(partial["traced_planned"])
+                                        and 0 < int(partial["untraced"]) <= int(partial["untraced_planned"])):
+            raise ValueError("a partial run's counts of finished runs are off")
     except FileNotFoundError:
         raise BenchError(f"{path}: not found; keep a run with `bench/whatif_bench.py --keep {folder}` "
                          "(runs kept before the file existed cannot be judged again)") from None
@@ -76,6 +80,11 @@ def reconvert(trace_folder: Path, work: Path, env: dict) -> Path:
 
 def repredict(folder: Path, results: dict, work: Path, sim, env: dict) -> list:
     points = []
+    partial = results.get("partial")
+    if partial:
+        print(f"    {folder.name}: cut short after {partial['traced']} of {partial['traced_planned']} traced and "
+              f"{partial['untraced']} of {partial['untraced_planned']} untraced runs; judged on what those measured",
+              flush=True)
     if any("tbf_bits_per_s" not in rate for rate in results["rates"]):
         print(f"    {folder.name}: kept before the bench simulated a throttled rate at its measured payload rate; its "
               "rates are simulated as recorded, at tbf's rate R", flush=True)

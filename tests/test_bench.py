@@ -455,7 +455,11 @@ def test_whatif_repredict_sets_the_predictions_spread_beside_the_real_processes_
 
 @pytest.mark.parametrize("content", [None, "{\"rates\": []}", "not json",
                                      '{"trace_rate": "unthrottled", "latency_ns": 500, "rates": [{"label": "x"}], '
-                                     '"traces": [{"index": 1, "folder": "t"}]}'])
+                                     '"traces": [{"index": 1, "folder": "t"}]}',
+                                     '{"trace_rate": "unthrottled", "latency_ns": 500, "rates": [{"label": "x", '
+                                     '"bits_per_s": 1e10, "real_ms": 30}], "traces": [{"index": 1, "folder": "t"}], '
+                                     '"partial": {"traced": 0, "traced_planned": 2, "untraced": 1, '
+                                     '"untraced_planned": 2}}'])
 def test_whatif_repredict_names_a_kept_folder_without_results(tmp_path, content):
     kept = tmp_path / "kept"
     kept.mkdir()
@@ -752,3 +756,98 @@ def test_whatif_docs_block_rewrites_only_its_models_part(tmp_path):
     assert text.count(DOCS_BEGIN) == text.count(DOCS_END) == 1
     assert "second tiny table" in text and "first tiny table" not in text and "124M table" in text
     assert text.index("second tiny table") < text.index("124M table") < text.index(DOCS_END)
+
+
+def fake_whatif_runs(root: Path, rates: list, runs: list):
+    """An interleaved_runs stand-in that 'finishes' the given runs ("traced" or "untraced"), reporting each as the real
+    one does, and then stops as a SIGTERM would; every other step of main is stubbed out in the caller."""
+    from bench.whatif_bench import Progress, RealRuns, TracedRun
+
+    def runs_then_sigterm(ns, setup, trace_rate, rates_, args, env, root_, on_run_done=None):
+        traces, real = [], {rate.label: RealRuns(rate) for rate in rates}
+        untraced = 0
+        for kind in runs:
+            if kind == "traced":
+                folder = root_ / f"traced-{len(traces)}" / "traces" / "t"
+                traces.append(TracedRun(len(traces), trace_rate, folder, before_window_ms=40.0,
+                                        after_window={r.label: RealRuns(r, segment_ms=[38.0 * (i + 1)])
+                                                      for i, r in enumerate(rates)}))
+            else:
+                untraced += 1
+                for i, rate in enumerate(rates):
+                    real[rate.label].segment_ms.append(36.0 * (i + 1) + untraced)
+            on_run_done(traces, real, Progress(len(traces), args.traces, untraced, args.repeats))
+        raise SystemExit(143)  # what exit_on_sigterm's handler raises on SIGTERM
+
+    return runs_then_sigterm
+
+
+@pytest.mark.parametrize("runs, partial", [
+    (["traced"], None),                                   # no real step yet: nothing to judge, nothing written
+    (["traced", "untraced"], {"traced": 1, "traced_planned": 2, "untraced": 1, "untraced_planned": 2}),
+    (["traced", "untraced", "traced"], {"traced": 2, "traced_planned": 2, "untraced": 1, "untraced_planned": 2}),
+])
+def test_whatif_bench_stopped_by_sigterm_keeps_what_its_finished_runs_measured(tmp_path, monkeypatch, capsys, runs,
+                                                                               partial):
+    """A benchmark cut short (a `timeout`, a scheduler's SIGTERM) keeps, with --keep, the results of every run that
+    finished, in the file whatif_repredict.py judges, and its one error line says where; an earlier run's results
+    file in the folder does not stand for this one's."""
+    import bench.whatif_bench as whatif
+    from bench.whatif_repredict import read_results
+
+    class FakeNamespace:
+        name, mtu, offload_note = "fake", 9000, "no offload"
+
+        def __init__(self, *args):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    (kept / whatif.RESULTS_FILE).write_text('{"from": "an earlier run"}')
+    rates = [whatif.parse_rate("unthrottled"), whatif.parse_rate("100mbit")]
+    monkeypatch.setattr(whatif, "exit_on_sigterm", lambda: None)
+    monkeypatch.setattr(whatif, "missing_requirement", lambda: None)
+    monkeypatch.setattr(whatif, "Namespace", FakeNamespace)
+    monkeypatch.setattr(whatif, "verify_rates", lambda ns, rates_, seconds: ([], {"unthrottled": 20e9,
+                                                                                "100 Mbit/s": 99e6}))
+    monkeypatch.setattr(whatif, "micro_benchmark", lambda *args, **kwargs: ([], 24e9))
+    monkeypatch.setattr(whatif, "interleaved_runs", fake_whatif_runs(kept, rates, runs))
+    with pytest.raises(SystemExit) as stopped:
+        whatif.main(["--rates", "unthrottled,100mbit", "--micro-rate", "100mbit", "--traces", "2", "--repeats", "2", "--keep", str(kept),
+                     "--no-docs"])
+    assert stopped.value.code == 143
+    [line] = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert line.startswith("error: bench/whatif_bench.py: stopped by SIGTERM; the runs were stopped")
+    results_path = kept / whatif.RESULTS_FILE
+    if partial is None:
+        assert not results_path.exists() and f"{results_path} was not written" in line
+        return
+    results = read_results(kept)
+    assert results["partial"] == partial
+    assert len(results["traces"]) == partial["traced"]
+    assert [r["real_ms"] for r in results["rates"]] == [36.0 + 1, 72.0 + 1]  # the one untraced run's blocks
+    assert [r["bits_per_s"] for r in results["rates"]] == [24e9, 99e6]
+    assert results["traces"][0]["same_run_ms"] == {"unthrottled": 38.0, "100 Mbit/s": 76.0}
+    assert line.endswith(f"what {partial['traced']} of 2 traced and 1 of 2 untraced runs measured is in "
+                         f"{results_path}: judge it with `python bench/whatif_repredict.py {kept}`")
+
+
+def test_whatif_results_of_every_run_carry_no_partial_mark(tmp_path):
+    """The file written after the last planned run is the complete one the bench always wrote."""
+    from bench.whatif_bench import MODELS, Progress, RealRuns, TracedRun, parse_rate, write_results
+
+    rate = parse_rate("unthrottled")
+    trace = TracedRun(0, rate, tmp_path / "traced-0" / "traces" / "t", after_window={"unthrottled": RealRuns(rate)})
+    real = {"unthrottled": RealRuns(rate, segment_ms=[30.0, 32.0])}
+    path = write_results(tmp_path, MODELS["tiny"], rate, [rate], [trace], real, {"unthrottled": 2e10}, 500.0,
+                         Progress(1, 1, 1, 1))
+    results = json.loads(path.read_text())
+    assert "partial" not in results and results["rates"][0]["real_ms"] == 31.0
+    assert results["traces"][0]["folder"] == "traced-0/traces/t" and results["traces"][0]["same_run_ms"] == {
+        "unthrottled": None}
