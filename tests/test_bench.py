@@ -685,6 +685,28 @@ def test_the_rate_cycler_replaces_a_tbf_that_holds_packets_and_sends_none(stalle
         assert ns.resets == 0 and cycler.stalls == []      # a busy link is left alone, however long the step
 
 
+def test_the_rate_cycler_looks_at_the_qdisc_after_a_few_typical_steps_not_after_the_slowest(tmp_path):
+    """A run's second stall came after steps of 40 ms and the first stall's own step of 14 s: the cycler looks once
+    no step line has come for stall_after_s plus three typical steps (0.2 + 3 x 40 ms here), not three of the
+    slowest (42 s), so the stall is cleared within a second."""
+    import time
+
+    from bench.whatif_bench import RateCycler
+
+    log = tmp_path / "training_rank_0.log"
+    log.write_text("".join(f"2026-11-28 16:39:{n:02d},000 rank 0/2 INFO utils.trainer: step {n}/100 | loss 7.0 | "
+                           f"{ms} ms/step | cpu 30.0 ms/step\n"
+                           for n, ms in enumerate(["41.8", "40.2", "14,077.6", "39.5", "40.8"], start=1)))
+    ns = HeldQueue(stalled=True)
+    cycler = RateCycler(ns, [ns.rate], first_block=50, block=50, log_path=log, stall_after_s=0.2, stall_check_s=0.05)
+    cycler.start_first()
+    time.sleep(1.0)
+    cycler.finished.set()
+    cycler.join()
+    assert cycler.error is None and cycler.seen == 5
+    assert ns.resets == 1 and len(cycler.stalls) == 1
+
+
 def test_resetting_the_rate_puts_a_new_qdisc_of_the_same_rate_on_lo():
     from bench.netem import Namespace, missing_requirement, parse_rate, queue_counters
 
