@@ -272,6 +272,10 @@ def test_a_bench_rejects_a_bad_flag_in_one_line_naming_it(script, args, named):
     ("pause_cost.py", ["--model", "huge"], "argument --model: invalid choice: 'huge'"),
     ("whatif_bench.py", ["--traces", "two"], "argument --traces: invalid int value: 'two'"),
     ("communication_cpu.py", ["--bogus"], "unrecognized arguments: --bogus"),
+    ("tbf_stalls.py", ["--modes", "in-place,bogus"], "--modes: 'in-place,bogus': choose from in-place, new"),
+    ("tbf_stalls.py", ["--cycles", "0"], "--cycles must be at least 1"),
+    ("tbf_stalls.py", ["--rates", "unthrottled"], "--rates: name at least one throttled rate"),
+    ("tbf_stalls.py", ["--rates", "fast"], "--rates: 'fast' is not a rate"),
 ])
 def test_a_bench_refuses_a_flag_argparse_rejects_in_one_line_too(script, args, says):
     result = run_bench(script, *args, timeout=60)
@@ -723,6 +727,41 @@ def test_resetting_the_rate_puts_a_new_qdisc_of_the_same_rate_on_lo():
         shown = ns.queue_stats()
         assert "tbf" in shown and "rate 100Mbit" in shown and queue_counters(shown) == (0, 0)
         assert ns.rate == parse_rate("100mbit")
+
+
+def test_every_change_of_rate_puts_a_new_tbf_on_lo():
+    """A tbf whose rate tc changed in place stalled in 23 of 400 blocks of gloo all-reduces (bench/tbf_stalls.py): the
+    namespace deletes it and adds a new one, whose counters start at zero, at every change between two rates."""
+    from bench.netem import Namespace, missing_requirement, parse_rate, queue_counters
+
+    problem = missing_requirement()
+    if problem:
+        pytest.skip(f"needs a rate-limited network namespace: {problem}")
+    send = ("import socket; s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); "
+            "[s.sendto(b'x' * 1000, ('127.0.0.1', 9)) for _ in range(10)]")
+    with Namespace() as ns:
+        for rate, shown_as in (("1gbit", "rate 1Gbit"), ("400mbit", "rate 400Mbit"), ("100mbit", "rate 100Mbit")):
+            ns.set_rate(parse_rate(rate))
+            shown = ns.queue_stats()
+            assert shown_as in shown and queue_counters(shown)[0] == 0, shown
+            subprocess.run(ns.command([sys.executable, "-c", send]), check=True, capture_output=True, timeout=30)
+            assert queue_counters(ns.queue_stats())[0] > 0  # this qdisc sent the datagrams
+
+
+@pytest.mark.slow
+def test_tbf_stalls_runs_gloo_traffic_through_both_ways_of_changing_the_rate():
+    from bench.netem import missing_requirement
+
+    problem = missing_requirement()
+    if problem:
+        pytest.skip(f"tbf_stalls needs a rate-limited network namespace: {problem}")
+    result = run_bench("tbf_stalls.py", "--cycles", "1", "--block", "3", timeout=600)
+    assert result.returncode == 0, result.stderr
+    rows = {row[0]: row for row in table_rows(result.stdout, "") if row[0] in ("in-place", "new")}
+    assert set(rows) == {"in-place", "new"}
+    for row in rows.values():
+        # 4 rates, 1 cycle: 4 blocks of 3 steps after the first 10, one more to end the last block cleanly
+        assert row[1:3] == ["4", "23"] and int(row[4]) >= 0 and float(row[3]) > 0
 
 
 def test_a_step_during_which_a_stalled_qdisc_was_replaced_is_left_out_of_its_block():

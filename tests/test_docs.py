@@ -426,6 +426,8 @@ NOT_RUNNABLE: dict[str, str] = {
         BENCHMARK,
     "python bench/communication_cpu.py":
         "a benchmark of 1.5 min as root (a rate-limited network namespace); tests/test_bench.py runs it with --quick",
+    "python bench/tbf_stalls.py":
+        "a benchmark of 3.5 min as root (a rate-limited network namespace); tests/test_bench.py runs one cycle",
     "python bench/pause_cost.py --pause-s 8 --rounds 4":
         "a benchmark of 7 min; tests/test_bench.py runs it with --quick",
     "python bench/pause_cost.py --model tiny --pause-s 0.15 --rounds 6 --steps 20":
