@@ -136,14 +136,18 @@ class Namespace:
         if rate.throttled:
             if self.rate is not None and self.rate.throttled:
                 _run(self.command(["tc", "qdisc", "del", "dev", "lo", "root"]))
-            argv = ["tc", "qdisc", "replace", "dev", "lo", "root", "tbf", "rate", f"{rate.bits_per_s}bit",
-                    "burst", str(rate.burst_bytes(self.mtu, self.burst_slack_s)), "latency", QUEUE_LATENCY]
+            argv = self.tbf_command(rate)
             self._check(self.command(argv), f"limit lo to {rate.label}")
         else:
             argv = ["tc", "qdisc", "del", "dev", "lo", "root"]
             _run(self.command(argv))  # fails harmlessly when there is no qdisc yet
         self.rate = rate
         return " ".join(argv)
+
+    def tbf_command(self, rate: Rate) -> list[str]:
+        """The tc command that puts a tbf of the (throttled) rate on lo, or changes the rate of the one there."""
+        return ["tc", "qdisc", "replace", "dev", "lo", "root", "tbf", "rate", f"{rate.bits_per_s}bit",
+                "burst", str(rate.burst_bytes(self.mtu, self.burst_slack_s)), "latency", QUEUE_LATENCY]
 
     def reset_rate(self) -> str:
         """Replace lo's qdisc by a new one of the same rate (set_rate deletes, then adds): whatever the old one held

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+from collections import Counter
 import shutil
 import sys
 import tempfile
@@ -25,7 +26,7 @@ from pathlib import Path
 
 from bench.common import (BenchError, child_env, exit_on_sigterm, fail, format_table, machine_description,
                           run_child)
-from bench.netem import Namespace, NetemUnavailable, QUEUE_LATENCY, missing_requirement, parse_rate
+from bench.netem import Namespace, NetemUnavailable, missing_requirement, parse_rate
 from trace_tools.command_line import ArgumentParser
 
 MODES = ("in-place", "new")
@@ -41,8 +42,7 @@ class InPlaceNamespace(Namespace):
     def set_rate(self, rate) -> str:
         if not rate.throttled:
             return super().set_rate(rate)
-        argv = ["tc", "qdisc", "replace", "dev", "lo", "root", "tbf", "rate", f"{rate.bits_per_s}bit",
-                "burst", str(rate.burst_bytes(self.mtu, self.burst_slack_s)), "latency", QUEUE_LATENCY]
+        argv = self.tbf_command(rate)
         self._check(self.command(argv), f"limit lo to {rate.label}")
         self.rate = rate
         return " ".join(argv)
@@ -95,11 +95,8 @@ def run_mode(mode: str, rates: list, args, work: Path) -> dict:
         raise BenchError(f"the {mode} run failed: {done.reason()}")
     if cycler.error:
         raise BenchError(f"the {mode} run's rate changes failed: {cycler.error}")
-    by_rate = {}
-    for _, rate, _ in cycler.stalls:
-        by_rate[rate.label] = by_rate.get(rate.label, 0) + 1
-    return {"mode": mode, "blocks": len(schedule), "changes": len(cycler.switches) - 1, "steps": steps,
-            "seconds": done.wall_s, "stalls": len(cycler.stalls), "at": by_rate}
+    return {"mode": mode, "blocks": len(schedule), "steps": steps, "seconds": done.wall_s,
+            "stalls": len(cycler.stalls), "at": Counter(rate.label for _, rate, _ in cycler.stalls)}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -16,7 +16,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from bench.common import (BUNDLED_SQUAD, OUR_LOG_FILE, REPO_ROOT, STEP_CPU, STEP_LINE, TRACE_WINDOW_NOTE, BenchError,
@@ -443,9 +443,8 @@ class RateCycler(threading.Thread):
     def run(self) -> None:
         try:
             index, offset, tail, in_window = 0, 0, "", False
-            last_line, step_s = time.monotonic(), []
+            last_line, step_s, typical_s = time.monotonic(), [], 0.0
             while not self.finished.wait(0.02):
-                typical_s = statistics.median(step_s) if step_s else 0.0
                 if time.monotonic() - last_line > self.stall_after_s + 3 * typical_s:
                     self.clear_stall()
                     last_line = time.monotonic()
@@ -462,6 +461,7 @@ class RateCycler(threading.Thread):
                         continue
                     last_line = time.monotonic()
                     step_s.append(float(match.group(3).replace(",", "")) / 1000)
+                    typical_s = statistics.median(step_s)
                     if self.boundary is None:  # waiting for the first step line after the window's
                         if TRACE_WINDOW_NOTE in line:
                             in_window = True
@@ -697,8 +697,7 @@ def write_results(folder: Path, setup: ModelSetup, trace_rate: Rate, rates: list
                    for t in traces],
     }
     if progress and not progress.complete:
-        results["partial"] = {"traced": progress.traced, "traced_planned": progress.traced_planned,
-                              "untraced": progress.untraced, "untraced_planned": progress.untraced_planned}
+        results["partial"] = asdict(progress)
     path = folder / RESULTS_FILE
     write_text_atomic(path, json.dumps(results, indent=2) + "\n")
     return path
@@ -1048,15 +1047,13 @@ def resolve(args) -> tuple:
 
 def kept_note(root: Path, keep: str | None) -> str:
     """For a benchmark that stopped early with --keep: where what its finished runs measured is, to be judged."""
-    path = root / RESULTS_FILE
     if not keep:
         return ""
+    path = root / RESULTS_FILE
     if not path.is_file():
         return f"; no trace with a real step at every rate had been measured, so {path} was not written"
     partial = json.loads(path.read_text(encoding="utf-8")).get("partial")
-    runs = ("every run" if not partial else
-            Progress(partial["traced"], partial["traced_planned"], partial["untraced"],
-                     partial["untraced_planned"]).describe())
+    runs = Progress(**partial).describe() if partial else "every run"
     return f"; what {runs} measured is in {path}: judge it with `python bench/whatif_repredict.py {root}`"
 
 

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.common import BenchError, child_env, fail, format_table
-from bench.whatif_bench import (REPLAY_BAND, RESULTS_FILE, WHATIF_BAND, bands_count, convert, find_simulator,
-                                read_run_json, simulate_at, within_band)
+from bench.whatif_bench import (REPLAY_BAND, RESULTS_FILE, WHATIF_BAND, Progress, bands_count, convert,
+                                find_simulator, read_run_json, simulate_at, within_band)
 from trace_tools.command_line import ArgumentParser
 from trace_tools.layout import RUN_INFO, TRACE_FILE_RE
 
@@ -54,8 +54,9 @@ def read_results(folder: Path) -> dict:
         if not all(int(t["index"]) and t["folder"] for t in results["traces"]):
             raise ValueError("a trace without its folder")
         partial = results.get("partial")
-        if partial is not None and not (0 < int(partial["traced"]) <= int(partial["traced_planned"])
-                                        and 0 < int(partial["untraced"]) <= int(partial["untraced_planned"])):
+        done = Progress(**partial) if partial is not None else None
+        if done and not (0 < int(done.traced) <= int(done.traced_planned)
+                         and 0 < int(done.untraced) <= int(done.untraced_planned)):
             raise ValueError("a partial run's counts of finished runs are off")
     except FileNotFoundError:
         raise BenchError(f"{path}: not found; keep a run with `bench/whatif_bench.py --keep {folder}` "
@@ -82,8 +83,7 @@ def repredict(folder: Path, results: dict, work: Path, sim, env: dict) -> list:
     points = []
     partial = results.get("partial")
     if partial:
-        print(f"    {folder.name}: cut short after {partial['traced']} of {partial['traced_planned']} traced and "
-              f"{partial['untraced']} of {partial['untraced_planned']} untraced runs; judged on what those measured",
+        print(f"    {folder.name}: cut short after {Progress(**partial).describe()}; judged on what those measured",
               flush=True)
     if any("tbf_bits_per_s" not in rate for rate in results["rates"]):
         print(f"    {folder.name}: kept before the bench simulated a throttled rate at its measured payload rate; its "

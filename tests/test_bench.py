@@ -819,7 +819,7 @@ def test_whatif_docs_block_rewrites_only_its_models_part(tmp_path):
     assert text.index("second tiny table") < text.index("124M table") < text.index(DOCS_END)
 
 
-def fake_whatif_runs(root: Path, rates: list, runs: list):
+def fake_whatif_runs(rates: list, runs: list):
     """An interleaved_runs stand-in that 'finishes' the given runs ("traced" or "untraced"), reporting each as the real
     one does, and then stops as a SIGTERM would; every other step of main is stubbed out in the caller."""
     from bench.whatif_bench import Progress, RealRuns, TracedRun
@@ -878,7 +878,7 @@ def test_whatif_bench_stopped_by_sigterm_keeps_what_its_finished_runs_measured(t
     monkeypatch.setattr(whatif, "verify_rates", lambda ns, rates_, seconds: ([], {"unthrottled": 20e9,
                                                                                 "100 Mbit/s": 99e6}))
     monkeypatch.setattr(whatif, "micro_benchmark", lambda *args, **kwargs: ([], 24e9))
-    monkeypatch.setattr(whatif, "interleaved_runs", fake_whatif_runs(kept, rates, runs))
+    monkeypatch.setattr(whatif, "interleaved_runs", fake_whatif_runs(rates, runs))
     with pytest.raises(SystemExit) as stopped:
         whatif.main(["--rates", "unthrottled,100mbit", "--micro-rate", "100mbit", "--traces", "2", "--repeats", "2", "--keep", str(kept),
                      "--no-docs"])
