@@ -242,6 +242,21 @@ def machine_description(packages: Sequence[str] = ("torch", "transformers", "acc
             f"{load} (1/5/15 min){pages}; Python {platform.python_version()}; {versions}")
 
 
+def source_revision(root: Path = REPO_ROOT) -> str:
+    """The commit of the code a result was measured with ("bb75604", "bb75604 with uncommitted changes"), or why
+    there is none: results of one benchmark taken with other converters differ for that reason alone."""
+    def git(*argv: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["git", "-C", str(root), *argv], capture_output=True, text=True, check=False)
+    try:
+        head = git("rev-parse", "--short", "HEAD")
+        if head.returncode != 0:
+            return "not a git checkout"
+        changed = git("status", "--porcelain", "--untracked-files=no").stdout.strip()
+    except OSError:
+        return "unknown (no git)"
+    return head.stdout.strip() + (" with uncommitted changes" if changed else "")
+
+
 def transparent_huge_pages(setting: Path = Path("/sys/kernel/mm/transparent_hugepage/enabled")) -> str | None:
     """The kernel's transparent huge page mode (the bracketed word of "always [madvise] never"), or None where the
     kernel does not say. Memory-bound steps run at another pace under another mode (docs/BENCHMARKS.md §4b), so a

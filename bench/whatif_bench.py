@@ -21,7 +21,7 @@ from pathlib import Path
 
 from bench.common import (BUNDLED_SQUAD, OUR_LOG_FILE, REPO_ROOT, STEP_CPU, STEP_LINE, TRACE_WINDOW_NOTE, BenchError,
                           child_env, exit_on_sigterm, fail, format_table, machine_description, our_step_times,
-                          run_child, train_script)
+                          run_child, source_revision, train_script)
 from bench.netem import (DEFAULT_MTU, QUEUE_LATENCY, Namespace, NetemUnavailable, Rate, describe_queue,
                          expected_goodput_share, format_bits, measure_throughput, missing_requirement, parse_rate,
                          queue_counters)
@@ -748,6 +748,20 @@ def ratio_range(ratios: list) -> str:
     return f"{low:.2f}x" if low == high else f"{low:.2f}x to {high:.2f}x"
 
 
+def against_untraced_line(replays: list, whatifs: list) -> str:
+    """The report's verdict against the untraced runs (overview() reads it back: PART_AGAINST_UNTRACED)."""
+    return (f"Replay check (target within {REPLAY_BAND:.0%}): predicted / real {ratio_range(replays)}. What-if at the "
+            f"other rates (target within {WHATIF_BAND:.0%}): {ratio_range(whatifs)}. {bands_count(replays, whatifs)} "
+            "within the bands.")
+
+
+def against_same_process_line(replays: list, whatifs: list) -> str:
+    """The report's verdict against the traced processes' own steps after their windows (PART_AGAINST_SAME)."""
+    return (f"Against each traced run's own untraced steps after its window (the same process): replay "
+            f"{ratio_range(replays)}, what-if at the other rates {ratio_range(whatifs)}; "
+            f"{bands_count(replays, whatifs)} within the bands.")
+
+
 def loads_text(loads: list) -> str:
     return ", ".join(f"{a:.1f}->{b:.1f}" for a, b in loads)
 
@@ -760,6 +774,7 @@ def report(setup: ModelSetup, args, sim: Simulator, verification: list, micro: l
              f"Measured {datetime.datetime.now().astimezone().strftime('%Y-%m-%d %H:%M %Z')}, as root, with "
              f"`{invocation}`.", "",
              f"- {machine_description(('torch', 'transformers', 'mlc-chakra'))}; Linux {platform.release()}",
+             f"- code: {source_revision()} (the tracer, the converter and this benchmark)",
              f"- model: `{setup.family}/train.py --model-name {setup.model_name}`"
              + (f", {traces[0].parameters:,} parameters" if traces and traces[0].parameters else "")
              + f", batch {setup.batch_size} x {setup.seq_length} tokens per rank, {RANKS} ranks (torchrun, gloo, CPU, "
@@ -861,17 +876,13 @@ def report(setup: ModelSetup, args, sim: Simulator, verification: list, micro: l
                                 "CPU real / trace", "real change ms", "predicted change ms", "per rank ms",
                                 *same_columns, "note"], rows),
                   "",
-                  f"Replay check (target within {REPLAY_BAND:.0%}): predicted / real {ratio_range(replay)}. What-if at "
-                  f"the other rates (target within {WHATIF_BAND:.0%}): {ratio_range(whatif)}. "
-                  f"{bands_count(replay, whatif)} within the bands.", ""]
+                  against_untraced_line(replay, whatif), ""]
         if compute:
             lines += [f"Compute: the real runs spent {ratio_range(compute)} the traced runs' CPU time per step (before "
                       "their windows) on the same work. The `.et`'s compute is the traced runs', so that difference is "
                       "the machine's (its speed at another time, or at another rate), not the conversion's.", ""]
         if same_replay or same_whatif:
-            lines += [f"Against each traced run's own untraced steps after its window (the same process): replay "
-                      f"{ratio_range(same_replay)}, what-if at the other rates {ratio_range(same_whatif)}; "
-                      f"{bands_count(same_replay, same_whatif)} within the bands.", ""]
+            lines += [against_same_process_line(same_replay, same_whatif), ""]
         # The same replay against the traced run's own untraced steps: the same process on the same machine
         # minutes earlier, so what the two runs' machines differed by (next line) is out of it. On a CPU run the
         # converter's recording cost comes from CPU time, not from these wall-clock steps, so this is no tautology.
@@ -919,8 +930,50 @@ def write_docs(path: Path, key: str, section: str) -> None:
     parts = {match.group(1): match.group(0) for match in MODEL_PART.finditer(block)}
     parts[key] = f"{MODEL_BEGIN.format(key=key)}\n{section.strip()}\n{MODEL_END.format(key=key)}"
     ordered = [parts.pop(k) for k in MODELS if k in parts] + [parts[k] for k in sorted(parts)]
-    block = "\n" + DOCS_INTRO.strip() + "\n\n" + "\n\n".join(ordered) + "\n"
+    block = "\n" + DOCS_INTRO.strip() + "\n\n" + overview(ordered) + "\n\n" + "\n\n".join(ordered) + "\n"
     write_text_atomic(path, head + DOCS_BEGIN + block + DOCS_END + tail)
+
+
+# The lines of a part that overview() reads back: report() writes them
+PART_HEADING = re.compile(r"^### (.+)$", re.MULTILINE)
+PART_MEASURED = re.compile(r"^Measured (\d{4}-\d\d-\d\d)", re.MULTILINE)
+PART_CODE = re.compile(r"^- code: (.+?) \(the tracer", re.MULTILINE)
+PART_AGAINST_UNTRACED = re.compile(rf"^Replay check \(target within {REPLAY_BAND:.0%}\): predicted / real (.+?)\. "
+                                   rf"What-if at the other rates \(target within {WHATIF_BAND:.0%}\): (.+?)\. "
+                                   r"(\d+) of (\d+) within the bands\.$", re.MULTILINE)
+PART_AGAINST_SAME = re.compile(r"^Against each traced run's own untraced steps after its window \(the same process\): "
+                               r"replay .+?, what-if at the other rates .+?; (\d+) of (\d+) within the bands\.$",
+                               re.MULTILINE)
+
+
+def overview(parts: list[str]) -> str:
+    """A table of the parts' results, one row each, read from the lines report() wrote in them, and the points
+    within the bands over all parts: against the untraced runs and against the traced processes' own steps."""
+    rows = []
+    inside, points, inside_same, points_same = 0, 0, 0, 0
+    for part in parts:
+        heading, measured = PART_HEADING.search(part), PART_MEASURED.search(part)
+        untraced, same = PART_AGAINST_UNTRACED.search(part), PART_AGAINST_SAME.search(part)
+        if not (heading and untraced):
+            continue  # not a part report() wrote
+        inside, points = inside + int(untraced.group(3)), points + int(untraced.group(4))
+        if same:
+            inside_same, points_same = inside_same + int(same.group(1)), points_same + int(same.group(2))
+        code = PART_CODE.search(part)
+        rows.append([heading.group(1), measured.group(1) if measured else "-", code.group(1) if code else "-",
+                     untraced.group(1), untraced.group(2),
+                     f"{untraced.group(3)} of {untraced.group(4)}",
+                     f"{same.group(1)} of {same.group(2)}" if same else "-"])
+    if not rows:
+        return "No run has been written here yet."
+    rows.append(["all runs", "", "", "", "", f"{inside} of {points}", f"{inside_same} of {points_same}"])
+    return ("Every run below at a glance, as each measured it with the code of its day (the commit where the part "
+            f"names it; §4b says what changed since): the replays (target within {REPLAY_BAND:.0%}) and the other "
+            f"rates (within {WHATIF_BAND:.0%}) against the untraced runs, and the points within those bands against "
+            "the untraced runs and against each traced process's own untraced steps after its window. This table is "
+            "made anew from the parts' own lines whenever a run rewrites its part.\n\n"
+            + format_table(["run", "measured", "code", "replays / real", "other rates / real", "within the bands",
+                            "within the bands, same process"], rows))
 
 
 DOCS_INTRO = """

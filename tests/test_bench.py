@@ -819,6 +819,52 @@ def test_whatif_docs_block_rewrites_only_its_models_part(tmp_path):
     assert text.index("second tiny table") < text.index("124M table") < text.index(DOCS_END)
 
 
+def test_whatif_docs_overview_counts_every_parts_points_from_the_reports_own_lines(tmp_path):
+    from bench.whatif_bench import against_same_process_line, against_untraced_line, write_docs
+
+    docs = tmp_path / "BENCHMARKS.md"
+    # tiny: one replay out of its 5% band (1.07) and one other rate out of its 10% band (0.85)
+    write_docs(docs, "tiny", "### GPT-2 tiny\n\nMeasured 2026-11-20 07:50 UTC, as root\n\n"
+               "- code: 1a2b3c4 with uncommitted changes (the tracer, the converter and this benchmark)\n\n"
+               + against_untraced_line([1.07, 1.01], [0.85, 0.98, 1.02]) + "\n\n"
+               + against_same_process_line([1.00, 1.02], [0.99, 0.98, 1.12]))
+    # a part without the same-process line (a run with --after-window-cycles 0)
+    write_docs(docs, "gpt2-124m-shape", "### GPT-2 124M shape\n\nMeasured 2026-11-21 05:00 UTC\n\n"
+               + against_untraced_line([0.97], [1.04, 0.91]))
+    write_docs(docs, "bert-tiny", "### BERT tiny\n\nan older part without the report's lines")
+    text = docs.read_text(encoding="utf-8")
+    table = text[text.index("| run "):text.index("<!-- whatif:tiny:begin -->")]
+    rows = {line.split("|")[1].strip(): [cell.strip() for cell in line.split("|")[2:-1]]
+            for line in table.splitlines()[2:] if line.startswith("|")}
+    assert rows["GPT-2 tiny"] == ["2026-11-20", "1a2b3c4 with uncommitted changes", "1.01x to 1.07x", "0.85x to 1.02x",
+                                  "3 of 5", "4 of 5"]
+    assert rows["GPT-2 124M shape"] == ["2026-11-21", "-", "0.97x", "0.91x to 1.04x", "3 of 3", "-"]
+    assert "BERT tiny" not in rows
+    assert rows["all runs"][-2:] == ["6 of 8", "4 of 5"]
+    # rewriting a part updates the overview
+    write_docs(docs, "tiny", "### GPT-2 tiny\n\nMeasured 2026-11-22 07:50 UTC\n\n"
+               + against_untraced_line([1.01, 1.02], [0.95, 0.98, 1.02]))
+    text = docs.read_text(encoding="utf-8")
+    assert "| all runs " in text and "8 of 8" in text and text.count("| GPT-2 tiny ") == 1
+    assert "(target within 5%) and the other rates (within 10%)" in text
+
+
+def test_source_revision_names_the_commit_and_uncommitted_changes(tmp_path):
+    from bench.common import source_revision
+
+    assert source_revision(tmp_path) == "not a git checkout"
+    env = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t",
+           "PATH": os.environ["PATH"], "HOME": str(tmp_path)}
+    (tmp_path / "a.py").write_text("x = 1\n")
+    for argv in (["init", "-q"], ["add", "a.py"], ["commit", "-q", "-m", "a"]):
+        subprocess.run(["git", "-C", str(tmp_path), *argv], check=True, env=env)
+    head = subprocess.run(["git", "-C", str(tmp_path), "rev-parse", "--short", "HEAD"], check=True, env=env,
+                          capture_output=True, text=True).stdout.strip()
+    assert source_revision(tmp_path) == head
+    (tmp_path / "a.py").write_text("x = 2\n")
+    assert source_revision(tmp_path) == f"{head} with uncommitted changes"
+
+
 def fake_whatif_runs(rates: list, runs: list):
     """An interleaved_runs stand-in that 'finishes' the given runs ("traced" or "untraced"), reporting each as the real
     one does, and then stops as a SIGTERM would; every other step of main is stubbed out in the caller."""
