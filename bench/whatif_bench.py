@@ -12,6 +12,7 @@ import shlex
 import shutil
 import signal
 import statistics
+import textwrap
 import sys
 import tempfile
 import threading
@@ -934,6 +935,7 @@ def write_docs(path: Path, key: str, section: str) -> None:
     write_text_atomic(path, head + DOCS_BEGIN + block + DOCS_END + tail)
 
 
+DOCS_WIDTH = 118  # the prose lines of docs/BENCHMARKS.md
 # The lines of a part that overview() reads back: report() writes them
 PART_HEADING = re.compile(r"^### (.+)$", re.MULTILINE)
 PART_MEASURED = re.compile(r"^Measured (\d{4}-\d\d-\d\d)", re.MULTILINE)
@@ -967,11 +969,12 @@ def overview(parts: list[str]) -> str:
     if not rows:
         return "No run has been written here yet."
     rows.append(["all runs", "", "", "", "", f"{inside} of {points}", f"{inside_same} of {points_same}"])
-    return ("Every run below at a glance, as each measured it with the code of its day (the commit where the part "
-            f"names it; §4b says what changed since): the replays (target within {REPLAY_BAND:.0%}) and the other "
-            f"rates (within {WHATIF_BAND:.0%}) against the untraced runs, and the points within those bands against "
-            "the untraced runs and against each traced process's own untraced steps after its window. This table is "
-            "made anew from the parts' own lines whenever a run rewrites its part.\n\n"
+    summary = ("Every run below at a glance, as each measured it with the code of its day (the commit where the part "
+               f"names it; §4b says what changed since): the replays (target within {REPLAY_BAND:.0%}) and the other "
+               f"rates (within {WHATIF_BAND:.0%}) against the untraced runs, and the points within those bands "
+               "against the untraced runs and against each traced process's own untraced steps after its window. "
+               "This table is made anew from the parts' own lines whenever a run rewrites its part.")
+    return (textwrap.fill(summary, width=DOCS_WIDTH) + "\n\n"
             + format_table(["run", "measured", "code", "replays / real", "other rates / real", "within the bands",
                             "within the bands, same process"], rows))
 
