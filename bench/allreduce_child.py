@@ -8,7 +8,8 @@ woken thread wait for the next tick the result would depend on that phase. The t
 call.
 
 With --cpu-times each size is instead reduced --repeats times back to back, and rank 0 prints the CPU time that
-took: each rank's communication threads' (gloo's event loop and workers, as the tracer reads them) and the
+took: each rank's communication threads' (gloo's event loop and workers, as the tracer reads them, and how many
+times they were given a CPU) and the
 machine's interrupt and softirq time (/proc/stat), both over the whole loop, with the CPUs' whole time over it,
 every thread's CPU time on the machine and the idle time: whether the threads' time already holds the interrupts
 (bench/communication_cpu.py).
@@ -22,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from trace_tools.command_line import ArgumentParser
-from utils.chakra_tracer import communication_threads_times_s
+from utils.chakra_tracer import COMMUNICATION_THREAD_NAMES, communication_threads_times_s
 from utils.collective_start import time_all_reduces
 from utils.metrics import all_threads_cpu_seconds, idle_cpu_seconds, interrupt_cpu_seconds
 
@@ -34,6 +35,24 @@ def compute_range_ms(text: str) -> tuple:
     if not 0 < low_ms <= high_ms:
         raise argparse.ArgumentTypeError(f"{text!r}: expected LOW,HIGH in ms with 0 < LOW <= HIGH")
     return low_ms, high_ms
+
+
+def communication_threads_scheduled() -> int:
+    """How many times the process's communication threads have been given a CPU since they started (the third
+    field of each one's /proc/self/task/<tid>/schedstat, summed): a thread that sleeps on its sockets between the
+    pieces of a message is given one each time the kernel wakes it, so on a paced network the count says how many
+    pieces the bytes came in."""
+    count = 0
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm", encoding="utf-8", errors="replace") as name:
+                if name.read().strip() not in COMMUNICATION_THREAD_NAMES:
+                    continue
+            with open(f"/proc/self/task/{tid}/schedstat", encoding="ascii") as stats:
+                count += int(stats.read().split()[2])
+        except (OSError, ValueError, IndexError):
+            continue  # the thread ended between the listing and the read
+    return count
 
 
 def machine_times(rank: int) -> tuple:
@@ -54,21 +73,24 @@ def print_cpu_times(tensor: torch.Tensor, repeats: int, warmup: int, rank: int) 
     dist.barrier()
     machine_before = machine_times(rank)
     threads_before, interrupts_before = communication_threads_times_s(), interrupt_cpu_seconds()
+    scheduled_before = communication_threads_scheduled()
     started = time.perf_counter()
     for _ in range(repeats):
         dist.all_reduce(tensor)
     dist.barrier()
     wall = time.perf_counter() - started
     threads_after, interrupts_after = communication_threads_times_s(), interrupt_cpu_seconds()
+    scheduled = communication_threads_scheduled() - scheduled_before
     machine_after = machine_times(rank)
     if None in (threads_before, threads_after, interrupts_before, interrupts_after, *machine_before, *machine_after):
         raise SystemExit("error: this machine does not show threads' or interrupts' CPU time (/proc)")
-    mine = torch.tensor([threads_after[0] - threads_before[0]], dtype=torch.float64)
+    mine = torch.tensor([threads_after[0] - threads_before[0], scheduled], dtype=torch.float64)
     everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(everyone, mine)
     if rank == 0:
         print(json.dumps({"bytes": tensor.numel() * 4, "repeats": repeats, "wall_s": wall,
                           "communication_threads_cpu_s": [float(t[0]) for t in everyone],
+                          "communication_threads_scheduled": [int(t[1]) for t in everyone],
                           "interrupt_cpu_s": interrupts_after - interrupts_before,
                           "cpus_time_s": (machine_after[0] - machine_before[0]) * (os.cpu_count() or 1),
                           "all_threads_cpu_s": machine_after[1] - machine_before[1],

@@ -1,6 +1,10 @@
 """What a gloo all-reduce costs in CPU time per byte at several network rates: its communication threads' and the
 kernel's.
 
+Each row also counts how many times the communication threads were given a CPU per all-reduce (schedstat): a
+thread that sleeps on its sockets is woken for every piece the network delivers, so on a paced network the count
+rises with the pieces, and the CPU time per all-reduce rises with it.
+
 The converter gives each collective of a CPU run a CPU node with the communication threads' CPU time per untraced
 step (trace_tools.core_sharing), measured at the traced network's rate, and the .et carries it to every rate it is
 simulated at. The machine's interrupt time it only reports: this bench also says whether the kernel counts that
@@ -99,16 +103,19 @@ def report(results: dict[str, list[dict]]) -> str:
         threads_ms = 1000 * sum(sum(r["communication_threads_cpu_s"]) for r in runs)
         interrupts_ms = 1000 * sum(r["interrupt_cpu_s"] for r in runs)
         per_run = [interrupt_ms_per_mb(r) for r in runs]
+        scheduled = sum(sum(r["communication_threads_scheduled"]) for r in runs)
         rows.append([label, len(runs), reduces, f"{1000 * sum(r['wall_s'] for r in runs) / reduces:,.1f}",
                      f"{threads_ms / reduces:.2f}", f"{interrupts_ms / reduces:.2f}",
                      f"{threads_ms / megabytes:.3f}", f"{interrupts_ms / megabytes:.3f}",
                      f"{(threads_ms + interrupts_ms) / megabytes:.3f}",
                      ", ".join(f"{x:.3f}" for x in per_run),
                      ", ".join(f"{accounted_share(r, False):.3f}" for r in runs),
-                     ", ".join(f"{accounted_share(r, True):.3f}" for r in runs)])
+                     ", ".join(f"{accounted_share(r, True):.3f}" for r in runs),
+                     f"{scheduled / reduces:,.1f}", f"{1000 * threads_ms / scheduled:.1f}" if scheduled else "n/a"])
     headers = ["rate", "runs", "all-reduces", "ms each", "threads' CPU ms each (both ranks)",
                "interrupt CPU ms each (machine)", "threads ms/MB", "interrupts ms/MB", "both ms/MB",
-               "interrupts ms/MB in each run", "all threads + idle / CPUs' time", "+ interrupts / CPUs' time"]
+               "interrupts ms/MB in each run", "all threads + idle / CPUs' time", "+ interrupts / CPUs' time",
+               "threads given a CPU, times each (both ranks)", "threads' CPU us a time"]
     return format_table(headers, rows)
 
 

@@ -194,6 +194,13 @@ def test_communication_cpu_measures_the_threads_and_the_kernels_time_per_byte_at
     for row in (fast, slow):
         alone, added = float(row[10]), float(row[11])
         assert 0.7 < alone <= added < 1.4
+    # the threads are given a CPU at least once an all-reduce, and more often when the network paces the bytes
+    scheduled, per_time = {}, {}
+    for name, row in (("fast", fast), ("slow", slow)):
+        scheduled[name], per_time[name] = float(row[12].replace(",", "")), float(row[13])
+        assert scheduled[name] >= 1 and per_time[name] > 0
+        assert per_time[name] * scheduled[name] / 1000 == pytest.approx(float(row[4]), rel=0.05)
+    assert scheduled["slow"] > scheduled["fast"]
     verdicts = [line for line in result.stdout.splitlines() if line.startswith("- ")]
     assert [line.split(":")[0] for line in verdicts] == ["- unthrottled", "- 100 Mbit/s"]
     assert all("of the CPUs' time was in no thread and not idle" in line for line in verdicts)
