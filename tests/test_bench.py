@@ -863,10 +863,13 @@ def test_source_revision_names_the_commit_and_uncommitted_changes(tmp_path):
     env = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t",
            "PATH": os.environ["PATH"], "HOME": str(tmp_path)}
     (tmp_path / "a.py").write_text("x = 1\n")
-    for argv in (["init", "-q"], ["add", "a.py"], ["commit", "-q", "-m", "a"]):
+    (tmp_path / "RESULTS.md").write_text("before\n")
+    for argv in (["init", "-q"], ["add", "a.py", "RESULTS.md"], ["commit", "-q", "-m", "a"]):
         subprocess.run(["git", "-C", str(tmp_path), *argv], check=True, env=env)
     head = subprocess.run(["git", "-C", str(tmp_path), "rev-parse", "--short", "HEAD"], check=True, env=env,
                           capture_output=True, text=True).stdout.strip()
+    assert source_revision(tmp_path) == head
+    (tmp_path / "RESULTS.md").write_text("a result written in\n")
     assert source_revision(tmp_path) == head
     (tmp_path / "a.py").write_text("x = 2\n")
     assert source_revision(tmp_path) == f"{head} with uncommitted changes"
