@@ -440,6 +440,15 @@ NOT_RUNNABLE: dict[str, str] = {
     "/tmp/k81_berttiny400": BENCHMARK,
     "python bench/whatif_bench.py --model tiny --trace-rate 1gbit --traces 3 --no-docs --keep /tmp/k82_tiny1g":
         BENCHMARK,
+    "python bench/whatif_bench.py --model tiny --traces 3 --no-docs --keep /tmp/k85_tiny": BENCHMARK,
+    "python bench/whatif_bench.py --model bert-base-shape --trace-rate 2gbit --traces 3 --no-docs --keep "
+    "/tmp/k86_bertbase2g": BENCHMARK,
+    "python bench/rate_cpu.py --model bert-base-shape --rates unthrottled,2gbit --cycles 4":
+        "a benchmark of 3 min as root (a rate-limited network namespace); tests/test_bench.py runs it with --quick",
+    "python bench/communication_cpu.py --rates unthrottled,1gbit,400mbit,100mbit --mb 0.9 --seconds 3":
+        "a benchmark of 1 min as root (a rate-limited network namespace); tests/test_bench.py runs it with --quick",
+    "python bench/communication_cpu.py --rates unthrottled,1gbit,400mbit,100mbit --mb 8 --seconds 3":
+        "a benchmark of 1 min as root (a rate-limited network namespace); tests/test_bench.py runs it with --quick",
     "python bench/tracing_cost.py --threads 1": BENCHMARK,
     "python bench/convert_bench.py": BENCHMARK,
     # README.md
