@@ -23,9 +23,9 @@ import torch
 import torch.distributed as dist
 
 from trace_tools.command_line import ArgumentParser
-from utils.chakra_tracer import COMMUNICATION_THREAD_NAMES, communication_threads_times_s
+from utils.chakra_tracer import communication_thread_ids, communication_threads_times_s
 from utils.collective_start import time_all_reduces
-from utils.metrics import all_threads_cpu_seconds, idle_cpu_seconds, interrupt_cpu_seconds
+from utils.metrics import all_threads_cpu_seconds, idle_cpu_seconds, interrupt_cpu_seconds, schedstat_fields
 
 
 def compute_range_ms(text: str) -> tuple:
@@ -38,21 +38,11 @@ def compute_range_ms(text: str) -> tuple:
 
 
 def communication_threads_scheduled() -> int:
-    """How many times the process's communication threads have been given a CPU since they started (the third
-    field of each one's /proc/self/task/<tid>/schedstat, summed): a thread that sleeps on its sockets between the
-    pieces of a message is given one each time the kernel wakes it, so on a paced network the count says how many
-    pieces the bytes came in."""
-    count = 0
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{tid}/comm", encoding="utf-8", errors="replace") as name:
-                if name.read().strip() not in COMMUNICATION_THREAD_NAMES:
-                    continue
-            with open(f"/proc/self/task/{tid}/schedstat", encoding="ascii") as stats:
-                count += int(stats.read().split()[2])
-        except (OSError, ValueError, IndexError):
-            continue  # the thread ended between the listing and the read
-    return count
+    """How many times the process's communication threads have been given a CPU since they started (schedstat's
+    third field, summed): a thread that sleeps on its sockets between the pieces of a message is given one each
+    time the kernel wakes it, so on a paced network the count says how many pieces the bytes came in."""
+    counts = (schedstat_fields(f"/proc/self/task/{tid}/schedstat") for tid in communication_thread_ids())
+    return sum(fields[2] for fields in counts if fields)  # None: the thread ended between the listing and the read
 
 
 def machine_times(rank: int) -> tuple:

@@ -12,9 +12,9 @@ import shlex
 import shutil
 import signal
 import statistics
-import textwrap
 import sys
 import tempfile
+import textwrap
 import threading
 import time
 from dataclasses import asdict, dataclass, field, replace

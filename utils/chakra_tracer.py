@@ -587,22 +587,30 @@ def communication_threads_times_s() -> tuple[float, float] | None:
     but waiting for one, since they started (each thread's /proc/self/task/<tid>/schedstat, summed over the
     threads); None where Linux does not provide it or no such thread exists (before the process group starts, or a
     backend without CPU threads such as NCCL)."""
-    try:
-        tasks = os.listdir("/proc/self/task")
-    except OSError:
-        return None
     on_cpu, waiting, found = 0.0, 0.0, False
-    for tid in tasks:
-        try:
-            with open(f"/proc/self/task/{tid}/comm", encoding="utf-8", errors="replace") as name:
-                if name.read().strip() not in COMMUNICATION_THREAD_NAMES:
-                    continue
-        except OSError:
-            continue  # the thread ended between the listing and the read
+    for tid in communication_thread_ids():
         times = schedstat_seconds(f"/proc/self/task/{tid}/schedstat")
         if times is not None:
             on_cpu, waiting, found = on_cpu + times[0], waiting + times[1], True
     return (on_cpu, waiting) if found else None
+
+
+def communication_thread_ids() -> list[str]:
+    """The ids of the process's threads named COMMUNICATION_THREAD_NAMES (/proc/self/task/<tid>/comm); none where
+    Linux does not show them."""
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return []
+    ids = []
+    for tid in tasks:
+        try:
+            with open(f"/proc/self/task/{tid}/comm", encoding="utf-8", errors="replace") as name:
+                if name.read().strip() in COMMUNICATION_THREAD_NAMES:
+                    ids.append(tid)
+        except OSError:
+            continue  # the thread ended between the listing and the read
+    return ids
 
 
 def measure_recording_cost_us(calls: int = 300) -> float:

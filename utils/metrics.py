@@ -142,10 +142,17 @@ def all_threads_cpu_seconds() -> Optional[float]:
 def schedstat_seconds(path) -> Optional[tuple]:
     """A Linux schedstat file in seconds: (time on a CPU, time runnable but waiting for one), both kept in ns; None
     where the file is missing or unreadable (not Linux, or the thread has ended)."""
+    fields = schedstat_fields(path)
+    return (fields[0] / 1e9, fields[1] / 1e9) if fields else None
+
+
+def schedstat_fields(path) -> Optional[tuple]:
+    """A Linux schedstat file as kept: (ns on a CPU, ns runnable but waiting for one, times given a CPU); None where
+    the file is missing or unreadable (not Linux, or the thread has ended)."""
     try:
         with open(path, encoding="ascii") as stats:
             fields = stats.read().split()
-        return int(fields[0]) / 1e9, int(fields[1]) / 1e9
+        return int(fields[0]), int(fields[1]), int(fields[2])
     except (OSError, ValueError, IndexError):
         return None
 
