@@ -442,6 +442,7 @@ NOT_RUNNABLE: dict[str, str] = {
         BENCHMARK,
     "python bench/whatif_bench.py --model tiny --traces 3 --no-docs --keep /tmp/k85_tiny": BENCHMARK,
     "python bench/whatif_bench.py --model bert-tiny --traces 3 --no-docs --keep /tmp/k87_berttiny": BENCHMARK,
+    "python bench/whatif_bench.py --model gpt2-124m-shape --traces 3 --no-docs --keep /tmp/k88_124m": BENCHMARK,
     "python bench/whatif_bench.py --model bert-base-shape --trace-rate 2gbit --traces 3 --no-docs --keep "
     "/tmp/k86_bertbase2g": BENCHMARK,
     "python bench/rate_cpu.py --model bert-base-shape --rates unthrottled,2gbit --cycles 4":
