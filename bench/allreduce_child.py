@@ -23,9 +23,9 @@ import torch
 import torch.distributed as dist
 
 from trace_tools.command_line import ArgumentParser
-from utils.chakra_tracer import communication_thread_ids, communication_threads_times_s
+from utils.chakra_tracer import communication_threads_schedstat
 from utils.collective_start import time_all_reduces
-from utils.metrics import all_threads_cpu_seconds, idle_cpu_seconds, interrupt_cpu_seconds, schedstat_fields
+from utils.metrics import all_threads_cpu_seconds, idle_cpu_seconds, interrupt_cpu_seconds
 
 
 def compute_range_ms(text: str) -> tuple:
@@ -35,14 +35,6 @@ def compute_range_ms(text: str) -> tuple:
     if not 0 < low_ms <= high_ms:
         raise argparse.ArgumentTypeError(f"{text!r}: expected LOW,HIGH in ms with 0 < LOW <= HIGH")
     return low_ms, high_ms
-
-
-def communication_threads_scheduled() -> int:
-    """How many times the process's communication threads have been given a CPU since they started (schedstat's
-    third field, summed): a thread that sleeps on its sockets between the pieces of a message is given one each
-    time the kernel wakes it, so on a paced network the count says how many pieces the bytes came in."""
-    counts = (schedstat_fields(f"/proc/self/task/{tid}/schedstat") for tid in communication_thread_ids())
-    return sum(fields[2] for fields in counts if fields)  # None: the thread ended between the listing and the read
 
 
 def machine_times(rank: int) -> tuple:
@@ -62,24 +54,24 @@ def print_cpu_times(tensor: torch.Tensor, repeats: int, warmup: int, rank: int) 
         dist.all_reduce(tensor)
     dist.barrier()
     machine_before = machine_times(rank)
-    threads_before, interrupts_before = communication_threads_times_s(), interrupt_cpu_seconds()
-    scheduled_before = communication_threads_scheduled()
+    threads_before, interrupts_before = communication_threads_schedstat(), interrupt_cpu_seconds()
     started = time.perf_counter()
     for _ in range(repeats):
         dist.all_reduce(tensor)
     dist.barrier()
     wall = time.perf_counter() - started
-    threads_after, interrupts_after = communication_threads_times_s(), interrupt_cpu_seconds()
-    scheduled = communication_threads_scheduled() - scheduled_before
+    threads_after, interrupts_after = communication_threads_schedstat(), interrupt_cpu_seconds()
     machine_after = machine_times(rank)
     if None in (threads_before, threads_after, interrupts_before, interrupts_after, *machine_before, *machine_after):
         raise SystemExit("error: this machine does not show threads' or interrupts' CPU time (/proc)")
-    mine = torch.tensor([threads_after[0] - threads_before[0], scheduled], dtype=torch.float64)
+    # the communication threads' ns on a CPU and times given a CPU over the loop
+    mine = torch.tensor([threads_after[0] - threads_before[0], threads_after[2] - threads_before[2]],
+                        dtype=torch.float64)
     everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(everyone, mine)
     if rank == 0:
         print(json.dumps({"bytes": tensor.numel() * 4, "repeats": repeats, "wall_s": wall,
-                          "communication_threads_cpu_s": [float(t[0]) for t in everyone],
+                          "communication_threads_cpu_s": [float(t[0]) / 1e9 for t in everyone],
                           "communication_threads_scheduled": [int(t[1]) for t in everyone],
                           "interrupt_cpu_s": interrupts_after - interrupts_before,
                           "cpus_time_s": (machine_after[0] - machine_before[0]) * (os.cpu_count() or 1),

@@ -30,7 +30,7 @@ from trace_tools.load import describe_json_problem
 from utils.collective_start import measure_collective_start_wait_s
 from utils.host_memory import reserve_heap_for_profiler
 from utils.metrics import (busy_machine_warning, interrupt_cpu_seconds, machine_load_between, sample_machine_load,
-                           schedstat_seconds)
+                           schedstat_fields, schedstat_seconds)
 from utils.run_config import RunConfig
 
 logger = logging.getLogger(__name__)
@@ -587,12 +587,17 @@ def communication_threads_times_s() -> tuple[float, float] | None:
     but waiting for one, since they started (each thread's /proc/self/task/<tid>/schedstat, summed over the
     threads); None where Linux does not provide it or no such thread exists (before the process group starts, or a
     backend without CPU threads such as NCCL)."""
-    on_cpu, waiting, found = 0.0, 0.0, False
-    for tid in communication_thread_ids():
-        times = schedstat_seconds(f"/proc/self/task/{tid}/schedstat")
-        if times is not None:
-            on_cpu, waiting, found = on_cpu + times[0], waiting + times[1], True
-    return (on_cpu, waiting) if found else None
+    fields = communication_threads_schedstat()
+    return (fields[0] / 1e9, fields[1] / 1e9) if fields else None
+
+
+def communication_threads_schedstat() -> tuple[int, int, int] | None:
+    """The communication threads' schedstat fields summed over the threads: ns on a CPU, ns runnable but waiting
+    for one, and times given a CPU (a thread sleeping on its sockets gets one each time the kernel wakes it); None
+    where Linux does not provide them or no such thread exists."""
+    counted = [fields for fields in (schedstat_fields(f"/proc/self/task/{tid}/schedstat")
+                                     for tid in communication_thread_ids()) if fields]  # None: the thread ended
+    return tuple(sum(column) for column in zip(*counted)) if counted else None
 
 
 def communication_thread_ids() -> list[str]:
