@@ -488,7 +488,8 @@ def render_simulation(result: SimulationResult, invocation: str) -> str:
         "",
         "Predicted: the cycle at which ASTRA-sim finished the rank (1 cycle = 1 ns). The .et critical path is the "
         "step replayed with every collective at its traced duration (CONVERSION_SUMMARY.md); the difference is "
-        "what the simulated network changes.",
+        "what the simulated network changes. The measured step is the run's, on the network it was traced on: "
+        "simulated on another network, predicted / measured is the change the simulator predicts, not its error.",
         "",
     ]
     return "\n".join(lines)
