@@ -25,7 +25,8 @@ import torch.distributed as dist
 from trace_tools.command_line import ArgumentParser
 from utils.chakra_tracer import communication_threads_schedstat
 from utils.collective_start import time_all_reduces
-from utils.metrics import all_threads_cpu_seconds, idle_cpu_seconds, interrupt_cpu_seconds
+from utils.metrics import (all_threads_cpu_seconds, idle_cpu_seconds, interrupt_cpu_seconds,
+                           threads_cpu_seconds_between)
 
 
 def compute_range_ms(text: str) -> tuple:
@@ -38,10 +39,10 @@ def compute_range_ms(text: str) -> tuple:
 
 
 def machine_times(rank: int) -> tuple:
-    """On rank 0 (the others: zeros): the monotonic clock, every thread's CPU time and the CPUs' idle time, the
-    clock at the middle of the reading (summing every thread's schedstat takes some ms)."""
+    """On rank 0 (the others: zeros): the monotonic clock, every thread's CPU time (by thread) and the CPUs' idle
+    time, the clock at the middle of the reading (reading every thread's schedstat takes some ms)."""
     if rank != 0:
-        return 0.0, 0.0, 0.0
+        return 0.0, {}, 0.0
     start = time.monotonic()
     threads, idle = all_threads_cpu_seconds(), idle_cpu_seconds()
     return (start + time.monotonic()) / 2, threads, idle
@@ -75,7 +76,7 @@ def print_cpu_times(tensor: torch.Tensor, repeats: int, warmup: int, rank: int) 
                           "communication_threads_scheduled": [int(t[1]) for t in everyone],
                           "interrupt_cpu_s": interrupts_after - interrupts_before,
                           "cpus_time_s": (machine_after[0] - machine_before[0]) * (os.cpu_count() or 1),
-                          "all_threads_cpu_s": machine_after[1] - machine_before[1],
+                          "all_threads_cpu_s": threads_cpu_seconds_between(machine_before[1], machine_after[1]),
                           "idle_cpu_s": machine_after[2] - machine_before[2]}), flush=True)
 
 

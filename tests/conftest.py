@@ -1,4 +1,8 @@
 """Shared test helpers: where the repository and the team's reference traces are."""
+import contextlib
+import fcntl
+import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -53,6 +57,42 @@ def pytest_collection_modifyitems(config, items):
         name = getattr(item, "originalname", item.name)
         if item.path.name in SLOW_MODULES or name in SLOW_TESTS or SLOW_FIXTURES.keys() & set(item.fixturenames):
             item.add_marker(pytest.mark.slow)
+
+
+# ---- tests that measure the whole machine: -m alone -----------------------------------------------------------------
+# ./run_tests.sh runs one pytest-xdist worker per CPU. A test marked `alone` (it accounts for every thread's time on
+# the machine) runs with no other worker's test beside it: every test holds a shared lock while it runs (its fixtures
+# too), an `alone` one the exclusive lock; a turnstile lets a waiting `alone` test in before further shared ones.
+def _lock_path(kind: str, controller_pid: int) -> Path:
+    return Path(tempfile.gettempdir()) / f"mosim-tests-{controller_pid}.{kind}"
+
+
+@contextlib.contextmanager
+def _beside_other_workers(config, alone: bool):
+    if not hasattr(config, "workerinput"):  # not an xdist worker: nothing runs beside a test
+        yield
+        return
+    controller = os.getppid()  # the workers' parent: one pair of lock files a run
+    with open(_lock_path("turnstile", controller), "a") as turnstile, open(_lock_path("lock", controller), "a") as lock:
+        fcntl.flock(turnstile, fcntl.LOCK_EX)
+        fcntl.flock(lock, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        fcntl.flock(turnstile, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    with _beside_other_workers(item.config, alone=item.get_closest_marker("alone") is not None):
+        yield
+
+
+def pytest_unconfigure(config):
+    if not hasattr(config, "workerinput"):  # the controller (or a run without workers), once its workers are done
+        for kind in ("turnstile", "lock"):
+            _lock_path(kind, os.getpid()).unlink(missing_ok=True)
 
 
 @pytest.fixture

@@ -174,6 +174,7 @@ def test_collective_start_cost_times_each_size_after_compute_and_after_a_barrier
 
 
 # ---------------------------------------------------------------------------------------- communication_cpu
+@pytest.mark.alone  # its CPUs' time is every thread's time plus the idle time: another test's threads would end in it
 def test_communication_cpu_measures_the_threads_and_the_kernels_time_per_byte_at_each_rate():
     from bench.netem import missing_requirement
     problem = missing_requirement()

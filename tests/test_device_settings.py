@@ -129,9 +129,9 @@ def test_interrupt_and_idle_time_are_their_columns_of_all_cpus(tmp_path, monkeyp
     assert metrics.interrupt_cpu_seconds() is None and metrics.idle_cpu_seconds() is None
 
 
-def test_every_threads_cpu_time_is_summed_from_schedstat_and_skips_a_thread_that_ended(tmp_path, monkeypatch):
-    """Each /proc/<pid>/task/<tid>/schedstat's first field (ns on a CPU), summed; a file that cannot be read (the
-    thread ended) is skipped; None where /proc shows no thread."""
+def test_every_threads_cpu_time_is_read_from_schedstat_and_skips_a_thread_that_ended(tmp_path, monkeypatch):
+    """Each /proc/<pid>/task/<tid>/schedstat's first field (ns on a CPU), by thread id; a file that cannot be read
+    (the thread ended) is skipped; None where /proc shows no thread."""
     monkeypatch.setattr(metrics, "PROC", tmp_path)
     assert metrics.all_threads_cpu_seconds() is None
     for pid, tid, text in ((1, 1, "1500000000 20 3\n"), (7, 7, "250000000 0 1\n"), (7, 9, "250000000 5 2\n"),
@@ -139,20 +139,25 @@ def test_every_threads_cpu_time_is_summed_from_schedstat_and_skips_a_thread_that
         task = tmp_path / str(pid) / "task" / str(tid)
         task.mkdir(parents=True)
         (task / "schedstat").write_text(text)
-    assert metrics.all_threads_cpu_seconds() == pytest.approx(2.0)
+    assert metrics.all_threads_cpu_seconds() == pytest.approx({1: 1.5, 7: 0.25, 9: 0.25})
+
+
+def test_threads_time_in_a_window_counts_new_threads_whole_and_leaves_out_ended_ones():
+    before = {1: 10.0, 2: 5.0, 3: 100.0, 4: 7.0}
+    # 1 ran 0.5 s, 2 nothing, 3 ended (its 100 s are not taken off), 5 started and ran 0.25 s, and 4's id now
+    # belongs to a new thread that ran 0.125 s
+    after = {1: 10.5, 2: 5.0, 4: 0.125, 5: 0.25}
+    assert metrics.threads_cpu_seconds_between(before, after) == pytest.approx(0.875)
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="Linux /proc only")
-def test_every_threads_cpu_time_grows_with_this_threads_work(monkeypatch, tmp_path):
-    # Only this process under the /proc it reads: on the whole machine a thread that ends inside the window (another
-    # test's subprocess, run beside this one) takes its whole time out of the sum, which can hide this thread's work.
-    (tmp_path / str(os.getpid())).symlink_to(f"/proc/{os.getpid()}")
-    monkeypatch.setattr(metrics, "PROC", tmp_path)
+def test_every_threads_cpu_time_on_this_machine_grows_with_this_threads_work():
+    # threads of other processes that end in the window (another test's subprocesses) take nothing off
     before = metrics.all_threads_cpu_seconds()
     spent = time.thread_time()
     while time.thread_time() - spent < 0.2:
         pass
-    assert metrics.all_threads_cpu_seconds() - before >= 0.19
+    assert metrics.threads_cpu_seconds_between(before, metrics.all_threads_cpu_seconds()) >= 0.19
 
 
 def test_load_on_this_machine_is_measured_and_an_idle_window_gives_no_warning():

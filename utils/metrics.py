@@ -129,14 +129,25 @@ def idle_cpu_seconds() -> Optional[float]:
     return (ticks[3] + ticks[4]) / _clock_ticks()
 
 
-def all_threads_cpu_seconds() -> Optional[float]:
-    """The time on a CPU of every thread the machine runs now, since each started, summed (Linux's
-    /proc/<pid>/task/<tid>/schedstat; None where /proc has none). A difference over a window leaves out the
-    threads that ended in it. On a kernel without CONFIG_IRQ_TIME_ACCOUNTING this time holds the interrupts that
-    came while each thread ran: over a window its difference plus the idle time's is then the CPUs' whole time."""
-    times = [schedstat_seconds(path) for path in PROC.glob("[0-9]*/task/[0-9]*/schedstat")]
-    on_cpu = [t[0] for t in times if t is not None]  # None: the thread ended while being read
-    return sum(on_cpu) if on_cpu else None
+def all_threads_cpu_seconds() -> Optional[dict]:
+    """The time on a CPU of every thread the machine runs now, since each started, by thread id (Linux's
+    /proc/<pid>/task/<tid>/schedstat; None where /proc has none). Over a window, threads_cpu_seconds_between gives
+    what they ran in it. On a kernel without CONFIG_IRQ_TIME_ACCOUNTING this time holds the interrupts that came
+    while each thread ran: over a quiet window the threads' time plus the idle time is then the CPUs' whole time."""
+    times = {}
+    for path in PROC.glob("[0-9]*/task/[0-9]*/schedstat"):
+        seconds = schedstat_seconds(path)
+        if seconds is not None:  # None: the thread ended while being read
+            times[int(path.parent.name)] = seconds[0]
+    return times or None
+
+
+def threads_cpu_seconds_between(before: dict, after: dict) -> float:
+    """What the threads ran between two all_threads_cpu_seconds readings: each thread's growth, the whole time of
+    one that started in between, nothing for one that ended in between (its time in the window is not shown any
+    more: a plain difference of sums would take its whole life's time off instead). A thread id used again by a
+    new thread reads less than before: that thread started in between."""
+    return sum(now - before.get(tid, 0.0) if now >= before.get(tid, 0.0) else now for tid, now in after.items())
 
 
 def schedstat_seconds(path) -> Optional[tuple]:
