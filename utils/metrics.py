@@ -147,7 +147,11 @@ def threads_cpu_seconds_between(before: dict, after: dict) -> float:
     one that started in between, nothing for one that ended in between (its time in the window is not shown any
     more: a plain difference of sums would take its whole life's time off instead). A thread id used again by a
     new thread reads less than before: that thread started in between."""
-    return sum(now - before.get(tid, 0.0) if now >= before.get(tid, 0.0) else now for tid, now in after.items())
+    total = 0.0
+    for tid, now in after.items():
+        growth = now - before.get(tid, 0.0)
+        total += growth if growth >= 0 else now  # below its reading before: a new thread with a used id
+    return total
 
 
 def schedstat_seconds(path) -> Optional[tuple]:
