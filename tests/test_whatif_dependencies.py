@@ -415,6 +415,42 @@ def test_ops_run_on_the_training_thread_alone_take_its_untraced_cpu_time(tmp_pat
         assert "so the training thread's ops take its CPU time in an untraced step" in durations_text(result)
 
 
+@pytest.mark.parametrize("other_rank, scale", [
+    ([0.6, 0.4, 0.6, 0.4, 0.5], 1.2),   # the ranks take turns being slower: each step waits for 0.6
+    ([0.6, 0.6, 0.6, 0.6, 0.6], 1.0),   # rank 1 is always the slower: the simulator already waits for it
+    (None, 1.0),                        # run.json holds rank 0's times only: nothing to compare with
+])
+def test_every_ranks_ops_are_scaled_to_the_slowest_rank_of_each_step(tmp_path, other_rank, scale):
+    """The ranks meet at every collective, so a real step lasts as long as that step's slowest rank. Where the ranks
+    take turns being slower, the median of each step's slowest CPU time is more than any rank's median, and the
+    .et's ops (each rank's medians) are scaled by that ratio; a rank that is always the faster one keeps its own
+    smaller time, since the simulator waits for the slower rank anyway."""
+    folder = rank0_copy(CPU_FIXTURES / "gpt2_tiny_2r", tmp_path / "run")
+    plain = convert_rank0(folder, tmp_path / "plain.0.et")
+    _, plain_nodes = read_et_with_protolib(tmp_path / "plain.0.et")
+    ops_s = sum(n.duration_micros for n in plain_nodes if n.type == COMP_NODE) / 1e6
+    step_s = plain.traced_step_us / 1e6
+
+    def rank(number, thread_cpu):
+        return {"rank": number, "intra_op_threads": 1, "step_wall_time_s": [step_s],
+                "untraced_step_wall_time_s": [9 * step_s] + [step_s] * 5,
+                "step_cpu_time_s": [ops_s], "untraced_step_cpu_time_s": [5 * step_s] + [0.5 * ops_s] * 5,
+                "step_thread_cpu_time_s": [ops_s],
+                "untraced_step_thread_cpu_time_s": [5 * step_s] + [share * ops_s for share in thread_cpu]}
+
+    ranks = [rank(0, [0.4, 0.6, 0.4, 0.6, 0.5])] + ([rank(1, other_rank)] if other_rank else [])
+    (folder / "run.json").write_text(json.dumps({"world_size": 2, "untraced_steps": [0, 1, 2, 3, 4, 5],
+                                                 "ranks": ranks}))
+    result = convert_rank0(folder, folder / "run.0.et")
+    assert result.overhead_rule == "untraced CPU time"
+    assert result.slowest_rank_scale == pytest.approx(scale)
+    _, nodes = read_et_with_protolib(folder / "run.0.et")
+    assert sum(n.duration_micros for n in nodes if n.type == COMP_NODE) / 1e6 == pytest.approx(0.5 * scale * ops_s,
+                                                                                                rel=0.01)
+    assert ("scaled by 1.200: in each step the ranks wait for that step's slowest" in durations_text(result)) \
+        == (scale != 1.0)
+
+
 @pytest.mark.parametrize("intra_op_threads, rule", [(1, "untraced CPU time"), (4, "CPU time")])
 def test_the_training_threads_untraced_cpu_time_is_not_overridden_by_the_measured_cost_per_op(tmp_path,
                                                                                             intra_op_threads, rule):

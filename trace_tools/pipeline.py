@@ -260,6 +260,8 @@ def _correct_for_profiler(linked, result: RankResult, run_dir: Path, rank: int) 
                                      waits[0] if waits else 0.0)
     result.overhead_per_op_us = cost
     result.overhead_rule = linked.stats.get("recording_overhead_rule", "")
+    if result.overhead_rule == "untraced CPU time":
+        result.slowest_rank_scale = round(times.slowest_rank_scale, 4)
     result.recording_overhead_us = linked.stats.get("recording_overhead_us", 0.0)
     linked.untraced_step_us = times.untraced_median_us
     removed = share_cores(linked, waits[0] if waits else None, times.communication_cpu_per_step_us,
