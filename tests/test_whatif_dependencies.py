@@ -419,6 +419,7 @@ def test_ops_run_on_the_training_thread_alone_take_its_untraced_cpu_time(tmp_pat
     ([0.6, 0.4, 0.6, 0.4, 0.5], 1.2),   # the ranks take turns being slower: each step waits for 0.6
     ([0.6, 0.6, 0.6, 0.6, 0.6], 1.0),   # rank 1 is always the slower: the simulator already waits for it
     (None, 1.0),                        # run.json holds rank 0's times only: nothing to compare with
+    ([0.6, 0.4, 0.6, 0.4], 1.0),        # rank 1 timed fewer steps: which step is which cannot be told
 ])
 def test_every_ranks_ops_are_scaled_to_the_slowest_rank_of_each_step(tmp_path, other_rank, scale):
     """The ranks meet at every collective, so a real step lasts as long as that step's slowest rank. Where the ranks
