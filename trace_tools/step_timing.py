@@ -76,10 +76,10 @@ class StepTimes:
 
         The ranks meet at every collective, so a real step lasts as long as that step's slowest rank, and which rank
         that is changes from step to step: its compute is the median over the steps of the largest CPU time among
-        the ranks, more than any one rank's median (on the 2-core VM 0.4-4.6% more for the tiny models, 1.3-3.0% for
-        the GPT-2 124M shape). An .et of per-rank medians gives the simulator the larger of the medians; scaling
-        each rank's ops alike by this ratio gives it the slowest rank's median step and keeps the ranks' own
-        differences."""
+        the ranks, more than any one rank's median (on the 2-core VM 0.4-5.9% more for the tiny models, 0.0-3.0% for
+        the big shapes; 21 traces, docs/BENCHMARKS.md §4b). An .et of per-rank medians gives the simulator the
+        larger of the medians; scaling each rank's ops alike by this ratio gives it the slowest rank's median step
+        and keeps the ranks' own differences."""
         if not self.untraced_slowest_thread_cpu_us or not self.slowest_rank_median_thread_cpu_us:
             return 1.0
         return statistics.median(self.untraced_slowest_thread_cpu_us) / self.slowest_rank_median_thread_cpu_us
