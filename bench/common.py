@@ -284,6 +284,20 @@ def exit_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
 
+def foreign_checkout(script: str) -> str | None:
+    """Why `script` (a bench script's __file__) would run another checkout's code, or None. Run by its path
+    (`python bench/x.py`), a script imports the package `bench` from wherever the environment installed it: an
+    editable install of another checkout (a worktree sharing one virtual environment) gives that checkout's
+    REPO_ROOT, and with it its trainer and converter, while the results would be read as this one's."""
+    own = Path(script).resolve().parent.parent
+    if own == REPO_ROOT:
+        return None
+    name = Path(script).stem
+    return (f"bench/{name}.py of {own} imports the bench package of {REPO_ROOT} (an editable install of that "
+            f"checkout), so it would run that checkout's code; run it from {own} as `python -m bench.{name}`, or "
+            f"with PYTHONPATH={own}")
+
+
 def fail(message: str) -> int:
     print(f"error: {message}", file=sys.stderr)
     return 1

@@ -21,8 +21,8 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from bench.common import (BUNDLED_SQUAD, OUR_LOG_FILE, REPO_ROOT, STEP_CPU, STEP_LINE, TRACE_WINDOW_NOTE, BenchError,
-                          child_env, exit_on_sigterm, fail, format_table, machine_description, our_step_times,
-                          run_child, source_revision, train_script)
+                          child_env, exit_on_sigterm, fail, foreign_checkout, format_table, machine_description,
+                          our_step_times, run_child, source_revision, train_script)
 from bench.netem import (DEFAULT_MTU, QUEUE_LATENCY, Namespace, NetemUnavailable, Rate, describe_queue,
                          expected_goodput_share, format_bits, measure_throughput, missing_requirement, parse_rate,
                          queue_counters)
@@ -1116,6 +1116,9 @@ def kept_note(root: Path, keep: str | None) -> str:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
+    foreign = foreign_checkout(__file__)
+    if foreign:
+        return fail(foreign)
     exit_on_sigterm()
     try:
         setup, rates, trace_rate, micro_rate, sizes = resolve(args)

@@ -20,7 +20,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.common import BenchError, child_env, fail, format_table
+from bench.common import BenchError, child_env, fail, foreign_checkout, format_table
 from bench.whatif_bench import (REPLAY_BAND, RESULTS_FILE, WHATIF_BAND, Progress, bands_count, convert,
                                 find_simulator, read_run_json, simulate_at, within_band)
 from trace_tools.command_line import ArgumentParser
@@ -185,6 +185,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    foreign = foreign_checkout(__file__)
+    if foreign:
+        return fail(foreign)
     try:
         kept = {folder: read_results(folder) for folder in args.kept}
     except BenchError as exc:

@@ -2,6 +2,7 @@
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -969,3 +970,23 @@ def test_whatif_results_of_every_run_carry_no_partial_mark(tmp_path):
     assert "partial" not in results and results["rates"][0]["real_ms"] == 31.0
     assert results["traces"][0]["folder"] == "traced-0/traces/t" and results["traces"][0]["same_run_ms"] == {
         "unthrottled": None}
+
+
+@pytest.mark.parametrize("script, arguments", [("whatif_repredict", ["kept"]), ("whatif_bench", ["--quick"])])
+def test_a_bench_script_that_would_import_another_checkouts_bench_package_refuses(tmp_path, script, arguments):
+    """Run by its path, a bench script imports `bench` from wherever the environment finds it: with a virtual
+    environment shared by two checkouts (an editable install of one, or PYTHONPATH), the other checkout's script
+    would run this checkout's trainer and converter and report them as its own. It stops with a line naming
+    both, before it measures anything."""
+    from bench.common import REPO_ROOT, foreign_checkout
+
+    assert foreign_checkout(str(REPO_ROOT / "bench" / f"{script}.py")) is None
+    other = tmp_path / "other"
+    shutil.copytree(REPO_ROOT / "bench", other / "bench")
+    done = subprocess.run([sys.executable, str(other / "bench" / f"{script}.py"), *arguments], cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert done.returncode == 1
+    assert done.stderr.strip() == (f"error: bench/{script}.py of {other} imports the bench package of {REPO_ROOT} "
+                                   f"(an editable install of that checkout), so it would run that checkout's code; "
+                                   f"run it from {other} as `python -m bench.{script}`, or with PYTHONPATH={other}")
