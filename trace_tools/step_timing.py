@@ -50,10 +50,8 @@ class StepTimes:
     # the machine busy for it (run.json's machine_load), when measured
     other_processes_cpu_share: float | None = None
     machine_busy: bool | None = None
-    # In each untraced step, the largest training-thread CPU time among the run's ranks (they all time the same
-    # steps), and the largest of the ranks' own medians, when run.json holds every rank's
-    untraced_slowest_thread_cpu_us: list[float] | None = None
-    slowest_rank_median_thread_cpu_us: float | None = None
+    # How much longer a step's slowest rank computes than the slowest rank's median (_slowest_rank_scale)
+    slowest_rank_scale: float = 1.0
 
     @property
     def untraced_op_time_us(self) -> float | None:
@@ -68,21 +66,6 @@ class StepTimes:
         if self.intra_op_threads != 1 or not self.untraced_thread_cpu_us:
             return None
         return statistics.median(self.untraced_thread_cpu_us) * self.slowest_rank_scale
-
-    @property
-    def slowest_rank_scale(self) -> float:
-        """How much longer a step's slowest rank computes than the slowest rank's median: every rank's ops are
-        scaled by it (1.0 when run.json lacks a rank's times, or on one rank).
-
-        The ranks meet at every collective, so a real step lasts as long as that step's slowest rank, and which rank
-        that is changes from step to step: its compute is the median over the steps of the largest CPU time among
-        the ranks, more than any one rank's median (on the 2-core VM 0.4-5.9% more for the tiny models, 0.0-3.0% for
-        the big shapes; 21 traces, docs/BENCHMARKS.md §4b). An .et of per-rank medians gives the simulator the
-        larger of the medians; scaling each rank's ops alike by this ratio gives it the slowest rank's median step
-        and keeps the ranks' own differences."""
-        if not self.untraced_slowest_thread_cpu_us or not self.slowest_rank_median_thread_cpu_us:
-            return 1.0
-        return statistics.median(self.untraced_slowest_thread_cpu_us) / self.slowest_rank_median_thread_cpu_us
 
     @property
     def recording_cpu_us(self) -> float | None:
@@ -187,7 +170,6 @@ def step_times_of(info, rank: int) -> StepTimes | None:
     def counts(key: str) -> list[int]:
         return [int(n) for n in entries[0].get(key) or [] if isinstance(n, int)]
 
-    slowest, slowest_median = _slowest_rank_thread_cpu(info, first_steps)
     per_op = entries[0].get("recording_cost_per_op_us")
     threads = entries[0].get("intra_op_threads")
     start_wait = entries[0].get("collective_start_wait_s")
@@ -218,22 +200,31 @@ def step_times_of(info, rank: int) -> StepTimes | None:
                      other_processes_cpu_share=(float(others) if isinstance(others, (int, float))
                                                 and not isinstance(others, bool) and others >= 0 else None),
                      machine_busy=busy if isinstance(busy, bool) else None,
-                     untraced_slowest_thread_cpu_us=slowest, slowest_rank_median_thread_cpu_us=slowest_median)
+                     slowest_rank_scale=_slowest_rank_scale(info, first_steps))
 
 
-def _slowest_rank_thread_cpu(info: dict, first_steps: int) -> tuple[list[float] | None, float | None]:
-    """The largest training-thread CPU time among the ranks in each untraced step, and the largest of the ranks'
-    medians (µs); (None, None) unless run.json holds the same number of such steps for every rank of the run."""
+def _slowest_rank_scale(info: dict, first_steps: int) -> float:
+    """How much longer a step's slowest rank computes than the slowest rank's median: the median over the untraced
+    steps of the ranks' largest training-thread CPU time, over the largest of the ranks' medians. Every rank's ops
+    are scaled by it; 1.0 unless run.json holds the same number of such steps for every rank of a multi-rank run.
+
+    The ranks meet at every collective, so a real step lasts as long as that step's slowest rank, and which rank
+    that is changes from step to step: its compute is the median over the steps of the largest CPU time among the
+    ranks, more than any one rank's median (on the 2-core VM 0.4-5.9% more for the tiny models, 0.0-3.0% for the big
+    shapes; 21 traces, docs/BENCHMARKS.md §4b). An .et of per-rank medians gives the simulator the larger of the
+    medians; scaling each rank's ops alike by this ratio gives it the slowest rank's median step and keeps the
+    ranks' own differences."""
     world = info.get("world_size")
     ranks = {r.get("rank"): r for r in info.get("ranks", []) if isinstance(r, dict)}
     if not isinstance(world, int) or world < 2 or set(ranks) != set(range(world)):
-        return None, None
+        return 1.0
     series = []
     for entry in ranks.values():
         times = entry.get("untraced_step_thread_cpu_time_s")
         if not isinstance(times, list) or not all(isinstance(t, (int, float)) and t >= 0 for t in times):
-            return None, None
-        series.append([float(t) * 1e6 for t in times[first_steps:]])
-    if not series[0] or any(len(times) != len(series[0]) for times in series):
-        return None, None
-    return [max(step) for step in zip(*series)], max(statistics.median(times) for times in series)
+            return 1.0
+        series.append(times[first_steps:])
+    slowest_median = max((statistics.median(times) for times in series if times), default=0.0)
+    if slowest_median <= 0 or any(len(times) != len(series[0]) for times in series):
+        return 1.0
+    return statistics.median(max(step) for step in zip(*series)) / slowest_median

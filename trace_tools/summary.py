@@ -65,7 +65,7 @@ class RankResult:
     overhead_rule: str = ""                # what measured the profiler's cost: "untraced CPU time", "CPU time",
                                            # "calibrated", "critical path"
     # the training thread's ops scaled from the rank's median untraced CPU time to the slowest rank's in a step
-    # (trace_tools.step_timing.StepTimes.slowest_rank_scale); 1.0 when not
+    # (trace_tools.step_timing._slowest_rank_scale); 1.0 when not
     slowest_rank_scale: float = 1.0
     traced_steps_us: list = field(default_factory=list)  # every traced step (the .et holds the median one)
     step_spread: float = 0.0               # (longest - shortest) / median traced step
@@ -163,7 +163,7 @@ def durations_text(rank: RankResult) -> str:
                     "CPU time": "by the CPU time the tracer measured in traced and untraced steps, and at "
                                 "least its measured cost per op",
                     "critical path": "so the critical path takes the untraced step"}.get(rank.overhead_rule, "")
-        if rank.overhead_rule == "untraced CPU time" and rank.slowest_rank_scale != 1.0:
+        if rank.slowest_rank_scale != 1.0:  # set under the "untraced CPU time" rule only (pipeline)
             measured += (f", scaled by {rank.slowest_rank_scale:.3f}: in each step the ranks wait for that step's "
                          "slowest, whose CPU time is that much more than the slowest rank's median")
         text += (f"; profiler cost removed: {rank.recording_overhead_us / 1000:.1f} ms per step "
