@@ -175,6 +175,30 @@ def test_pretrained_models_folder_is_tried_for_the_size_then_for_the_shared_toke
     assert source == str(tmp_path / "gpt2") and len(tokenizer) == len(tokenizers[0])
 
 
+@pytest.mark.parametrize("family", ["gpt2", "bert"])
+def test_model_folder_with_only_a_config_is_no_tokenizer(family, tmp_path, monkeypatch):
+    """A user's own model size is a folder with a config.json and no vocabulary files. transformers builds a
+    tokenizer of special tokens alone from it (every GPT-2 text became no tokens, every BERT word [UNK]): the
+    trainer must train its stand-in instead, and --tokenizer-path there must say what is wrong."""
+    from bert.model import bert_tokenizer_request, resolve_bert_config
+    from gpt2.model import gpt2_tokenizer_request, resolve_gpt2_config
+    from utils import tokenization
+    monkeypatch.setattr(tokenization, "TRAINED_TOKENIZER_CACHE", tmp_path / "cache")
+    model_dir = tmp_path / "my-size"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps({"model_type": family, "vocab_size": 300}))
+    resolve, make_request = ((resolve_gpt2_config, gpt2_tokenizer_request) if family == "gpt2"
+                             else (resolve_bert_config, bert_tokenizer_request))
+    request = make_request(str(model_dir), resolve(str(model_dir)))
+    tokenizer, source = load_tokenizer(request, tokenizer_path=None, cache_dir=None,
+                                       training_texts=lambda: ["the cat sat on the mat"] * 20)
+    assert source.startswith("trained:")
+    ids = tokenizer("the cat", add_special_tokens=False)["input_ids"]
+    assert ids and tokenizer.unk_token_id not in ids
+    with pytest.raises(UsageError, match=f"{model_dir}: cannot load a tokenizer .*no vocabulary"):
+        load_tokenizer(request, tokenizer_path=str(model_dir), cache_dir=None, training_texts=list)
+
+
 def test_offline_named_model_warns_that_it_trains_a_stand_in_tokenizer(tmp_path, monkeypatch, caplog):
     from utils import tokenization
     monkeypatch.setattr(tokenization, "TRAINED_TOKENIZER_CACHE", tmp_path)

@@ -81,8 +81,14 @@ def _texts_fingerprint(texts: Iterable[str]) -> "tuple[str, list]":
 
 
 def _load_pretrained(location: str, **kwargs):
+    """The tokenizer saved at `location`. One with no tokens besides its special ones is refused (ValueError):
+    transformers builds such a tokenizer from a folder that holds a model's config.json and no vocabulary files,
+    and it turns every text into nothing (GPT-2) or into [UNK]s (BERT)."""
     from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(location, **kwargs)
+    tokenizer = AutoTokenizer.from_pretrained(location, **kwargs)
+    if len(tokenizer) <= len(set(tokenizer.all_special_ids)):
+        raise ValueError(f"it has no vocabulary, only {len(tokenizer)} special token(s): no tokenizer files there")
+    return tokenizer
 
 
 # What trained_tokenizer() writes before its rename: .<cache name>.tmp-<pid>
