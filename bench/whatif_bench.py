@@ -86,6 +86,14 @@ MODELS = {
                                   skip=3, block=4, settle=1, cycles=4, warmup_cycles=1, after_window_cycles=2,
                                   rates=("unthrottled", "2gbit", "1gbit", "500mbit"),
                                   burst_slack_s=2e-3, repeats=1, timeout_s=3600),
+    # A size between those two that no rule of the converter was read from (a `--model-name` folder: GPT-2's layout at
+    # 6 x 384, 6 heads): 11.6M parameters with the offline stand-in vocabulary, ~0.4 s of compute a step at batch
+    # 2 x 128 on a 2-core VM and 46 MB of gradients in two or three buckets, 0.4 s of transfer at 2 Gbit/s and 1.9 s
+    # at 400 Mbit/s.
+    "gpt2-6x384": ModelSetup("gpt2-6x384", "GPT-2 6 x 384 (offline vocabulary)", "bench/models/gpt2-6x384", 2, 128,
+                             skip=5, block=6, settle=1, cycles=4, warmup_cycles=1, after_window_cycles=2,
+                             rates=("unthrottled", "2gbit", "1gbit", "400mbit"), burst_slack_s=250e-6, repeats=2,
+                             timeout_s=1800),
 }
 # BERT's masked LM through the same trainer: a model none of the converter's rules were read from. Its tiny size runs
 # as GPT-2 tiny does and its base shape (12 x 768, offline vocabulary) as the 124M shape.
