@@ -79,22 +79,23 @@ os._exit(code if code >= 0 else 128 - code)
 """
 
 
-def run_child(argv: Sequence[str], *, env: dict | None = None, cwd: str | Path = REPO_ROOT, cpu: int | None = None,
-              timeout_s: float | None = None) -> ChildRun:
+def run_child(argv: Sequence[str], *, env: dict | None = None, cwd: str | Path = REPO_ROOT,
+              cpus: Iterable[int] | None = None, timeout_s: float | None = None) -> ChildRun:
     """Run a command to its end; wall time, and peak RSS from the kernel's rusage of exactly this child.
 
     os.wait4 gives the rusage of the one process waited for (and the descendants it waited for), unlike
     RUSAGE_CHILDREN, which is the maximum over every child this process ever had. The command is started by a
     small reaper (_REAPER) that forks it and reports its wait4 peak: on Linux ru_maxrss survives fork and execve,
-    so a command forked straight from this (large) process would report this process's memory as its own. `cpu` pins the child (and
-    everything it starts) to one core. The child gets its own process group, so a timeout stops torchrun's
-    workers too.
+    so a command forked straight from this (large) process would report this process's memory as its own. `cpus`
+    pins the child (and everything it starts) to those cores. The child gets its own process group, so a timeout
+    stops torchrun's workers too.
     """
     argv = [str(a) for a in argv]
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err, \
             tempfile.NamedTemporaryFile("r", suffix=".maxrss") as peak_file:
         reaped = [sys.executable, "-S", "-c", _REAPER, peak_file.name, *argv]
-        pin = (lambda: os.sched_setaffinity(0, {cpu})) if cpu is not None else None
+        cores = set(cpus) if cpus is not None else None
+        pin = (lambda: os.sched_setaffinity(0, cores)) if cores else None
         started = time.perf_counter()
         process = subprocess.Popen(reaped, cwd=str(cwd), env=env, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
                                    preexec_fn=pin, start_new_session=True)

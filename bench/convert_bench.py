@@ -163,7 +163,7 @@ def time_ours(traces: TraceSet, rank: int, work: Path, core: int, measurement: M
     out = work / et_name("ours", rank)
     run = run_child([sys.executable, REPO_ROOT / "bench" / "convert_child.py", "convert", traces.host(rank),
                      traces.device(rank), "--out", out, "--rank", rank],
-                    env=child_env(threads=1), cpu=core, timeout_s=CONVERT_TIMEOUT_S)
+                    env=child_env(threads=1), cpus={core}, timeout_s=CONVERT_TIMEOUT_S)
     if not run.ok or not out.is_file():
         raise BenchError(f"{traces.host(rank)}: our conversion failed: {run.reason()}")
     measurement.wall_s.append(run.wall_s)
@@ -176,7 +176,7 @@ def time_chakra(chakra: str, merged: Path, rank: int, work: Path, core: int, mea
     out = work / et_name("chakra", rank)
     # chakra_converter logs at DEBUG level into a file by default (part of its cost); keep the file out of the tree.
     run = run_child([chakra, "--log-filename", work / f"chakra.{rank}.log", "PyTorch", "--input", merged,
-                     "--output", out], env=child_env(threads=1), cpu=core, timeout_s=CONVERT_TIMEOUT_S)
+                     "--output", out], env=child_env(threads=1), cpus={core}, timeout_s=CONVERT_TIMEOUT_S)
     if not run.ok or not out.is_file() or out.stat().st_size == 0:
         raise BenchError(f"{merged}: chakra_converter failed: {run.reason() if not run.ok else 'no .et written'}")
     measurement.wall_s.append(run.wall_s)
@@ -186,7 +186,7 @@ def time_chakra(chakra: str, merged: Path, rank: int, work: Path, core: int, mea
 
 def time_parse(traces: TraceSet, rank: int, core: int, measurement: Measurement) -> None:
     run = run_child([sys.executable, REPO_ROOT / "bench" / "convert_child.py", "parse", traces.host(rank),
-                     traces.device(rank)], env=child_env(threads=1), cpu=core, timeout_s=CONVERT_TIMEOUT_S)
+                     traces.device(rank)], env=child_env(threads=1), cpus={core}, timeout_s=CONVERT_TIMEOUT_S)
     if not run.ok:
         raise BenchError(f"{traces.host(rank)}: orjson could not parse it: {run.reason()}")
     measurement.wall_s.append(run.wall_s)

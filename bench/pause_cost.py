@@ -135,7 +135,7 @@ def main(argv=None) -> int:
           f"{args.pause_s:g} s", flush=True)
     argv = [sys.executable, "-m", "bench.pause_cost", "--child", "--rounds", args.rounds, "--steps", args.steps,
             "--pause-s", args.pause_s, "--model", args.model] + (["--quick"] if args.quick else [])
-    run = run_child(argv, env=child_env(threads=1), cpu=core, timeout_s=CHILD_TIMEOUT_S)
+    run = run_child(argv, env=child_env(threads=1), cpus={core}, timeout_s=CHILD_TIMEOUT_S)
     try:
         if not run.ok:
             raise BenchError(f"the timing process failed: {run.reason()}")

@@ -50,7 +50,7 @@ def measure_processes(processes: int, steps: int, parameters: int) -> list[list[
     core, paces = one_core(), []
     for index in range(processes):
         run = run_child([sys.executable, "-m", "bench.process_pace", "--child", "--steps", steps,
-                         "--parameters", parameters], env=child_env(threads=1), cpu=core, timeout_s=CHILD_TIMEOUT_S)
+                         "--parameters", parameters], env=child_env(threads=1), cpus={core}, timeout_s=CHILD_TIMEOUT_S)
         if not run.ok:
             raise BenchError(f"process {index + 1} of {processes} failed: {run.reason()}")
         paces.append(json.loads(run.stdout.strip().splitlines()[-1]))

@@ -70,6 +70,8 @@ class ModelSetup:
     repeats: int
     timeout_s: int
     family: str = "gpt2"  # which trainer runs it: <family>/train.py (GPT-2's causal LM or BERT's masked LM)
+    ranks: int = RANKS    # torchrun's processes (bench/scale_whatif.py runs more)
+    cpus: tuple = ()      # the cores every rank is pinned to (none: all of them)
 
 
 MODELS = {
@@ -181,13 +183,14 @@ class Simulator:
 
 
 # -------------------------------------------------------------------------------------------- bandwidths
-def link_gbs(bits_per_s: float) -> float:
-    """A rate through the shared loopback as the per-link bandwidth of a 2-NPU ring, in ASTRA-sim's GB/s.
+def link_gbs(bits_per_s: float, ranks: int = RANKS) -> float:
+    """A rate through the shared loopback as the per-link bandwidth of a ring of `ranks` NPUs, in ASTRA-sim's GB/s.
 
     A ring all-reduce of S bytes on 2 ranks sends S bytes each way, 2S through lo's one qdisc: time 2S/R. On a
-    2-NPU ring with per-link bandwidth B, each NPU sends 2(n-1)/n S = S bytes: time S/B. So B = R/2.
+    2-NPU ring with per-link bandwidth B, each NPU sends 2(n-1)/n S = S bytes: time S/B. So B = R/2. On N ranks
+    every rank sends 2(N-1)/N S, 2(N-1)S through the qdisc (time 2(N-1)S/R), and B = R/N gives the ring the same.
     """
-    return bits_per_s / 2 / 8 / GIB
+    return bits_per_s / ranks / 8 / GIB
 
 
 def ring_allreduce_s(size: int, bits_per_s: float) -> float:
@@ -207,13 +210,14 @@ def find_simulator(path: str | None) -> Simulator:
         return Simulator(missing=str(exc))
 
 
-def write_allreduce_et(prefix: Path, size: int) -> Path:
-    """A 2-rank workload of one ALL_REDUCE of `size` bytes: <prefix>.<rank>.et, as trace_tools/convert.py writes."""
+def write_allreduce_et(prefix: Path, size: int, ranks: int = RANKS) -> Path:
+    """A workload of one ALL_REDUCE of `size` bytes on `ranks` ranks: <prefix>.<rank>.et, as trace_tools/convert.py
+    writes."""
     from chakra.schema.protobuf.et_def_pb2 import ALL_REDUCE, COMM_COLL_NODE, AttributeProto, GlobalMetadata, Node
     from chakra.src.third_party.utils.protolib import encodeMessage
 
     prefix.parent.mkdir(parents=True, exist_ok=True)
-    for rank in range(RANKS):
+    for rank in range(ranks):
         node = Node(id=1, name="all_reduce", type=COMM_COLL_NODE)
         node.attr.extend([AttributeProto(name="is_cpu_op", bool_val=False),
                           AttributeProto(name="comm_type", int64_val=ALL_REDUCE),
@@ -225,16 +229,16 @@ def write_allreduce_et(prefix: Path, size: int) -> Path:
 
 
 # ------------------------------------------------------------------------------------------- child commands
-def torchrun(ns: Namespace, script: Path, args: list) -> list:
-    """2 ranks of `script` under torchrun inside the namespace, niced ahead of the machine's other jobs."""
+def torchrun(ns: Namespace, script: Path, args: list, ranks: int = RANKS) -> list:
+    """`ranks` ranks of `script` under torchrun inside the namespace, niced ahead of the machine's other jobs."""
     nice = shutil.which("nice")
     return ns.command([nice, "-n", str(NICE), sys.executable, "-m", "torch.distributed.run", "--standalone",
-                       f"--nproc_per_node={RANKS}", script, *args])
+                       f"--nproc_per_node={ranks}", script, *args])
 
 
 def train_args(setup: ModelSetup, work: Path, steps: int | None) -> list:
     args = ["--model-name", setup.model_name, "--squad-file", BUNDLED_SQUAD, "--batch-size", setup.batch_size,
-            "--max-seq-length", setup.seq_length, "--num-gpus", RANKS, "--precision", "fp32", "--no-compile",
+            "--max-seq-length", setup.seq_length, "--num-gpus", setup.ranks, "--precision", "fp32", "--no-compile",
             "--logging-steps", "1", "--loss-sync-steps", LOSS_SYNC_STEPS, "--eval-steps", "0", "--eval-batches", "1",
             "--save-steps", "0", "--no-save-initial", "--save-dir", work / "checkpoints", "--log-dir", work / "logs",
             "--report-to", "none"]
@@ -249,13 +253,14 @@ def load1() -> float:
 
 def run_training(ns: Namespace, setup: ModelSetup, work: Path, env: dict, extra: list, steps: int | None,
                  what: str, fresh: bool = True) -> tuple:
-    """One 2-rank training run in the namespace; its step times (rank 0's log) and the load before/after."""
+    """One training run of setup.ranks ranks in the namespace (on setup.cpus when given); its step times (rank 0's
+    log) and the load before/after."""
     if fresh:
         shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True, exist_ok=True)
     before = load1()
-    run = run_child(torchrun(ns, train_script(setup.family), train_args(setup, work, steps) + extra), env=env,
-                    timeout_s=setup.timeout_s)
+    run = run_child(torchrun(ns, train_script(setup.family), train_args(setup, work, steps) + extra, setup.ranks),
+                    env=env, cpus=setup.cpus or None, timeout_s=setup.timeout_s)
     after = load1()
     shutil.rmtree(work / "checkpoints", ignore_errors=True)  # the final model: 0.35 GB for the 124M shape
     if not run.ok:

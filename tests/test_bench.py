@@ -258,6 +258,65 @@ def test_rate_cpu_refuses_bad_flags_before_it_needs_root(args, says):
     assert line.startswith("error: ") and says in line
 
 
+# ------------------------------------------------------------------------------------------------- scale_whatif
+def _astra_sim_or_skip() -> str:
+    binary = os.environ.get("ASTRA_SIM", "")
+    if not os.access(binary, os.X_OK):
+        pytest.skip("ASTRA-sim not built: set $ASTRA_SIM to the binary ./install_astra_sim.sh prints")
+    return binary
+
+
+@pytest.mark.parametrize("ranks", [2, 4, 8])
+def test_an_n_npu_ring_at_p_over_n_a_link_takes_what_n_ranks_take_through_one_shared_loopback(ranks, tmp_path):
+    """N ranks' ring all-reduce of S bytes moves 2(N-1)S through lo's one qdisc: 2(N-1)S/P at payload rate P. An N-NPU
+    ring at P/N a link must give the same, as bench/scale_whatif.py simulates it."""
+    binary = _astra_sim_or_skip()
+    from bench.whatif_bench import link_gbs, write_allreduce_et
+    from trace_tools.simulate import simulate_workload
+    size, payload = 10_000_000, 100e6
+    prefix = write_allreduce_et(tmp_path / "allreduce", size, ranks)
+    result = simulate_workload(prefix, ranks, bandwidth_gbs=link_gbs(payload, ranks), latency_ns=500,
+                               binary=Path(binary), work_dir=tmp_path / "sim")
+    assert result.step_ms == pytest.approx(1000 * 2 * (ranks - 1) * size * 8 / payload, rel=0.01)
+
+
+def test_scale_whatif_sets_n_real_ranks_against_the_trace_made_into_n(tmp_path):
+    _astra_sim_or_skip()
+    from bench.netem import missing_requirement
+    problem = missing_requirement()
+    if problem:
+        pytest.skip(f"scale_whatif needs a rate-limited network namespace: {problem}")
+    per_core = 1 if len(os.sched_getaffinity(0)) >= 4 else 2
+    result = run_bench("scale_whatif.py", "--quick", "--ranks-per-core", str(per_core), "--keep", str(tmp_path),
+                       timeout=900)
+    assert result.returncode == 0, result.stderr
+    (row,) = table_rows(result.stdout, "1")
+    assert row[1] == "100 Mbit/s"
+    real = {2: float(row[2].replace(",", "")), 4: float(row[5].replace(",", ""))}
+    predicted = {2: float(row[3].replace(",", "")), 4: float(row[6].replace(",", ""))}
+    # 0.9 MB of gradients: 2 x 0.9 MB through 100 Mbit/s at 2 ranks (144 ms), 6 x at 4 (432 ms), plus the compute
+    assert real[4] > 2 * real[2] and real[2] > 140
+    assert 2.2 < predicted[4] / predicted[2] < 3.0
+    assert float(row[8].replace(",", "")) == pytest.approx(real[4] - real[2], abs=0.11)
+    assert float(row[9].replace(",", "")) == pytest.approx(predicted[4] - predicted[2], abs=0.11)
+    assert list((tmp_path / "traced-0" / "traces").glob("*/astra-sim-4-ranks-100Mbits"))
+    assert f"At 4 ranks: predicted / real" in result.stdout
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--ranks", "2"], "--ranks 2: must be more than the 2 traced"),
+    (["--ranks-per-core", "3"], "--ranks-per-core 3: must divide 2 and --ranks 4"),
+    (["--ranks", "4096"], "--ranks 4096 at 1 a core needs 4096 cores"),
+    (["--ranks-per-core", "2", "--rates", "unthrottled,100mbit"], "give throttled rates only"),
+    (["--ranks-per-core", "2", "--cycles", "3"], "--cycles 3: use an even number"),
+])
+def test_scale_whatif_refuses_bad_flags_before_it_needs_root(args, says):
+    result = run_bench("scale_whatif.py", *args, timeout=60)
+    assert result.returncode == 1, result.stderr
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("error: ") and says in line
+
+
 # ------------------------------------------------------------------------------------- every bench's flags
 @pytest.mark.parametrize("script, args, named", [
     ("collective_start_cost.py", ["--compute-ms", "5,2"], "--compute-ms"),
