@@ -742,3 +742,28 @@ def test_the_spread_warning_says_whether_the_machine_was_busy(tmp_path, busy, sh
     [warning] = [w for w in result.warnings if "differ by" in w]
     assert says in warning
     assert ("quieter machine" in warning) == busy
+
+
+@pytest.mark.parametrize("ranks_on_machine, threads, cpus, warned", [
+    (2, 1, 1, True),    # two single-threaded ranks on one core: each waits for the other's compute
+    (2, 2, 2, True),    # two ranks of two intra-op threads on two cores
+    (2, 1, 2, False),   # a core a rank: the what-if bench's runs
+    (2, None, 1, False),  # run.json without the thread count: nothing to judge by
+])
+def test_ranks_that_shared_cores_are_warned_of(tmp_path, ranks_on_machine, threads, cpus, warned):
+    """A CPU run whose ranks had fewer CPUs than compute threads made each rank's compute wait for another's, which
+    no .et holds: the conversion says so, naming the counts run.json recorded (docs/BENCHMARKS.md §5 measured
+    such runs replaying at 0.47-0.84 of their step)."""
+    folder = rank0_copy(CPU_FIXTURES / "gpt2_tiny_2r", tmp_path / "run")
+    step_s = 0.05
+    rank = {"rank": 0, "step_wall_time_s": [step_s] * 3, "untraced_step_wall_time_s": [9 * step_s] + [step_s] * 3,
+            "ranks_on_machine": ranks_on_machine, "machine_load": {"cpus": cpus}}
+    if threads is not None:
+        rank["intra_op_threads"] = threads
+    (folder / "run.json").write_text(json.dumps({"ranks": [rank]}))
+    result = convert_rank0(folder, folder / "run.0.et")
+    said = [w for w in result.warnings if "compute threads" in w]
+    assert len(said) == int(warned)
+    if warned:
+        assert (f"the {ranks_on_machine} ranks on this machine ran {ranks_on_machine * threads} compute threads "
+                f"({threads} intra-op thread(s) each) on {cpus} CPU(s)") in said[0]

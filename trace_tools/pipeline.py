@@ -24,7 +24,7 @@ from .core_sharing import share_cores
 from .discover import Run
 from .identity import device_header_identity, host_device_time_problem, one_run_problems, rank_identity
 from .layout import CONVERSION_SUMMARY, PG_INIT_NODE, STEP_PREFIX, et_name
-from .link import link_host_and_device, remove_recording_overhead
+from .link import GPU_OP, link_host_and_device, remove_recording_overhead
 from .load import TraceError, is_structural, load_device_trace, load_host_trace, read_trace_bytes
 from .repair import NO_OPERATORS_PROBLEM
 from .step_timing import STEP_SPREAD_BOUND, StepTimes, read_step_times
@@ -253,6 +253,8 @@ def _correct_for_profiler(linked, result: RankResult, run_dir: Path, rank: int) 
                                + _spread_cause(times) + (_page_faults_of(times) if times is not None else ""))
     if times is None:
         return
+    if GPU_OP not in linked.kind:
+        _check_ranks_had_their_own_cores(times, result)
     result.untraced_step_us = times.untraced_median_us
     waits = times.run_queue_median_us
     cost = remove_recording_overhead(linked, times.traced_median_us, times.untraced_median_us, times.recording_cpu_us,
@@ -270,6 +272,24 @@ def _correct_for_profiler(linked, result: RankResult, run_dir: Path, rank: int) 
         result.cores_shared, result.run_queue_removed_us = True, removed
         result.collective_start_wait_us = times.collective_start_wait_us or 0.0
     _note_run_queue_wait(times, result, corrected=removed is not None)
+
+
+def _check_ranks_had_their_own_cores(times: StepTimes, result: RankResult) -> None:
+    """Warn when a CPU run's ranks had fewer CPUs than compute threads (run.json): each rank's compute then also
+    waited for the other ranks' on the same cores. The .et cannot hold that (ASTRA-sim runs every rank's compute on
+    its own, and trace_tools.core_sharing reads the training thread's wait for a core as the communication threads'
+    doing), so a simulation of the run comes out short by about that wait: 2-rank GPT-2 tiny runs at 2 ranks a core
+    replayed at 0.47-0.84 of the real step (docs/BENCHMARKS.md §5)."""
+    beyond = times.compute_threads_beyond_cpus
+    if not beyond:
+        return
+    threads = times.intra_op_threads * times.ranks_on_machine
+    result.warnings.append(
+        f"the {times.ranks_on_machine} ranks on this machine ran {threads} compute threads ({times.intra_op_threads} "
+        f"intra-op thread(s) each) on {times.usable_cpus} CPU(s) (run.json): each rank's compute also waited for "
+        "another rank's, which the .et does not hold (ASTRA-sim gives every rank its own compute), so simulated "
+        "steps come out shorter than the run's; trace with a CPU per compute thread (fewer ranks or "
+        "OMP_NUM_THREADS, or more cores)")
 
 
 def _spread_cause(times: StepTimes | None) -> str:

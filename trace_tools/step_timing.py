@@ -50,6 +50,7 @@ class StepTimes:
     # the machine busy for it (run.json's machine_load), when measured
     other_processes_cpu_share: float | None = None
     machine_busy: bool | None = None
+    usable_cpus: int | None = None  # the CPUs the rank's process could run on (run.json's machine_load), when recorded
     # How much longer a step's slowest rank computes than the slowest rank's median (_slowest_rank_scale)
     slowest_rank_scale: float = 1.0
 
@@ -66,6 +67,14 @@ class StepTimes:
         if self.intra_op_threads != 1 or not self.untraced_thread_cpu_us:
             return None
         return statistics.median(self.untraced_thread_cpu_us) * self.slowest_rank_scale
+
+    @property
+    def compute_threads_beyond_cpus(self) -> int:
+        """How many more compute threads the ranks on this machine ran (intra-op threads x ranks) than the rank's
+        process had CPUs; 0 when they fit, or when run.json did not record the three."""
+        if self.intra_op_threads is None or self.usable_cpus is None:
+            return 0
+        return max(0, self.intra_op_threads * self.ranks_on_machine - self.usable_cpus)
 
     @property
     def recording_cpu_us(self) -> float | None:
@@ -175,7 +184,8 @@ def step_times_of(info, rank: int) -> StepTimes | None:
     start_wait = entries[0].get("collective_start_wait_s")
     ranks_on_machine = entries[0].get("ranks_on_machine")
     load = entries[0].get("machine_load")
-    others, busy = (load.get("other_processes_cpu_share"), load.get("busy")) if isinstance(load, dict) else (None, None)
+    others, busy, cpus = ((load.get("other_processes_cpu_share"), load.get("busy"), load.get("cpus"))
+                          if isinstance(load, dict) else (None, None, None))
     return StepTimes(traced_us=traced, untraced_us=untraced, traced_cpu_us=micros("step_cpu_time_s"),
                      untraced_cpu_us=untraced_micros("untraced_step_cpu_time_s"),
                      traced_thread_cpu_us=micros("step_thread_cpu_time_s"),
@@ -200,6 +210,7 @@ def step_times_of(info, rank: int) -> StepTimes | None:
                      other_processes_cpu_share=(float(others) if isinstance(others, (int, float))
                                                 and not isinstance(others, bool) and others >= 0 else None),
                      machine_busy=busy if isinstance(busy, bool) else None,
+                     usable_cpus=cpus if isinstance(cpus, int) and not isinstance(cpus, bool) and cpus > 0 else None,
                      slowest_rank_scale=_slowest_rank_scale(info, first_steps))
 
 
