@@ -94,7 +94,7 @@ def run_child(argv: Sequence[str], *, env: dict | None = None, cwd: str | Path =
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err, \
             tempfile.NamedTemporaryFile("r", suffix=".maxrss") as peak_file:
         reaped = [sys.executable, "-S", "-c", _REAPER, peak_file.name, *argv]
-        cores = set(cpus) if cpus is not None else None
+        cores = set(cpus or ())  # none: the child runs where this process may
         pin = (lambda: os.sched_setaffinity(0, cores)) if cores else None
         started = time.perf_counter()
         process = subprocess.Popen(reaped, cwd=str(cwd), env=env, stdout=out, stderr=err, stdin=subprocess.DEVNULL,

@@ -263,7 +263,7 @@ def run_training(ns: Namespace, setup: ModelSetup, work: Path, env: dict, extra:
     work.mkdir(parents=True, exist_ok=True)
     before = load1()
     run = run_child(torchrun(ns, train_script(setup.family), train_args(setup, work, steps) + extra, setup.ranks),
-                    env=env, cpus=setup.cpus or None, timeout_s=setup.timeout_s)
+                    env=env, cpus=setup.cpus, timeout_s=setup.timeout_s)
     after = load1()
     shutil.rmtree(work / "checkpoints", ignore_errors=True)  # the final model: 0.35 GB for the 124M shape
     if not run.ok:

@@ -24,6 +24,15 @@ def shared_fixtures() -> Path:
     return SHARED_FIXTURES
 
 
+@pytest.fixture(scope="session")
+def astra_sim() -> Path:
+    """ASTRA-sim's analytical binary ($ASTRA_SIM); tests that run it skip where it is not built."""
+    path = os.environ.get("ASTRA_SIM")
+    if not path or not os.access(path, os.X_OK):
+        pytest.skip("ASTRA-sim is not built here: set $ASTRA_SIM to its AstraSim_Analytical_Congestion_Unaware")
+    return Path(path)
+
+
 # ---- the quick subset: -m "not slow" ------------------------------------------------------------------------------
 # Under 2 minutes on 2 cores: it leaves out whatever trains a model, starts the launchers, installs packages, runs
 # the documentation's commands, or reads the large reference traces. Tests mark themselves slow one by one; the

@@ -259,29 +259,21 @@ def test_rate_cpu_refuses_bad_flags_before_it_needs_root(args, says):
 
 
 # ------------------------------------------------------------------------------------------------- scale_whatif
-def _astra_sim_or_skip() -> str:
-    binary = os.environ.get("ASTRA_SIM", "")
-    if not os.access(binary, os.X_OK):
-        pytest.skip("ASTRA-sim not built: set $ASTRA_SIM to the binary ./install_astra_sim.sh prints")
-    return binary
-
-
 @pytest.mark.parametrize("ranks", [2, 4, 8])
-def test_an_n_npu_ring_at_p_over_n_a_link_takes_what_n_ranks_take_through_one_shared_loopback(ranks, tmp_path):
+def test_an_n_npu_ring_at_p_over_n_a_link_takes_what_n_ranks_take_through_one_shared_loopback(ranks, tmp_path,
+                                                                                             astra_sim):
     """N ranks' ring all-reduce of S bytes moves 2(N-1)S through lo's one qdisc: 2(N-1)S/P at payload rate P. An N-NPU
     ring at P/N a link must give the same, as bench/scale_whatif.py simulates it."""
-    binary = _astra_sim_or_skip()
     from bench.whatif_bench import link_gbs, write_allreduce_et
     from trace_tools.simulate import simulate_workload
     size, payload = 10_000_000, 100e6
     prefix = write_allreduce_et(tmp_path / "allreduce", size, ranks)
     result = simulate_workload(prefix, ranks, bandwidth_gbs=link_gbs(payload, ranks), latency_ns=500,
-                               binary=Path(binary), work_dir=tmp_path / "sim")
+                               binary=astra_sim, work_dir=tmp_path / "sim")
     assert result.step_ms == pytest.approx(1000 * 2 * (ranks - 1) * size * 8 / payload, rel=0.01)
 
 
-def test_scale_whatif_sets_n_real_ranks_against_the_trace_made_into_n(tmp_path):
-    _astra_sim_or_skip()
+def test_scale_whatif_sets_n_real_ranks_against_the_trace_made_into_n(tmp_path, astra_sim):
     from bench.netem import missing_requirement
     problem = missing_requirement()
     if problem:

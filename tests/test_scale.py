@@ -321,14 +321,6 @@ def test_the_benchmark_measures_time_and_disk_per_rank_count():
 
 
 # ---- ASTRA-sim itself (where it is built: $ASTRA_SIM) ---------------------------------------------------------------
-@pytest.fixture(scope="session")
-def astra_sim() -> Path:
-    path = os.environ.get("ASTRA_SIM")
-    if not path or not os.access(path, os.X_OK):
-        pytest.skip("ASTRA-sim is not built here: set $ASTRA_SIM to its AstraSim_Analytical_Congestion_Unaware")
-    return Path(path)
-
-
 def simulated_steps_ns(binary: Path, prefix: Path, npus: int, work: Path) -> dict[int, int]:
     """{rank: simulated ns} of every rank that finished, from ASTRA-sim's `sys[r] finished, N cycles` lines."""
     from bench.scale_bench import FINISHED, MEMORY_JSON, NETWORK_YML, SYSTEM_JSON
