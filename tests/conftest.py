@@ -24,13 +24,18 @@ def shared_fixtures() -> Path:
     return SHARED_FIXTURES
 
 
+def require_astra_sim() -> Path:
+    """ASTRA-sim's analytical binary ($ASTRA_SIM), or a skip that says how to get it: it is not part of a clone."""
+    path = os.environ.get("ASTRA_SIM", "")
+    if not (path and Path(path).is_file() and os.access(path, os.X_OK)):
+        pytest.skip("ASTRA-sim not built: set $ASTRA_SIM to the binary ./install_astra_sim.sh prints")
+    return Path(path)
+
+
 @pytest.fixture(scope="session")
 def astra_sim() -> Path:
-    """ASTRA-sim's analytical binary ($ASTRA_SIM); tests that run it skip where it is not built."""
-    path = os.environ.get("ASTRA_SIM")
-    if not path or not os.access(path, os.X_OK):
-        pytest.skip("ASTRA-sim is not built here: set $ASTRA_SIM to its AstraSim_Analytical_Congestion_Unaware")
-    return Path(path)
+    """ASTRA-sim's analytical binary; tests that run it skip where it is not built."""
+    return require_astra_sim()
 
 
 # ---- the quick subset: -m "not slow" ------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ from typing import Callable
 
 import pytest
 import yaml
+from conftest import require_astra_sim
 
 REPO = Path(__file__).resolve().parent.parent
 DOC_FILES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -241,10 +242,8 @@ def astra_configs_describe_the_two_rank_run(root: Path, output: str) -> None:
 
 
 def astra_sim_built(root: Path) -> None:
-    """ASTRA-sim is not part of a clone: the commands that run it need $ASTRA_SIM (./install_astra_sim.sh)."""
-    binary = os.environ.get("ASTRA_SIM", "")
-    if not (binary and Path(binary).is_file() and os.access(binary, os.X_OK)):
-        pytest.skip("ASTRA-sim not built: set $ASTRA_SIM to the binary ./install_astra_sim.sh prints")
+    """The commands that run ASTRA-sim need $ASTRA_SIM (./install_astra_sim.sh)."""
+    require_astra_sim()
 
 
 def astra_configs_written(root: Path) -> None:

@@ -22,10 +22,7 @@ from trace_tools.simulate import (GIB, Network, SimulationError, find_astra_sim,
 REPO = Path(__file__).resolve().parent.parent
 BUNDLED = REPO / "tests" / "data" / "cpu" / "gpt2_tiny_2r"
 INSTALL = REPO / "install_astra_sim.sh"
-ASTRA_SIM = os.environ.get("ASTRA_SIM", "")
-needs_astra_sim = pytest.mark.skipif(
-    not (ASTRA_SIM and os.access(ASTRA_SIM, os.X_OK) and Path(ASTRA_SIM).is_file()),
-    reason="ASTRA-sim not built: set $ASTRA_SIM to the binary ./install_astra_sim.sh prints")
+needs_astra_sim = pytest.mark.usefixtures("astra_sim")  # conftest.py: skipped where $ASTRA_SIM names no binary
 
 
 @pytest.fixture(scope="module")
@@ -441,9 +438,8 @@ def test_halving_the_bandwidth_makes_the_step_longer(converted, tmp_path):
     assert 40 < slow.step_ms - fast.step_ms < 120, (fast.step_ms, slow.step_ms)
 
 
-@needs_astra_sim
-def test_the_command_line_prints_predicted_beside_measured_and_writes_simulation_md(converted):
-    proc = run_cli(converted, "--bandwidth", "2Gbit/s", "--latency", "1000", "--astra-sim", ASTRA_SIM)
+def test_the_command_line_prints_predicted_beside_measured_and_writes_simulation_md(converted, astra_sim):
+    proc = run_cli(converted, "--bandwidth", "2Gbit/s", "--latency", "1000", "--astra-sim", str(astra_sim))
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("rank"))
