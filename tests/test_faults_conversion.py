@@ -197,6 +197,101 @@ def et_names(folder: Path) -> list[str]:
     return sorted(p.name for p in folder.glob("*.et"))
 
 
+def test_et_of_a_rank_the_run_no_longer_has_is_removed(tmp_path, capsys):
+    folder = corpus.copy_run(BERT, tmp_path / "run")
+    (folder / "stale.merged.json").write_text("{}")  # not of this run: left alone
+    assert convert(folder, capsys, "--emit-merged")[0] == 0
+    assert et_names(folder) == ["run.0.et", "run.1.et"]
+    for path in folder.glob("*.json"):
+        if path.name.startswith(("host.", "device.")):
+            path.unlink()
+    corpus.copy_run(GPT2, folder)  # a one-rank run traced into the same folder
+    code, output = convert(folder, capsys)
+    assert code == 0, output
+    assert et_names(folder) == ["run.0.et"]  # simulate.py and scale_et.py would have taken run.1.et as rank 1
+    assert not (folder / "run.1.merged.json").exists() and not (folder / "run.0.merged.json").exists()
+    assert (folder / "stale.merged.json").exists()
+
+
+def test_two_runs_of_one_name_into_one_folder_are_refused_before_anything_is_written(tmp_path, capsys):
+    first, second = corpus.copy_run(BERT, tmp_path / "a" / "run"), corpus.copy_run(GPT2, tmp_path / "b" / "run")
+    code = cli.main([str(first), str(second), "--output-dir", str(tmp_path / "out"), "--no-progress"])
+    output = capsys.readouterr().err
+    assert code == 2
+    assert errors(output) == [f"error: {first} and {second} would both be converted into {tmp_path / 'out' / 'run'} "
+                              "as run.<rank>.et; convert them one at a time with an --output-dir each"]
+    assert not (tmp_path / "out" / "run").exists()
+
+
+def test_sigterm_stops_a_conversion_like_ctrl_c_and_leaves_no_et_of_the_earlier_conversion(tmp_path, capsys):
+    folder = corpus.copy_run(BERT, tmp_path / "run")
+    assert convert(folder, capsys)[0] == 0
+    earlier = {rank: (folder / f"run.{rank}.et").read_bytes() for rank in (0, 1)}
+    corpus.copy_run(GPT2_2R, folder)  # traced again: both ranks change
+    summary = folder / "CONVERSION_SUMMARY.md"
+    proc = corpus.interrupt_when("convert_to_et.py", [folder, "--no-progress", "--jobs", "1"],
+                                 lambda: all(row in summary.read_text() for row in ("| 0 | ✅ ok |", "| 1 | ⏸")),
+                                 signum=signal.SIGTERM)
+    assert proc.rc == 143, proc.text
+    assert proc.err.strip().splitlines()[-1].startswith("interrupted: convert_to_et.py stopped by SIGTERM")
+    assert "Traceback" not in proc.text and not list(folder.glob(".*"))
+    kept = {rank: (folder / f"run.{rank}.et").read_bytes() for rank in (0, 1) if (folder / f"run.{rank}.et").exists()}
+    assert kept and all(blob != earlier[rank] for rank, blob in kept.items()), "a rank of the earlier conversion"
+    done = {rank for rank, result in (read_previous_results(folder) or {}).items() if result.ok}
+    assert sorted(kept) == sorted(done)
+
+
+def test_a_conversion_into_a_folder_another_one_is_writing_into_stops_with_one_line(tmp_path, capsys):
+    folder = corpus.copy_run(BERT, tmp_path / "run")
+    with pipeline.only_conversion_in(folder):
+        code, output = convert(folder, capsys)
+    assert code == 1
+    assert errors(output) == [f"error: {folder}: another conversion is writing into this folder now; wait for it to "
+                              "end"]
+    assert et_names(folder) == [] and not (folder / "CONVERSION_SUMMARY.md").exists()
+    assert convert(folder, capsys)[0] == 0  # the lock went with the first
+
+
+@pytest.mark.parametrize("damage, says", [
+    (lambda text: text[:len(text) // 2], "not valid JSON at byte"),
+    (lambda text: "[]", "not a run description (a JSON list, not an object)"),
+])
+def test_a_broken_run_json_fails_every_rank_naming_it(tmp_path, capsys, damage, says):
+    folder = corpus.copy_run(GPT2_2R, tmp_path / "run")
+    run_json = folder / "run.json"
+    run_json.write_text(damage((GPT2_2R / "run.json").read_text()))
+    code, output = convert(folder, capsys)
+    assert code == 1 and et_names(folder) == []
+    assert f"{run_json}: {says}" in output
+    assert (folder / "CONVERSION_SUMMARY.md").read_text().count("❌ failed") == 2
+
+
+def test_convert_remaining_redoes_the_ranks_when_run_json_changes(tmp_path, capsys):
+    folder = corpus.copy_run(GPT2_2R, tmp_path / "run")
+    (folder / "run.json").write_text((GPT2_2R / "run.json").read_text())
+    assert convert(folder, capsys)[0] == 0
+    assert "nothing to do" in convert(folder, capsys, remaining=True)[1]
+    info = json.loads((folder / "run.json").read_text())
+    info["ranks"][0]["step_wall_time_s"] = [2 * t for t in info["ranks"][0]["step_wall_time_s"]]
+    (folder / "run.json").write_text(json.dumps(info))
+    code, output = convert(folder, capsys, remaining=True)
+    assert code == 0 and "converting 2 remaining rank(s) (2 run.json changed)" in output
+
+
+@pytest.mark.parametrize("layout", ["rank 1 copied as rank 0", "rank 0 alone"])
+def test_a_part_of_a_run_without_its_run_json_is_refused(tmp_path, capsys, layout):
+    folder = tmp_path / "run"
+    if layout == "rank 0 alone":
+        corpus.copy_run(GPT2_2R, folder, ranks=[0])
+        says = "the traces were recorded in a world of 2 ranks but rank(s) 1 have no host and device trace here"
+    else:
+        corpus.place_rank(GPT2_2R, 1, folder, 0)
+        says = "rank 0's device trace was recorded by rank 1 (its distributedInfo)"
+    code, output = convert(folder, capsys)
+    assert code == 1 and says in output
+    assert et_names(folder) == []
+
+
 # ---- the tracer: a new run replaces the old one only once its window is written --------------------------------
 def train_mlp(tracer, steps: int, fail_at: int | None = None) -> None:
     torch = pytest.importorskip("torch")

@@ -301,6 +301,17 @@ def test_the_default_output_is_a_folder_beside_the_run(gpt2_run, tmp_path):
     assert prefix == tmp_path / f"{GPT2_2R}_8npus" / f"{GPT2_2R}_8npus"
 
 
+def test_a_run_named_with_spaces_and_other_letters_scales_under_a_default_name_astra_sim_takes(tmp_path):
+    source = tmp_path / "my runs" / "rün 1"
+    shutil.copytree(CPU_FIXTURES / GPT2_2R, source)
+    assert convert_runs(find_runs([source]), jobs=1, progress=False)[0].ok
+    prefix = scale_run(source, 4)
+    assert prefix == tmp_path / "my runs" / "r_n_1_4npus" / "r_n_1_4npus"
+    assert [validate_et(prefix.parent / f"r_n_1_4npus.{r}.et").ok for r in range(4)] == [True] * 4
+    with pytest.raises(ScaleError, match="--name"):  # a name given is taken as it is, or refused
+        scale_run(source, 4, name="rün 1")
+
+
 def test_scale_et_runs_on_the_conversion_side_without_torch(gpt2_run, tmp_path):
     code = ("import sys, runpy; sys.argv = ['scale_et.py', *sys.argv[1:]]; "
             "sys.modules['torch'] = None; runpy.run_path('scale_et.py', run_name='__main__')")

@@ -4,14 +4,17 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
+import threading
 from pathlib import Path
 
 from .command_line import ArgumentParser
 from .discover import find_runs
 from .layout import CONVERSION_SUMMARY, et_name
 from .load import TraceError
-from .pipeline import convert_runs, et_fingerprint, file_fingerprint, output_dir_for, output_dir_problem
+from .pipeline import (convert_runs, et_fingerprint, input_fingerprints, output_dir_clash, output_dir_for,
+                       output_dir_problem)
 from .summary import read_previous_results, render_table
 
 DEFAULT_PATH = "outputs"
@@ -48,19 +51,34 @@ def build_parser(remaining: bool) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None, remaining: bool = False) -> int:
     args = build_parser(remaining).parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
+    stopped_by: list[int] = []
+
+    def stop(signum, frame):  # SIGTERM (kill, a job scheduler's time limit) cleans up as Ctrl-C does
+        stopped_by.append(signum)
+        raise KeyboardInterrupt
+
+    previous_handler = signal.signal(signal.SIGTERM, stop) if _in_main_thread() else None
     try:
         return _main(args, remaining)
     except KeyboardInterrupt:
         what = "convert_remaining.py" if remaining else "convert_to_et.py"
-        print(f"interrupted: {what} stopped by Ctrl-C; ranks already converted are kept (see CONVERSION_SUMMARY.md), "
+        how = "SIGTERM" if stopped_by else "Ctrl-C"
+        print(f"interrupted: {what} stopped by {how}; ranks already converted are kept (see CONVERSION_SUMMARY.md), "
               "convert_remaining.py converts the rest", file=sys.stderr)
-        return 130
+        return 128 + signal.SIGTERM if stopped_by else 130
     except TraceError as e:  # an output that cannot be written (the summary)
         print(f"error: {e}", file=sys.stderr)
         return 1
     except BrokenPipeError:  # whoever read the output stopped reading (`| head`): nothing more to say
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
+    finally:
+        if previous_handler is not None:
+            signal.signal(signal.SIGTERM, previous_handler)
+
+
+def _in_main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()
 
 
 def _main(args: argparse.Namespace, remaining: bool) -> int:
@@ -82,6 +100,10 @@ def _main(args: argparse.Namespace, remaining: bool) -> int:
         if problem:
             print(f"error: --output-dir {args.output_dir}: {problem}", file=sys.stderr)
             return 2
+    clash = output_dir_clash(runs, args.output_dir)
+    if clash:
+        print(f"error: {clash}", file=sys.stderr)
+        return 2
     for run in runs:
         out_dir, _ = output_dir_for(run, args.output_dir, several)
         problem = output_dir_problem(out_dir)
@@ -170,12 +192,13 @@ def _why_redo(run, rank: int, old, et: Path, validate_et) -> str | None:
     if not inputs:
         return "converted before summaries recorded their traces"
     try:
-        now = {"host": file_fingerprint(run.hosts[rank]), "device": file_fingerprint(run.devices[rank]),
-               "et": et_fingerprint(et)}
+        now = {**input_fingerprints(run.hosts[rank], run.devices[rank]), "et": et_fingerprint(et)}
     except (KeyError, OSError):
         return "traces gone"
     if any(inputs.get(kind) != now[kind] for kind in ("host", "device")):
         return "traces changed"
+    if inputs.get("run_info") != now.get("run_info"):
+        return "run.json changed"
     if inputs.get("et") != now["et"]:
         return ".et changed"
     report = validate_et(et)

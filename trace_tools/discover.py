@@ -22,6 +22,7 @@ class Run:
     devices: dict[int, Path] = field(default_factory=dict)
     world_size: int | None = None
     run_id: str | None = None  # the tracer's run id in run.json (each device trace carries it too)
+    run_info_problem: str | None = None  # why run.json beside the traces cannot be read (None: fine, or none there)
 
     @property
     def ranks(self) -> list[int]:
@@ -84,10 +85,7 @@ def _scan_folder(folder: Path) -> list[Run]:
     if tracer.hosts or tracer.devices:
         info = folder / RUN_INFO
         if info.is_file():
-            try:
-                facts = json.loads(info.read_text())
-            except (OSError, ValueError):
-                facts = None
+            facts, tracer.run_info_problem = read_run_info(info)
             if isinstance(facts, dict):
                 world_size = facts.get("world_size")
                 tracer.world_size = world_size if isinstance(world_size, int) and world_size > 0 else None
@@ -95,6 +93,23 @@ def _scan_folder(folder: Path) -> list[Run]:
         runs.append(tracer)
     runs.extend(flat[name] for name in sorted(flat))
     return runs
+
+
+def read_run_info(path: Path) -> tuple[dict | None, str | None]:
+    """run.json's content, or None and why it cannot be used: the tracer writes it whole (temporary file, then
+    rename), so a file cut short or not an object is a broken copy, and converting without it would silently drop
+    the step times the .et durations are corrected with."""
+    try:
+        facts = json.loads(path.read_bytes())
+    except OSError as e:
+        return None, f"{path}: cannot be read ({e.strerror or e})"
+    except ValueError as e:
+        where = f" at byte {e.pos}" if isinstance(getattr(e, "pos", None), int) else ""
+        return None, (f"{path}: not valid JSON{where} ({getattr(e, 'msg', e)}): a broken copy of the tracer's file; "
+                      "copy it again from the run, or remove it to convert without the run's step times")
+    if not isinstance(facts, dict):
+        return None, f"{path}: not a run description (a JSON {type(facts).__name__}, not an object)"
+    return facts, None
 
 
 def find_runs(paths: list[str | Path]) -> list[Run]:

@@ -95,10 +95,13 @@ def _odd_ones(values: dict[int, Any]) -> tuple[Any, list[int]]:
     return common, sorted(r for r, v in values.items() if v != common)
 
 
-def one_run_problems(identities: dict[int, dict[str, Any]], run_info_id: str | None = None) -> list[str]:
+def one_run_problems(identities: dict[int, dict[str, Any]], run_info_id: str | None = None,
+                     ranks_with_files: list[int] | None = None) -> list[str]:
     """Why these ranks cannot be one run, each problem in one line naming the odd rank (empty when they can).
 
-    identities: rank -> rank_identity() of every converted rank; run_info_id: the run id in run.json, if any.
+    identities: rank -> rank_identity() of every converted rank; run_info_id: the run id in run.json, if any;
+    ranks_with_files: every rank the folder has traces of, converted or not (default: those of identities), against
+    the world the traces were recorded in.
     """
     problems: list[str] = []
     ranks = sorted(identities)
@@ -118,14 +121,21 @@ def one_run_problems(identities: dict[int, dict[str, Any]], run_info_id: str | N
         if run_info_id and not odd and common and run_info_id != common:
             problems.append(f"run.json belongs to traced run {run_info_id} but the traces to run {common}: run.json "
                             "is left from another run (trace again, or remove run.json)")
-    if len(ranks) < 2:
-        return problems
     for r in ranks:
         said = identities[r].get("dist_rank")
         if isinstance(said, int) and said != r:
             problems.append(f"rank {r}'s device trace was recorded by rank {said} (its distributedInfo): the files "
                             f"of rank {said} were copied as rank {r}'s")
     worlds = {r: identities[r].get("world_size") or 1 for r in ranks}
+    present = sorted(set(ranks_with_files if ranks_with_files is not None else ranks))
+    world = _odd_ones(worlds)[0] if ranks else 1
+    absent = [r for r in range(world) if r not in present] if isinstance(world, int) else []
+    if absent and not problems:
+        problems.append(f"the traces were recorded in a world of {world} ranks but rank(s) {', '.join(map(str, absent))} "
+                        f"have no host and device trace here: copy every rank's files (a part of a run would be "
+                        "simulated as a smaller run)")
+    if len(ranks) < 2:
+        return problems
     if any(identities[r].get("world_size") for r in ranks):
         common, odd = _odd_ones(worlds)
         for r in odd:

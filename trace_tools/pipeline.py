@@ -14,16 +14,17 @@ import statistics
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
+from contextlib import ExitStack, contextmanager
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from .atomic import atomic_path
 from .convert import write_et, write_merged_json
 from .core_sharing import share_cores
 from .discover import Run
 from .identity import device_header_identity, host_device_time_problem, one_run_problems, rank_identity
-from .layout import CONVERSION_SUMMARY, PG_INIT_NODE, STEP_PREFIX, et_name
+from .layout import CONVERSION_SUMMARY, PG_INIT_NODE, RUN_INFO, STEP_PREFIX, et_name, et_sets
 from .link import GPU_OP, link_host_and_device, remove_recording_overhead
 from .load import TraceError, is_structural, load_device_trace, load_host_trace, read_trace_bytes
 from .repair import NO_OPERATORS_PROBLEM
@@ -146,6 +147,16 @@ def file_fingerprint(path: str | Path) -> dict[str, Any]:
     return {"name": Path(path).name, "size": st.st_size, "mtime_ns": st.st_mtime_ns}
 
 
+def input_fingerprints(host_path: str | Path, device_path: str | Path) -> dict[str, dict[str, Any]]:
+    """What a rank's .et is made from: its host and device trace, and the run.json beside the host trace when there
+    is one (its step times set the .et's durations)."""
+    inputs = {"host": file_fingerprint(host_path), "device": file_fingerprint(device_path)}
+    run_info = Path(host_path).parent / RUN_INFO
+    if run_info.is_file():
+        inputs["run_info"] = file_fingerprint(run_info)
+    return inputs
+
+
 def et_fingerprint(path: str | Path, name: str | None = None) -> dict[str, Any]:
     """Name, size and SHA-256 of a written .et: it is still the file a summary describes (whatever its mtime)."""
     import hashlib
@@ -178,7 +189,7 @@ def convert_rank(host_path: str | Path, device_path: str | Path, out_path: str |
 
 def _convert_rank(host_path, device_path, out_path, rank, merged_path, validate, run_name) -> RankResult:
     result = RankResult(run=run_name, rank=rank)
-    result.inputs = {"host": file_fingerprint(host_path), "device": file_fingerprint(device_path)}
+    result.inputs = input_fingerprints(host_path, device_path)
     timings = result.timings
     started = time.perf_counter()
     device_data = read_trace_checked(device_path, result.warnings)
@@ -524,6 +535,43 @@ def _remove_outputs(out_dir: Path, name: str, rank: int, partial_only: bool = Fa
                 pass
 
 
+def output_dir_clash(runs: list[Run], output_dir: str | Path | None) -> str | None:
+    """Two runs whose .et files would go to one folder under one name (run folders of the same name under
+    --output-dir, or both falling back to converted/<name>): the second would overwrite or mix with the first."""
+    several = len(runs) > 1
+    seen: dict[tuple[Path, str], Run] = {}
+    for run in runs:
+        key = (output_dir_for(run, output_dir, several)[0].absolute(), run.name)
+        if key in seen:
+            return (f"{seen[key].folder} and {run.folder} would both be converted into {key[0]} as {run.name}.<rank>.et; "
+                    "convert them one at a time with an --output-dir each")
+        seen[key] = run
+    return None
+
+
+@contextmanager
+def only_conversion_in(folder: Path) -> Iterator[None]:
+    """Hold the folder for one conversion: a second one into it at the same time (each removing the other's
+    partial files) stops with an OutputError instead. An advisory lock on the folder itself (no lock file is left)."""
+    try:
+        import fcntl
+    except ImportError:  # Windows: no advisory locks; conversions are not guarded there
+        yield
+        return
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise OutputError(folder, "another conversion is writing into this folder now; wait for it to end") \
+                from None
+        except OSError:
+            pass  # a file system without locks
+        yield
+    finally:
+        os.close(fd)
+
+
 def convert_runs(runs: list[Run], output_dir: str | Path | None = None, jobs: int | None = None,
                  emit_merged: bool = False, progress: bool = True,
                  only: Callable[[Run, int], bool] | None = None,
@@ -536,10 +584,26 @@ def convert_runs(runs: list[Run], output_dir: str | Path | None = None, jobs: in
     Raises KeyboardInterrupt after saving the summaries of what was done, and OutputError when a summary cannot be
     written."""
     several = len(runs) > 1
+    clash = output_dir_clash(runs, output_dir)
+    if clash:
+        raise ValueError(clash)
+    with ExitStack() as held:
+        for out_dir in dict.fromkeys(output_dir_for(run, output_dir, several)[0].absolute() for run in runs):
+            out_dir.mkdir(parents=True, exist_ok=True)
+            held.enter_context(only_conversion_in(out_dir))
+        return _convert_runs(runs, output_dir, jobs, emit_merged, progress, only, previous)
+
+
+def _convert_runs(runs, output_dir, jobs, emit_merged, progress, only, previous) -> list[RunResult]:
+    several = len(runs) > 1
     tasks = []
     by_dir: dict[str, RunResult] = {}
     for run in runs:
         out_dir, note = output_dir_for(run, output_dir, several)
+        # .et files of ranks the run does not have (an earlier conversion of a larger run of this name) would be
+        # simulated as part of it
+        for stale in set(et_sets(out_dir).get(run.name, ())) - set(run.ranks):
+            _remove_outputs(out_dir, run.name, stale)
         ranks: list[RankResult] = []
         for rank in run.ranks:
             if only is not None and not only(run, rank):
@@ -547,18 +611,22 @@ def convert_runs(runs: list[Run], output_dir: str | Path | None = None, jobs: in
                 if kept is not None:
                     ranks.append(kept)
                     continue
-            missing = run.missing(rank)
+            missing = run.run_info_problem or run.missing(rank)
             if missing:
                 ranks.append(RankResult(run=run.name, rank=rank, error=missing))
                 _remove_outputs(out_dir, run.name, rank)
                 continue
-            _remove_outputs(out_dir, run.name, rank, partial_only=True)
+            # The earlier .et goes now, not when the new one is renamed over it: a conversion killed in between
+            # must not leave it beside the new ranks' files as if it were one of them.
+            _remove_outputs(out_dir, run.name, rank)
             ranks.append(RankResult(run=run.name, rank=rank, status="interrupted", error="not converted yet"))
             et_path = out_dir / et_name(run.name, rank)
             merged = out_dir / MERGED_NAME.format(name=run.name, rank=rank) if emit_merged else None
             tasks.append((str(out_dir), (run.name, rank, str(run.hosts[rank]), str(run.devices[rank]),
                                          str(et_path), str(merged) if merged else None)))
         by_dir[str(out_dir)] = RunResult(run=run, output_dir=out_dir, ranks=ranks, note=note)
+    for run_result in by_dir.values():  # the summary says from now on which ranks are still to come
+        _save_summary(run_result)
 
     def done(key_dir: str, result: RankResult) -> None:
         run_result = by_dir[key_dir]
@@ -627,7 +695,8 @@ def _check_one_run(run_result: RunResult) -> None:
     ok = [r for r in ranks if r.ok]
     if not ok:
         return
-    problems = one_run_problems({r.rank: r.identity for r in ok if r.identity}, run_result.run.run_id)
+    problems = one_run_problems({r.rank: r.identity for r in ok if r.identity}, run_result.run.run_id,
+                                [r.rank for r in ranks])
     if not problems and len(ok) == len(ranks) and len(ok) > 1:
         members = {name: group[1] for r in ok for name, group in (r.identity.get("process_groups") or {}).items()
                    if group[1]}

@@ -463,7 +463,9 @@ def scale_set(source: str | Path, ranks: int, *, output_dir: str | Path | None =
         raise ScaleError("--ranks", f"must be at least 1 (got {ranks})")
     source_set = find_source_set(source)
     slow = check_slow(slow, ranks)
-    name = name or DEFAULT_NAME.format(name=source_set.name, ranks=ranks)
+    if not name:  # the source's name with what --name refuses (spaces, other letters) made "_"
+        name = DEFAULT_NAME.format(name=re.sub(r"[^A-Za-z0-9_.+-]", "_", source_set.name).lstrip(".") or "run",
+                                   ranks=ranks)
     if not re.fullmatch(r"[A-Za-z0-9_.+-]+", name) or name.startswith("."):
         raise ScaleError("--name", f"{name!r}: use letters, digits and _ . + - (it becomes <name>.<rank>.et)")
     note = ""
