@@ -779,6 +779,36 @@ def against_same_process_line(replays: list, whatifs: list) -> str:
             f"{bands_count(replays, whatifs)} within the bands.")
 
 
+def faster_than(rate: Rate, traced: Rate) -> bool:
+    """A network faster than the traced one (the unthrottled loopback is faster than any tbf rate)."""
+    if not rate.throttled:
+        return traced.throttled
+    return traced.throttled and rate.bits_per_s > traced.bits_per_s
+
+
+def bound_line(traces: list, real: dict) -> str | None:
+    """bound_verdict over every trace's predictions at the rates faster than its own."""
+    return bound_verdict([(result.without_communication_cpu_ms, result.step_ms, real[label].step_ms)
+                          for trace in traces for label, result in trace.predictions.items()
+                          if getattr(result, "without_communication_cpu_ms", None)
+                          and faster_than(real[label].rate, trace.rate)])
+
+
+def bound_verdict(points: list) -> str | None:
+    """On the networks faster than a trace's own, from (step simulated without the communication threads' CPU time
+    (trace_tools.simulate.without_communication_cpu), predicted step, real step) per point: the first over the real
+    step, and how often the real step lies between the two (within the other rates' band); None without points."""
+    if not points:
+        return None
+    lows = [bound / real for bound, _, real in points]
+    inside = sum(bound <= real * (1 + WHATIF_BAND) and real <= predicted * (1 + WHATIF_BAND)
+                 for bound, predicted, real in points)
+    return (f"On the networks faster than the traced one, the communication threads' CPU time in the `.et` (measured "
+            f"at the traced rate, where gloo spends more per byte) bounds the step from above; simulated without it, "
+            f"{ratio_range(lows)} of the real step. The real step lies between the two (within {WHATIF_BAND:.0%}) in "
+            f"{inside} of {len(points)}.")
+
+
 def loads_text(loads: list) -> str:
     return ", ".join(f"{a:.1f}->{b:.1f}" for a, b in loads)
 
@@ -894,6 +924,9 @@ def report(setup: ModelSetup, args, sim: Simulator, verification: list, micro: l
                                 *same_columns, "note"], rows),
                   "",
                   against_untraced_line(replay, whatif), ""]
+        bounded = bound_line(traces, real)
+        if bounded:
+            lines += [bounded, ""]
         if compute:
             lines += [f"Compute: the real runs spent {ratio_range(compute)} the traced runs' CPU time per step (before "
                       "their windows) on the same work. The `.et`'s compute is the traced runs', so that difference is "

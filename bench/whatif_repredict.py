@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.common import BenchError, child_env, fail, foreign_checkout, format_table
-from bench.whatif_bench import (REPLAY_BAND, RESULTS_FILE, WHATIF_BAND, Progress, bands_count, convert,
+from bench.whatif_bench import (REPLAY_BAND, RESULTS_FILE, WHATIF_BAND, Progress, bands_count, bound_verdict, convert,
                                 find_simulator, read_run_json, simulate_at, within_band)
 from trace_tools.command_line import ArgumentParser
 from trace_tools.layout import RUN_INFO, TRACE_FILE_RE
@@ -39,6 +39,8 @@ class Point:
     predicted_ms: float
     same_run_ms: float | None
     tracer_untraced_ms: float | None = None  # a replay's: the traced process's untraced steps as its tracer timed them
+    faster: bool = False  # a network faster than the traced one
+    without_communication_cpu_ms: float | None = None  # the step simulated without gloo's CPU nodes (CPU runs)
 
 
 def read_results(folder: Path) -> dict:
@@ -88,6 +90,7 @@ def repredict(folder: Path, results: dict, work: Path, sim, env: dict) -> list:
     if any("tbf_bits_per_s" not in rate for rate in results["rates"]):
         print(f"    {folder.name}: kept before the bench simulated a throttled rate at its measured payload rate; its "
               "rates are simulated as recorded, at tbf's rate R", flush=True)
+    traced_bits = next((r["bits_per_s"] for r in results["rates"] if r["label"] == results["trace_rate"]), None)
     for trace in results["traces"]:
         converted = reconvert(folder / trace["folder"], work / f"trace-{trace['index']}", env)
         tracer_untraced_ms = read_run_json(converted)[1]  # timed at the trace's rate only
@@ -96,7 +99,9 @@ def repredict(folder: Path, results: dict, work: Path, sim, env: dict) -> list:
             replay = label == results["trace_rate"]
             simulated = simulate_at(sim, converted, label, rate["bits_per_s"], results["latency_ns"])
             points.append(Point(folder.name, trace["index"], label, replay, rate["real_ms"], simulated.step_ms,
-                                (trace.get("same_run_ms") or {}).get(label), tracer_untraced_ms if replay else None))
+                                (trace.get("same_run_ms") or {}).get(label), tracer_untraced_ms if replay else None,
+                                bool(traced_bits) and rate["bits_per_s"] > traced_bits,
+                                simulated.without_communication_cpu_ms))
         print(f"    {folder.name} trace {trace['index']}: converted and simulated at {len(results['rates'])} rates",
               flush=True)
     return points
@@ -133,6 +138,10 @@ def report(points: list) -> str:
         # process's pace between its window and the untraced runs.
         lines.append(f"Replays against the untraced steps the tracer timed in the traced process itself (run.json, "
                      f"before and after the window): {bands_count(own, [])} within {REPLAY_BAND:.0%}; {spread(own)}.")
+    bounded = bound_verdict([(p.without_communication_cpu_ms, p.predicted_ms, p.real_ms) for p in points
+                             if p.faster and p.without_communication_cpu_ms])
+    if bounded:
+        lines.append(bounded)
     replays = [p.predicted_ms / p.real_ms for p in points if p.replay]
     others = [p.predicted_ms / p.real_ms for p in points if not p.replay]
     lines += ["", f"Spread of predicted / real: replays {spread(replays)}; other rates {spread(others)}."]

@@ -517,6 +517,26 @@ def test_whatif_repredict_sets_the_predictions_spread_beside_the_real_processes_
             "at the other rates mean 1.000, sd 0.0%, mean abs. error 0.0%, 1.00x-1.00x (1), 0 of 1 beyond 10%") in text
 
 
+def test_whatif_bound_is_judged_only_on_networks_faster_than_the_traced_one():
+    """A throttled trace's communication CPU bounds the step from above on faster networks; the report says how
+    often the real step lies between the step without it and the prediction."""
+    from bench.netem import parse_rate
+    from bench.whatif_bench import bound_verdict, faster_than
+    from bench.whatif_repredict import Point, report
+
+    slow, fast, full = parse_rate("400mbit"), parse_rate("1gbit"), parse_rate("unthrottled")
+    assert faster_than(full, slow) and faster_than(fast, slow) and not faster_than(slow, fast)
+    assert not faster_than(full, full) and not faster_than(slow, full) and not faster_than(slow, slow)
+    assert bound_verdict([]) is None
+    # real 100: inside [90, 120]; real 100 above a prediction of 80 (beyond 10%): outside
+    text = bound_verdict([(90.0, 120.0, 100.0), (70.0, 80.0, 100.0)])
+    assert "simulated without it, 0.70x to 0.90x of the real step" in text and "in 1 of 2." in text
+    points = [Point("k1", 1, "400 Mbit/s", True, 300.0, 300.0, None, faster=False, without_communication_cpu_ms=290.0),
+              Point("k1", 1, "unthrottled", False, 100.0, 120.0, None, faster=True, without_communication_cpu_ms=95.0)]
+    assert "0.95x of the real step. The real step lies between the two (within 10%) in 1 of 1." in \
+        report(points)
+
+
 @pytest.mark.parametrize("content", [None, "{\"rates\": []}", "not json",
                                      '{"trace_rate": "unthrottled", "latency_ns": 500, "rates": [{"label": "x"}], '
                                      '"traces": [{"index": 1, "folder": "t"}]}',

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -18,6 +19,8 @@ from trace_tools import simulate
 from trace_tools.simulate import (GIB, Network, SimulationError, find_astra_sim, find_workload, measured_steps,
                                   network_yaml, parse_bandwidth, process_groups, simulate_run, simulate_workload,
                                   system_config, write_configs)
+from trace_tools.simulate import WITHOUT_COMMUNICATION_CPU_DIR as WITHOUT_CPU
+from trace_tools.validate import SerializedMessage, iter_et_messages
 
 REPO = Path(__file__).resolve().parent.parent
 BUNDLED = REPO / "tests" / "data" / "cpu" / "gpt2_tiny_2r"
@@ -263,6 +266,31 @@ def test_more_ranks_than_traced_needs_the_scaler(converted, monkeypatch, tmp_pat
         simulate_run(converted, ranks=4, bandwidth_gbs=1.0, binary=fake, work_dir=tmp_path / "work")
     with pytest.raises(SimulationError, match="--ranks 1: the run has 2 traced ranks"):
         simulate_run(converted, ranks=1, bandwidth_gbs=1.0, binary=fake, work_dir=tmp_path / "work")
+
+
+@pytest.mark.parametrize("damage, says", [
+    ("cut", "gpt2_tiny_2r.0.et: not the file {summary} recorded (changed or cut short since it was written)"),
+    ("stale rank", "gpt2_tiny_2r.2.et: {summary} records no rank 2 of gpt2_tiny_2r: the file is left from another "
+                   "conversion"),
+    ("missing rank", "gpt2_tiny_2r.1.et: missing, though {summary} records it converted"),
+])
+def test_et_files_that_are_not_those_the_summary_recorded_are_refused(converted, tmp_path, damage, says):
+    folder = tmp_path / "run"
+    shutil.copytree(converted, folder)
+    rank0 = folder / "gpt2_tiny_2r.0.et"
+    if damage == "cut":  # at a node boundary: the file still decodes, with the last nodes gone
+        blobs = list(iter_et_messages(rank0))
+        with open(rank0, "wb") as f:
+            for blob in blobs[:-3]:
+                encodeMessage(f, SerializedMessage(blob))
+    elif damage == "stale rank":
+        shutil.copyfile(folder / "gpt2_tiny_2r.1.et", folder / "gpt2_tiny_2r.2.et")
+    else:
+        (folder / "gpt2_tiny_2r.1.et").unlink()
+    with pytest.raises(SimulationError) as error:
+        simulate_run(folder, bandwidth_gbs=1.0, binary=tmp_path / "never run", work_dir=tmp_path / "w")
+    assert says.format(summary=folder / "CONVERSION_SUMMARY.md") in str(error.value), str(error.value)
+    assert not (tmp_path / "w").exists()
 
 
 def test_a_simulator_that_fails_is_reported_with_its_own_message(converted, tmp_path):
@@ -547,3 +575,37 @@ def test_communication_cpu_lengthens_the_step_on_a_fast_network_and_hides_behind
                                              work_dir=tmp_path / f"{name}-{rate}").step_ms
     assert steps["shared", "free"] - steps["plain", "free"] == pytest.approx(cpu_s * 1000, rel=0.1), steps
     assert abs(steps["shared", "slow"] - steps["plain", "slow"]) < 0.1 * cpu_s * 1000, steps
+
+
+@needs_astra_sim
+def test_a_cpu_run_is_simulated_again_without_the_communication_cpu_as_the_bound_for_a_faster_network(tmp_path):
+    """The copy without the CPU nodes is the run converted without gloo's CPU time, node for node: its step is that
+    run's, and the .et as converted is not touched."""
+    plain = converted_with_run_json(tmp_path / "plain", None)
+    shared = converted_with_run_json(tmp_path / "shared", 0.05)
+    before = sorted((p.name, p.read_bytes()) for p in shared.glob("*.et"))
+    for rate, gbs in (("free", 1e6), ("slow", parse_bandwidth("10Mbit/s"))):
+        result = simulate_run(shared, bandwidth_gbs=gbs, latency_ns=0.0, work_dir=tmp_path / f"shared-{rate}")
+        alone = simulate_run(plain, bandwidth_gbs=gbs, latency_ns=0.0, work_dir=tmp_path / f"plain-{rate}")
+        assert alone.without_communication_cpu_ms is None  # nothing to take out
+        assert result.without_communication_cpu_ms == pytest.approx(alone.step_ms, rel=0.01), rate
+        assert result.without_communication_cpu_ms <= result.step_ms
+    assert result.step_ms - result.without_communication_cpu_ms < 5  # at 10 Mbit/s the CPU hides behind the transfer
+    assert sorted((p.name, p.read_bytes()) for p in shared.glob("*.et")) == before
+    skipped = simulate_run(shared, bandwidth_gbs=1e6, work_dir=tmp_path / "skipped", communication_cpu_bound=False)
+    assert skipped.without_communication_cpu_ms is None and not (tmp_path / "skipped" / WITHOUT_CPU).exists()
+
+
+@needs_astra_sim
+def test_the_command_line_prints_the_bound_of_a_cpu_run_unless_told_not_to(tmp_path):
+    shared = converted_with_run_json(tmp_path / "shared", 0.05)
+    proc = run_cli(shared, "--bandwidth", "100Gbit/s")
+    assert proc.returncode == 0, proc.stderr
+    line = next(line for line in proc.stdout.splitlines() if line.startswith("without the communication"))
+    bound_ms = float(re.search(r"CPU time: ([\d,.]+) ms", line).group(1).replace(",", ""))
+    predicted_ms = float(re.search(r"predicted step: ([\d,.]+) ms", proc.stdout).group(1).replace(",", ""))
+    assert predicted_ms - bound_ms == pytest.approx(50, rel=0.1)  # the 50 ms of CPU a step, on the path
+    assert line in (shared / "SIMULATION.md").read_text()
+    quiet = run_cli(shared, "--bandwidth", "100Gbit/s", "--no-cpu-bound")
+    assert quiet.returncode == 0 and "without the communication" not in quiet.stdout
+    assert "without the communication" not in (shared / "SIMULATION.md").read_text()

@@ -8,6 +8,7 @@ import math
 import os
 import re
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
@@ -15,9 +16,9 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .atomic import write_text_atomic
+from .atomic import atomic_output, write_text_atomic
 from .command_line import ArgumentParser
-from .layout import RUN_INFO, et_name, et_sets
+from .layout import CONVERSION_SUMMARY, RUN_INFO, et_name, et_sets
 from .step_timing import step_times_of
 
 ASTRA_SIM_ENV = "ASTRA_SIM"
@@ -28,6 +29,7 @@ WORK_DIR_NAME = "astra-sim"  # inside the run folder: the configuration files, A
 NETWORK_FILE, SYSTEM_FILE, MEMORY_FILE, COMM_GROUP_FILE = "network.yml", "system.json", "remote_memory.json", \
     "comm_groups.json"
 OUTPUT_FILE = "astra-sim.out"
+WITHOUT_COMMUNICATION_CPU_DIR = "without_communication_cpu"  # in the work folder: the .et copies and their simulation
 
 TOPOLOGIES = ("Ring", "FullyConnected", "Switch")  # the analytical backend's building blocks
 COLLECTIVES = ("ring", "direct", "halvingDoubling", "doubleBinaryTree", "oneRing", "oneDirect", "oneHalvingDoubling")
@@ -273,6 +275,9 @@ class SimulationResult:
     measured_source: str = ""
     critical_path_ms: dict[int, float] = field(default_factory=dict)
     run_folder: Path | None = None  # where SIMULATION.md goes: the folder of the converted .et set
+    # The slowest rank's step with the communication threads' CPU nodes at 0 µs (CPU runs; None: no such nodes, or
+    # not simulated): see without_communication_cpu
+    without_communication_cpu_ms: float | None = None
 
     @property
     def per_rank_ms(self) -> list[float]:
@@ -362,6 +367,48 @@ def simulate_workload(workload_prefix: Path, ranks: int, *, bandwidth_gbs: float
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# The communication threads' CPU time, measured on the traced network only
+# ---------------------------------------------------------------------------------------------------------------
+def without_communication_cpu(workload: Path, ranks: int, out_dir: Path) -> Path | None:
+    """A copy of the .et set in out_dir with every communication-CPU node at 0 µs; its workload prefix, or None
+    when rank 0's .et has no such node with time (a GPU run, a run whose gloo threads were not timed).
+
+    On a CPU run each collective has a CPU node with gloo's threads' CPU time as measured on the traced network
+    (trace_tools.core_sharing). That time is not the same on another network: on a paced link gloo's threads are
+    woken for every few packets, and an 8 MB all-reduce cost them 1.8-3.5x the CPU of a full-speed one on the 2-core
+    VM (bench/communication_cpu.py, docs/BENCHMARKS.md §4b). How much less a faster network costs, one trace does not
+    tell. So simulated on a network faster than the traced one, the step lies between the step of this copy (the
+    communication costing no CPU) and the step of the .et as converted."""
+    from chakra.schema.protobuf.et_def_pb2 import Node
+    from chakra.src.third_party.utils.protolib import encodeMessage
+
+    from .link import COMMUNICATION_CPU_ATTR
+    from .validate import EtFormatError, SerializedMessage, iter_et_messages
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    node = Node()
+    for rank in range(ranks):
+        source = workload.parent / et_name(workload.name, rank)
+        zeroed = 0
+        try:
+            with atomic_output(out_dir / et_name(workload.name, rank)) as f:
+                for index, blob in enumerate(iter_et_messages(source)):
+                    if index:  # the first message is the GlobalMetadata
+                        node.Clear()
+                        node.ParseFromString(blob)
+                        if node.duration_micros and any(a.name == COMMUNICATION_CPU_ATTR for a in node.attr):
+                            node.duration_micros = 0
+                            blob, zeroed = node.SerializeToString(), zeroed + 1
+                    encodeMessage(f, SerializedMessage(blob))
+        except (EtFormatError, OSError) as e:
+            raise SimulationError(f"{source}: cannot read the .et ({e})") from None
+        if rank == 0 and not zeroed:
+            (out_dir / et_name(workload.name, rank)).unlink()
+            return None
+    return out_dir / workload.name
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # A converted run: its .et set, its measured steps, SIMULATION.md
 # ---------------------------------------------------------------------------------------------------------------
 def _summary_status(folder: Path) -> dict[int, dict]:
@@ -410,13 +457,46 @@ def measured_steps(folder: Path) -> tuple[dict[int, float], str]:
     return {}, "none found (no run.json, no CONVERSION_SUMMARY.md)"
 
 
+def check_against_summary(workload: Path, ranks: int) -> None:
+    """Refuse a set whose .et files are not those the folder's CONVERSION_SUMMARY.md recorded as converted: one left
+    from an earlier conversion of another run, one changed or cut short since (an .et cut at a node boundary still
+    decodes, and ASTRA-sim would simulate what is left), or a rank the conversion did not finish. Nothing is checked
+    where no summary records this set (.et files from elsewhere)."""
+    from .pipeline import et_fingerprint
+    from .summary import read_previous_results
+
+    folder = workload.parent
+    recorded = {rank: r for rank, r in (read_previous_results(folder) or {}).items() if r.run == workload.name}
+    if not recorded:
+        return
+    summary = folder / CONVERSION_SUMMARY
+    for rank in sorted(set(recorded) | set(range(ranks))):
+        et = folder / et_name(workload.name, rank)
+        result = recorded.get(rank)
+        if result is None:
+            raise SimulationError(f"{et}: {summary} records no rank {rank} of {workload.name}: the file is left from "
+                                  "another conversion (convert the run again)")
+        if not result.ok:
+            raise SimulationError(f"{et}: {summary} says rank {rank} was not converted ({result.status}: "
+                                  f"{result.error}); convert_remaining.py {folder} converts it")
+        if rank >= ranks:
+            raise SimulationError(f"{et}: missing, though {summary} records it converted (convert_remaining.py "
+                                  f"{folder} makes it again)")
+        expected = (result.inputs or {}).get("et")
+        if expected and et_fingerprint(et, expected.get("name")) != expected:
+            raise SimulationError(f"{et}: not the file {summary} recorded (changed or cut short since it was "
+                                  f"written); convert_remaining.py {folder} makes it again")
+
+
 def simulate_run(run_dir: Path, *, ranks: int | None = None, work_dir: Path | None = None,
-                 **network) -> SimulationResult:
+                 communication_cpu_bound: bool = True, **network) -> SimulationResult:
     """Simulate a converted run (its <name>.<rank>.et set) on the given network, with `ranks` NPUs (default: as
     many as were traced; more are made by trace_tools.scale.scale_run first). The result carries the measured step
-    per rank and the critical path of each rank's .et when the run folder records them."""
+    per rank and the critical path of each rank's .et when the run folder records them, and (communication_cpu_bound,
+    on a CPU run) the step simulated again without the communication threads' CPU time (without_communication_cpu)."""
     run_dir = Path(run_dir)
     workload, traced = find_workload(run_dir)
+    check_against_summary(workload, traced)
     folder = workload.parent
     work_dir = Path(work_dir) if work_dir is not None else folder / WORK_DIR_NAME
     if ranks is None:
@@ -435,6 +515,13 @@ def simulate_run(run_dir: Path, *, ranks: int | None = None, work_dir: Path | No
             raise SimulationError(f"--ranks {ranks}: {e}") from e
     result = simulate_workload(workload, ranks, work_dir=work_dir, **network)
     result.traced_ranks, result.run_folder = traced, folder
+    bound_dir = work_dir / WITHOUT_COMMUNICATION_CPU_DIR
+    shutil.rmtree(bound_dir, ignore_errors=True)  # an earlier simulation's copies are of an earlier .et set
+    if communication_cpu_bound:
+        zeroed = without_communication_cpu(workload, ranks, bound_dir)
+        if zeroed is not None:
+            result.without_communication_cpu_ms = simulate_workload(zeroed, ranks, work_dir=bound_dir,
+                                                                    **network).step_ms
     result.measured_ms, result.measured_source = measured_steps(folder)
     status = _summary_status(folder)
     result.critical_path_ms = {rank: s["critical_path_us"] / 1e3 for rank, s in status.items()
@@ -478,6 +565,7 @@ def render_simulation(result: SimulationResult, invocation: str) -> str:
         "",
         f"- network: {result.network.describe()}{scaled}",
         f"- predicted step: **{result.step_ms:,.1f} ms** (the slowest rank)",
+        *([f"- {bound_line(result)}"] if result.without_communication_cpu_ms is not None else []),
         f"- measured: {result.measured_source}",
         f"- command: `{invocation}`",
         f"- ASTRA-sim, run in `{result.work_dir}`: `{shlex.join(result.command)}`",
@@ -493,6 +581,13 @@ def render_simulation(result: SimulationResult, invocation: str) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def bound_line(result: SimulationResult) -> str:
+    """What the step would be if the communication cost no CPU, and why that bounds the step on a faster network."""
+    return (f"without the communication threads' CPU time: {result.without_communication_cpu_ms:,.1f} ms. That time "
+            "was measured on the traced network, and gloo spends less CPU per byte on a faster one: simulated on a "
+            "network faster than the traced one, the real step lies between the two.")
 
 
 def write_simulation(result: SimulationResult, folder: Path, invocation: str) -> Path:
@@ -523,6 +618,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="NPUs to simulate (default: the traced ranks; more are scaled from the traced ones)")
     parser.add_argument("--astra-sim", default=None, metavar="PATH",
                         help=f"the {BINARY_NAME} binary (default: ${ASTRA_SIM_ENV})")
+    parser.add_argument("--no-cpu-bound", action="store_true",
+                        help="on a CPU run, do not simulate again without the communication threads' CPU time (the "
+                        "step's bound on a network faster than the traced one; it doubles ASTRA-sim's time)")
     return parser
 
 
@@ -534,7 +632,8 @@ def main(argv: list[str] | None = None) -> int:
         Network(args.ranks or 2, bandwidth, args.latency, args.topology, args.collective)  # flags checked first
         binary = find_astra_sim(args.astra_sim)
         result = simulate_run(Path(args.run), ranks=args.ranks, bandwidth_gbs=bandwidth, latency_ns=args.latency,
-                              topology=args.topology, collective=args.collective, binary=binary)
+                              topology=args.topology, collective=args.collective, binary=binary,
+                              communication_cpu_bound=not args.no_cpu_bound)
         path = write_simulation(result, result.run_folder, invocation)
     except SimulationError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -543,5 +642,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"measured: {result.measured_source}")
     print(render_table(result))
     print(f"predicted step: {result.step_ms:,.1f} ms")
+    if result.without_communication_cpu_ms is not None:
+        print(bound_line(result))
     print(f"simulation: {path}")
     return 0
