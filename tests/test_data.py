@@ -87,6 +87,14 @@ def test_jsonl_corpus_keeps_korean_and_english_text_and_skips_blank_lines(tmp_pa
     assert all(ex.text_pair is None for ex in read_jsonl_corpus(path))
 
 
+def test_too_little_data_for_a_validation_set_names_the_file(tmp_path):
+    path = tmp_path / "one.jsonl"
+    path.write_text('{"text": "only one line"}\n')
+    with pytest.raises(DataError, match=rf"^{path}: need at least 2 examples to hold out a validation set, got 1$"):
+        load_text_splits(squad_file=None, dataset_path=str(path), cache_dir=None, validation_fraction=0.1, seed=0,
+                         allow_hub=False)
+
+
 def test_jsonl_directory_reads_every_jsonl_file_in_name_order(tmp_path):
     (tmp_path / "b.jsonl").write_text('{"text": "second"}\n')
     (tmp_path / "a.jsonl").write_text('{"text": "first"}\n')

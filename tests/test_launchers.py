@@ -130,6 +130,7 @@ def test_unknown_option_prints_usage_and_exits_2(script):
     (["--nnodes", "2"], "--nnodes 2 needs --master-addr"),
     (["--nnodes", "2", "--master-addr", "h", "--node-rank", "2"], "--node-rank 2 must be below --nnodes 2"),
     (["--master-port", "70000"], "--master-port: '70000' is not a port number"),
+    (["--save-steps", "-1"], "--save-steps: '-1' is not a non-negative integer (0: no checkpoints)"),
     (["--test=yes"], "--test takes no value"),
     (["1", "2", "3"], "too many arguments"),
     (["eight"], "NUM_GPUS: 'eight' is not a positive integer"),
@@ -326,6 +327,15 @@ def test_options_reach_train_py(squad_file):
     assert flag(argv, "--log-dir") == "/tmp/lg/gpt2_1cpu_quick_trace"
     assert flag(argv, "--logging-steps") == "1" and "LOGLEVEL=INFO" in argv
     assert argv[-2:] == ["--attn-implementation", "eager"]
+
+
+def test_save_steps_0_reaches_train_py_as_no_checkpoints(squad_file):
+    """train.py takes --save-steps 0 as no checkpoints; the launchers pass it on and say so."""
+    result = launch("run_gpt2_quick.sh", "--dry-run", "--num-gpus", "1", "--dataset-path", str(squad_file),
+                    "--save-steps", "0", env=machine())
+    assert result.returncode == 0, result.stderr
+    [argv] = torchrun_commands(result.stdout)
+    assert flag(argv, "--save-steps") == "0" and "save every: never" in result.stdout
 
 
 def test_multi_node_options_become_torchrun_rendezvous_arguments():

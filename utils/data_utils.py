@@ -136,10 +136,11 @@ def load_hub_squad(cache_dir: Optional[str]) -> "tuple[Optional[TextSplits], str
     return TextSplits(pairs(squad["train"]), pairs(squad["validation"]), f"hub:{HUB_SQUAD_ID}"), ""
 
 
-def split_train_validation(examples: Sequence[TextExample], fraction: float, seed: int) -> "tuple[list, list]":
-    """Hold out a seeded random fraction (at least one example) for validation."""
+def split_train_validation(examples: Sequence[TextExample], fraction: float, seed: int,
+                           source: str = "the data") -> "tuple[list, list]":
+    """Hold out a seeded random fraction (at least one example) for validation; `source` names the data in errors."""
     if len(examples) < 2:
-        raise DataError(f"need at least 2 examples to hold out a validation set, got {len(examples)}")
+        raise DataError(f"{source}: need at least 2 examples to hold out a validation set, got {len(examples)}")
     order = list(range(len(examples)))
     random.Random(seed).shuffle(order)
     n_val = min(len(examples) - 1, max(1, round(len(examples) * fraction)))
@@ -152,10 +153,12 @@ def load_text_splits(*, squad_file: Optional[str], dataset_path: Optional[str], 
                      validation_fraction: float, seed: int, allow_hub: bool = True) -> TextSplits:
     """The training text, from the first of: --dataset-path, --squad-file, the hub's SQuAD, the bundled sample."""
     if dataset_path:
-        train, val = split_train_validation(read_jsonl_corpus(Path(dataset_path)), validation_fraction, seed)
+        train, val = split_train_validation(read_jsonl_corpus(Path(dataset_path)), validation_fraction, seed,
+                                            source=str(dataset_path))
         return TextSplits(train, val, f"jsonl:{dataset_path}")
     if squad_file:
-        train, val = split_train_validation(read_squad_json(Path(squad_file)), validation_fraction, seed)
+        train, val = split_train_validation(read_squad_json(Path(squad_file)), validation_fraction, seed,
+                                            source=str(squad_file))
         return TextSplits(train, val, f"squad-file:{squad_file}")
     reason = "not tried"
     if allow_hub:

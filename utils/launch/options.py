@@ -76,7 +76,7 @@ Hyperparameters:
   --batch-size N          batch size per rank (default: 4)
   --learning-rate LR      (default: train.py's, 5e-5)
   --max-seq-length N      (default: train.py's on GPUs, {CPU_SEQ_LENGTH} on the CPU)
-  --save-steps N          checkpoint every N steps (default: train.py's)
+  --save-steps N          checkpoint every N steps, 0 for none (default: train.py's)
   --precision P           bf16, fp16 or fp32 (default: bf16 on GPUs that support it, else fp16; fp32 on the CPU)
   --bf16 / --fp16 / --fp32  the same as --precision P
   --compile / --no-compile  torch.compile (default: on for --train on GPUs, off for traced and CPU runs)
@@ -195,7 +195,7 @@ VALUE_OPTIONS = {
     "--batch-size": ("batch_size", _positive),
     "--learning-rate": ("learning_rate", _matching(r"[0-9]*\.?[0-9]+([eE][-+]?[0-9]+)?", "is not a number", str)),
     "--max-seq-length": ("max_seq_length", _positive),
-    "--save-steps": ("save_steps", _positive),
+    "--save-steps": ("save_steps", _matching("[0-9]+", "is not a non-negative integer (0: no checkpoints)")),
     "--precision": ("precision", _matching("bf16|fp16|fp32", "is not one of bf16, fp16, fp32", str)),
     "--num-gpus": ("num_gpus", _matching(r"[1-9][0-9]*(,[1-9][0-9]*)*", "is not a positive integer or a list like 1,2,4",
                                          lambda text: tuple(map(int, text.split(","))))),

@@ -249,7 +249,7 @@ def print_settings(plan: Plan) -> None:
    • batch size per rank: {opts.batch_size} · learning rate: {opts.learning_rate or default} · max sequence length: \
 {plan.max_seq_length or default}
    • precision: {plan.precision} · torch.compile: {'on' if plan.compile else 'off'} · save every: \
-{opts.save_steps or default} steps · initial model saved: {'yes' if opts.save_initial else 'no'}
+{default if opts.save_steps is None else (f"{opts.save_steps} steps" if opts.save_steps else "never")} · initial model saved: {'yes' if opts.save_initial else 'no'}
    • tracing: {f'on, traces in {opts.output_dir}/<run name>/' if opts.trace else 'off'}
    • checkpoints: {opts.save_dir}/<run name>/ · logs: {opts.logs_dir}/<run name>/
    • execution: {'background (nohup)' if opts.background else 'foreground'}{', dry run' if opts.dry_run else ''}""")
