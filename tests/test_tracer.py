@@ -1,4 +1,5 @@
 """Tests of the Chakra trace capture (utils/chakra_tracer.py) on tiny models, one and two ranks."""
+import errno
 import gc
 import json
 import os
@@ -417,13 +418,36 @@ def test_error_after_the_window_keeps_valid_traces_and_propagates(tmp_path):
     assert load(tmp_path / "err" / "run.json")["traced_steps"] == [1]
 
 
-def test_error_inside_the_window_finalizes_the_steps_already_traced(tmp_path):
+def folder_files(folder):
+    """{relative path: bytes} of every file under `folder`, hidden ones included."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(Path(folder).rglob("*")) if p.is_file()}
+
+
+def traced_earlier(out, name="mid"):
+    """A complete one-step trace of a first run in out/name; every file under `out` afterwards."""
+    train(tiny_mlp(), ChakraTracer(out, name, wait_steps=0, warmup_steps=1, active_steps=1,
+                                   run_info={"model": "m"}), steps=2)
+    assert load(out / name / "run.json")["traced_steps"] == [1]
+    return folder_files(out)
+
+
+def test_error_inside_the_window_writes_nothing_and_keeps_the_earlier_trace(tmp_path, caplog):
+    before = traced_earlier(tmp_path)
     tracer = ChakraTracer(tmp_path, "mid", wait_steps=0, warmup_steps=1, active_steps=3, run_info={"model": "m"})
-    with pytest.raises(RuntimeError, match="boom"):
+    with caplog.at_level("WARNING", logger="utils.chakra_tracer"), pytest.raises(RuntimeError, match="boom"):
         train(tiny_mlp(), tracer, steps=6, fail_at=3)
-    assert load(tmp_path / "mid" / "run.json")["traced_steps"] == [1, 2]
-    assert check_trace_file(tmp_path / "mid" / "host.0.json", "host") is None
-    assert not [p for p in (tmp_path / "mid").iterdir() if p.name.startswith(".")]
+    assert "no trace written: the trace window (steps 1-3) was cut short after step 2" in caplog.text
+    assert folder_files(tmp_path) == before  # not moved to .previous/, no partial file left
+
+
+def test_run_stopped_inside_the_window_by_a_signal_writes_nothing_and_keeps_the_earlier_trace(tmp_path, caplog):
+    # The trainer's SIGTERM/Ctrl-C handler finishes the step and leaves the loop: the tracer sees a clean exit
+    before = traced_earlier(tmp_path)
+    tracer = ChakraTracer(tmp_path, "mid", wait_steps=1, warmup_steps=0, active_steps=20, run_info={"model": "m"})
+    with caplog.at_level("WARNING", logger="utils.chakra_tracer"):
+        train(tiny_mlp(), tracer, steps=4)
+    assert "no trace written: the trace window (steps 1-20) was cut short after step 3 (the run ended after 4" in caplog.text
+    assert folder_files(tmp_path) == before
 
 
 def test_rerun_under_the_same_name_replaces_the_earlier_runs_files(tmp_path):
@@ -435,6 +459,88 @@ def test_rerun_under_the_same_name_replaces_the_earlier_runs_files(tmp_path):
     train(tiny_mlp(), ChakraTracer(tmp_path, "again", world_size=1, run_info={"model": "m"}), steps=3)
     assert sorted(p.name for p in run_dir.iterdir()) == [
         "device.0.json", "host.0.json", "notes.txt", "run.json", "stacks.0.txt"]
+
+
+@pytest.mark.parametrize("name, problem", [
+    ("/tmp/absT", "a path, not a folder name"), ("../up", "a path, not a folder name"),
+    ("a/b", "a path, not a folder name"), ("..", "starts with '.'"), (".", "starts with '.'"),
+    (".previous", "starts with '.'"), ("", "empty"),
+])
+def test_a_trace_name_that_is_not_a_plain_folder_name_is_refused_when_the_flags_are_parsed(name, problem, capsys):
+    with pytest.raises(SystemExit) as stopped:
+        parse_tracing_args("--enable-tracing", "--trace-name", name)
+    [line] = capsys.readouterr().err.splitlines()
+    assert stopped.value.code == 2 and line.startswith(f"error: --trace-name {name!r}: {problem}"), line
+
+
+def test_an_absolute_trace_name_never_removes_the_folder_it_names(tmp_path):
+    mine = tmp_path / "absT"
+    mine.mkdir()
+    (mine / "keep.txt").write_text("precious")
+    with pytest.raises(TraceError, match=r"trace name '.*absT': a path, not a folder name"):
+        train(tiny_mlp(), ChakraTracer(tmp_path / "traces", str(mine), run_info={"model": "m"}), steps=3)
+    assert (mine / "keep.txt").read_text() == "precious"
+
+
+def test_a_second_run_tracing_into_the_same_folder_is_refused_and_the_first_is_untouched(tmp_path):
+    first = ChakraTracer(tmp_path, "busy", wait_steps=0, warmup_steps=1, active_steps=2, run_info={"model": "m"})
+    model, steps_done = tiny_mlp(), 0
+    with first:
+        for _ in range(2):  # inside the window: the first run's hidden partial files are being written
+            model(torch.randn(8, 16)).sum().backward()
+            first.step()
+            steps_done += 1
+        partials = sorted(p.name for p in (tmp_path / "busy").iterdir() if p.name.endswith(".partial"))
+        second = ChakraTracer(tmp_path, "busy", wait_steps=0, warmup_steps=1, active_steps=1, run_info={"model": "m"})
+        with pytest.raises(TraceError, match=r"busy: another run \(pid \d+ .*\) is tracing into this folder"):
+            second.__enter__()
+        assert sorted(p.name for p in (tmp_path / "busy").iterdir() if p.name.endswith(".partial")) == partials
+        model(torch.randn(8, 16)).sum().backward()
+        first.step()
+    assert load(tmp_path / "busy" / "run.json")["traced_steps"] == [1, 2]
+    assert check_trace_file(tmp_path / "busy" / "host.0.json", "host") is None
+    # the lock goes with the run: the next one traces into the folder
+    train(tiny_mlp(), ChakraTracer(tmp_path, "busy", run_info={"model": "m"}), steps=3)
+    assert not (tmp_path / "busy" / ".tracing.lock").exists()
+
+
+def export_then_fill_the_disk(self, path, *args, **kwargs):
+    """profile.export_chrome_trace on a disk that fills up half way through the file."""
+    Path(path).write_text('{"traceEvents": [')
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+
+
+def test_a_full_disk_fails_the_run_in_one_line_and_leaves_no_file_half_written(tmp_path, monkeypatch):
+    before = traced_earlier(tmp_path, "full")
+    monkeypatch.setattr(torch.profiler.profile, "export_chrome_trace", export_then_fill_the_disk)
+    with pytest.raises(TraceError) as failed:
+        train(tiny_mlp(), ChakraTracer(tmp_path, "full", run_info={"model": "m"}), steps=3)
+    assert str(failed.value) == (f"{tmp_path / 'full'}: the file system is full (No space left on device); free space "
+                                 "or choose another --trace-output-dir; no trace written, the folder's earlier files "
+                                 "left in place")
+    assert folder_files(tmp_path) == before
+
+
+def test_a_file_the_profiler_left_out_on_a_full_disk_fails_the_run_and_keeps_the_earlier_trace(tmp_path, monkeypatch):
+    # Kineto reports no write error: on a full disk its export leaves an empty <file>.tmp and returns
+    before = traced_earlier(tmp_path, "full")
+    monkeypatch.setattr(torch.profiler.profile, "export_chrome_trace",
+                        lambda self, path, *args, **kwargs: Path(path + ".tmp").write_text(""))
+    usage = chakra_tracer.shutil.disk_usage
+    monkeypatch.setattr(chakra_tracer.shutil, "disk_usage", lambda folder: usage(folder)._replace(free=4096))
+    with pytest.raises(TraceError, match=r"full: the file system is full \(.*device\.0\.json.*\); free space"):
+        train(tiny_mlp(), ChakraTracer(tmp_path, "full", run_info={"model": "m"}), steps=3)
+    assert folder_files(tmp_path) == before
+
+
+def test_the_stacks_table_is_written_whole_or_not_at_all(tmp_path, monkeypatch):
+    written = chakra_tracer.write_text_atomic
+    monkeypatch.setattr(chakra_tracer, "write_text_atomic",
+                        lambda path, text: written(path, text) if Path(path).name == "run.json" else
+                        (_ for _ in ()).throw(OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))))
+    with pytest.raises(TraceError, match="the file system is full"):
+        train(tiny_mlp(), ChakraTracer(tmp_path, "stacks", run_info={"model": "m"}), steps=3)
+    assert list((tmp_path / "stacks").iterdir()) == []
 
 
 # ---- validation of the files ---------------------------------------------------------------------------------

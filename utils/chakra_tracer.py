@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import datetime
+import errno
 import json
 import logging
 import os
@@ -23,17 +24,25 @@ import torch.distributed as dist
 from torch.profiler import ExecutionTraceObserver, ProfilerActivity, profile, schedule
 
 from trace_tools.atomic import write_text_atomic
-from trace_tools.layout import (DERIVED_FILES, DEVICE_TRACE, HOST_TRACE, INVALID_SUFFIX, PARTIAL_SUFFIX, PG_INIT_NODE,
-                                PREVIOUS_RUN_DIR, RUN_INFO, RUN_METADATA_KEY, STACKS_TABLE, STEP_ANNOTATION,
-                                device_trace_name, host_trace_name)
+from trace_tools.layout import (DERIVED_FILES, INVALID_SUFFIX, PARTIAL_SUFFIX, PG_INIT_NODE, PREVIOUS_RUN_DIR,
+                                RUN_INFO, RUN_METADATA_KEY, STACKS_TABLE, STEP_ANNOTATION, device_trace_name,
+                                host_trace_name)
 from trace_tools.load import describe_json_problem
+from utils.checkpointing import SaveDirLock
 from utils.collective_start import measure_collective_start_wait_s
+from utils.errors import UsageError
 from utils.host_memory import reserve_heap_for_profiler
 from utils.metrics import (busy_machine_warning, interrupt_cpu_seconds, machine_load_between, sample_machine_load,
                            schedstat_fields, schedstat_seconds)
-from utils.run_config import RunConfig
+from utils.run_config import RunConfig, folder_name_problem
 
 logger = logging.getLogger(__name__)
+
+# Held in the trace folder while a run traces into it (TraceDirLock)
+TRACE_LOCK_FILE = ".tracing.lock"
+# Free space below which a trace folder's file system counts as full: Kineto's export and the observer do not report
+# their write errors, they leave a missing or cut-short file
+FULL_FOLDER_BYTES = 1 << 20
 
 
 class TraceError(RuntimeError):
@@ -42,7 +51,7 @@ class TraceError(RuntimeError):
 
 def default_trace_name(model: str, world_size: int, device_type: str) -> str:
     """<model>_<N>gpu on CUDA, <model>_<N>cpu otherwise (a model given as a path keeps one folder level)."""
-    model = model.strip("/\\").replace("/", "-").replace("\\", "-") or "model"
+    model = model.strip("/\\").replace("/", "-").replace("\\", "-").lstrip(".") or "model"
     return f"{model}_{world_size}{'gpu' if device_type == 'cuda' else 'cpu'}"
 
 
@@ -116,6 +125,9 @@ class ChakraTracer:
         if active_steps < 1 or wait_steps < 0 or warmup_steps < 0 or after_steps < 0:
             raise ValueError(f"trace window needs wait >= 0, warmup >= 0, active >= 1, after >= 0; "
                              f"got {wait_steps}/{warmup_steps}/{active_steps}/{after_steps}")
+        problem = folder_name_problem(trace_name)
+        if problem:
+            raise TraceError(f"trace name {trace_name!r}: {problem}; give a plain folder name, made inside {output_dir}")
         self.trace_dir = Path(output_dir) / trace_name
         self.trace_name = trace_name
         self.wait_steps, self.warmup_steps, self.active_steps = wait_steps, warmup_steps, active_steps
@@ -133,6 +145,8 @@ class ChakraTracer:
         self._profiler: profile | None = None
         self._finalized = False
         self._device_trace_written = False
+        self._write_error: str | None = None  # why the window's files could not be written (a full disk)
+        self._lock = TraceDirLock(self.trace_dir) if rank == 0 else None
         self._step = 0                      # optimizer steps completed so far (= the profiler's step_num)
         # Every clock read when the step now running began (None once no later step is timed), and what each timed
         # step took on them: the traced steps, and the steps before the profiler's window and the after_steps after it
@@ -155,9 +169,23 @@ class ChakraTracer:
 
     # ---- lifecycle -------------------------------------------------------------------------------------------
     def __enter__(self) -> ChakraTracer:
+        try:
+            self._start()
+        except BaseException:
+            self._release_lock()
+            raise
+        logger.info("rank %d: tracing optimizer steps %s into %s", self.rank, self.traced_steps, self.trace_dir)
+        self._step_clocks = StepClocks.read(self._now(sync=True))
+        return self
+
+    def _start(self) -> None:
+        """Lock the trace folder, clean it, then open the profiler and observer."""
         self.trace_dir.mkdir(parents=True, exist_ok=True)
+        refusal = self._lock_trace_dir()
+        self.run_id, refusal = self._agree_run_id(refusal)
+        if refusal:  # before anything in the folder is touched: it holds another run's files
+            raise TraceError(refusal)
         self._remove_stale_files()
-        self.run_id = self._agree_run_id()
         if not self.use_cuda:
             self.recording_cost_per_op_us = measure_recording_cost_us()
             if self.world_size > 1 and dist.is_available() and dist.is_initialized() and dist.get_backend() == "gloo":
@@ -194,9 +222,6 @@ class ChakraTracer:
             self._observer = self._profiler = None
             self._discard_traces()
             raise
-        logger.info("rank %d: tracing optimizer steps %s into %s", self.rank, self.traced_steps, self.trace_dir)
-        self._step_clocks = StepClocks.read(self._now(sync=True))
-        return self
 
     def step(self) -> tuple[float, float]:
         """Mark the end of one optimizer step; call exactly once per optimizer step on every rank. Returns the wall
@@ -240,27 +265,43 @@ class ChakraTracer:
             logger.warning("rank %d: %s", self.rank, warning)
 
     def __exit__(self, exc_type, exc_val, exc_tb) -> bool:
-        failed = exc_type is not None
+        try:
+            return self._finish(failed=exc_type is not None)
+        finally:
+            self._release_lock()
+
+    def _finish(self, failed: bool) -> bool:
+        """Publish a whole window's files and write run.json, or say why nothing was written; False, so that an
+        exception of the run goes on."""
         self._finalize_capture()
-        completed = [s for s in self.traced_steps if s in self.traced.wall_time_s]
+        traced = [s for s in self.traced_steps if s in self.traced.wall_time_s]
+        completed: list[int] = []
         errors: list[str] = []
-        if completed:
+        if len(traced) == self.active_steps:
+            completed = traced
             errors = self._publish_traces()
         else:
-            # the flags parser refuses a --max-steps shorter than the window, so this is a run stopped early (a signal,
-            # an error): say so, but leave the run's own exit status alone.
+            # The flags parser refuses a --max-steps shorter than the window, so this is a run stopped early (a
+            # signal, an error). A window cut short is not the trace asked for and must not replace the one in place:
+            # say so, but leave the run's own exit status alone.
             self._discard_traces()
-            logger.warning("%s: no trace written: the run ended after %d optimizer steps, before trace step %d "
-                           "(wait %d + warmup %d)", self.trace_dir, self._step, self.first_traced_step,
-                           self.wait_steps, self.warmup_steps)
-        if completed and len(completed) < self.active_steps:
-            logger.warning("rank %d: run ended inside the trace window: traced steps %s of %s",
-                           self.rank, completed, self.traced_steps)
+            if traced:
+                logger.warning("%s: no trace written: the trace window (steps %d-%d) was cut short after step %d (the "
+                               "run ended after %d optimizer steps); its partial files were removed and the folder "
+                               "left as it was", self.trace_dir, self.traced_steps[0], self.traced_steps[-1],
+                               traced[-1], self._step)
+            else:
+                logger.warning("%s: no trace written: the run ended after %d optimizer steps, before trace step %d "
+                               "(wait %d + warmup %d)", self.trace_dir, self._step, self.first_traced_step,
+                               self.wait_steps, self.warmup_steps)
         # A rank that raised cannot count on the others joining a collective, so only gather on a clean exit.
         ranks = self._gather_rank_reports(errors, completed, gather=not failed)
         failing = [e for r in ranks for e in r["errors"]]
         if self.rank == 0 and completed and not failing:
-            self._write_run_json(completed, ranks)
+            try:
+                self._write_run_json(completed, ranks)
+            except OSError as exc:
+                errors.append(write_failure(self.trace_dir, exc))
         if failed:
             for error in errors:
                 logger.error("rank %d: %s", self.rank, error)
@@ -296,40 +337,45 @@ class ChakraTracer:
         is sampled first: the last traced step's annotation has closed by now, so the probe's time is in none."""
         if self._load_start is not None and self.machine_load is None:
             self._note_machine_load()
-        prof.export_chrome_trace(str(self._partial(self.device_path)))
-        self._device_trace_written = True
-        sort_by = stacks_sort_key(self.use_cuda)
-        table = prof.key_averages().table(sort_by=sort_by, row_limit=-1)
-        partial = self._partial(self.stacks_path)
-        partial.write_text(f"# {self.trace_name} rank {self.rank}: optimizer steps {self.traced_steps}, "
-                           f"sorted by {sort_by}\n{table}\n", encoding="utf-8")
+        # A write error (a full disk) is kept for __exit__, which reports it once the profiler is closed: raised
+        # here, inside the profiler's step, it would leave the profiler and observer half stopped
+        try:
+            prof.export_chrome_trace(str(self._partial(self.device_path)))
+            self._device_trace_written = True
+            sort_by = stacks_sort_key(self.use_cuda)
+            table = prof.key_averages().table(sort_by=sort_by, row_limit=-1)
+            # whole under its .partial name or not at all, so a cut-short table is never published
+            write_text_atomic(self._partial(self.stacks_path), f"# {self.trace_name} rank {self.rank}: optimizer "
+                              f"steps {self.traced_steps}, sorted by {sort_by}\n{table}\n")
+        except OSError as exc:
+            self._write_error = write_failure(self.trace_dir, exc)
 
     # ---- files -----------------------------------------------------------------------------------------------
     def _publish_traces(self) -> list[str]:
-        """Move the previous run's files of this rank aside, then validate this rank's new files and rename them
-        into place; return error lines (empty when all is well)."""
+        """Validate this rank's new files; unless they could not be written (a full disk: then all are removed and
+        the previous run's stay), move the previous run's files of this rank aside and rename the new ones into
+        place, an invalid one as <name>.invalid. Returns error lines (empty when all is well)."""
+        traces = ((self.host_path, "host"), (self.device_path, "device"))
+        problems = {kind: self._check_partial(path, kind) for path, kind in traces}
+        broken = [f"{path.name}: {problems[kind]}" for path, kind in traces if problems[kind]]
+        if self._write_error is None and broken and folder_is_full(self.trace_dir):
+            self._write_error = (f"{self.trace_dir}: the file system is full ({'; '.join(broken)}); free space or "
+                                 "choose another --trace-output-dir")
+        if self._write_error is not None:
+            self._discard_traces()
+            return [f"{self._write_error}; no trace written, the folder's earlier files left in place"]
         self._move_previous_run_aside()
         errors = []
-        if not self._device_trace_written:
-            errors.append(f"{self.device_path}: the profiler never exported a device trace")
         for path, kind in ((self.host_path, "host"), (self.device_path, "device")):
             partial = self._partial(path)
-            if not partial.exists():
-                if kind == "host":
-                    errors.append(f"{path}: the ExecutionTraceObserver wrote no file")
-                continue
-            document, problem = read_trace_file(partial, kind)
-            if problem:
+            if problems[kind] is None:
+                partial.replace(path)
+                self.files[kind] = path
+            elif partial.exists():
                 partial.replace(path.with_name(path.name + INVALID_SUFFIX))
-                errors.append(f"{path}: {problem} (kept as {path.name}{INVALID_SUFFIX})")
-                continue
-            partial.replace(path)
-            self.files[kind] = path
-            if kind == "host" and self.world_size > 1 and not any(
-                    node.get("name") == PG_INIT_NODE for node in document["nodes"]):
-                logger.warning("%s: no '%s' node: the process group was not initialised when the trace window "
-                               "began, so the conversion cannot place this rank's collectives", path, PG_INIT_NODE)
-            del document
+                errors.append(f"{path}: {problems[kind]} (kept as {path.name}{INVALID_SUFFIX})")
+            else:
+                errors.append(f"{path}: {problems[kind]}")
         resources = self._resources_dir(self._partial(self.host_path))
         if resources.is_dir():
             resources.replace(self._resources_dir(self.host_path))
@@ -339,29 +385,50 @@ class ChakraTracer:
             self.files["stacks"] = self.stacks_path
         return errors
 
+    def _check_partial(self, path: Path, kind: str) -> str | None:
+        """The problem of this rank's new `kind` trace (still under its hidden .partial name), or None."""
+        partial = self._partial(path)
+        if kind == "device" and not self._device_trace_written:
+            return "the profiler never exported a device trace"
+        if not partial.exists():
+            return "the ExecutionTraceObserver wrote no file" if kind == "host" else "the profiler wrote no file"
+        document, problem = read_trace_file(partial, kind)
+        if not problem and kind == "host" and self.world_size > 1 and not any(
+                node.get("name") == PG_INIT_NODE for node in document["nodes"]):
+            logger.warning("%s: no '%s' node: the process group was not initialised when the trace window began, so "
+                           "the conversion cannot place this rank's collectives", path, PG_INIT_NODE)
+        return problem
+
     def _discard_traces(self) -> None:
+        """Remove this rank's files of the window, whole or half-written (Kineto's export leaves <file>.tmp)."""
         for path in (self.host_path, self.device_path, self.stacks_path):
             self._partial(path).unlink(missing_ok=True)
+            self._partial(path).with_name(self._partial(path).name + ".tmp").unlink(missing_ok=True)
+        shutil.rmtree(self._resources_dir(self._partial(self.host_path)), ignore_errors=True)
 
     def _remove_stale_files(self) -> None:
         """Remove what killed runs left half-written (hidden .partial files of this rank; rank 0 also those of ranks
         beyond this world size), and the generation of runs before the one in place (local rank 0). The previous
         run's own files stay where they are until this run's window is written (_move_previous_run_aside)."""
-        for name in (HOST_TRACE, DEVICE_TRACE, STACKS_TABLE):
-            self._partial(self.trace_dir / name.format(rank=self.rank)).unlink(missing_ok=True)
-        shutil.rmtree(self._resources_dir(self._partial(self.host_path)), ignore_errors=True)
+        self._discard_traces()
         if self.local_rank == 0:
             shutil.rmtree(self._previous_dir(), ignore_errors=True)
         if self.rank != 0:
             return
         for path in self.trace_dir.iterdir():
             rank = self._rank_of(path.name)
-            if path.name.startswith(".") and path.name.endswith(PARTIAL_SUFFIX) and rank is not None \
-                    and rank >= self.world_size:
+            if path.name.startswith(".") and path.name.endswith((PARTIAL_SUFFIX, PARTIAL_SUFFIX + ".tmp")) \
+                    and rank is not None and rank >= self.world_size:
                 path.unlink(missing_ok=True)
 
     def _previous_dir(self) -> Path:
-        return self.trace_dir.parent / PREVIOUS_RUN_DIR / self.trace_name
+        """<trace-output-dir>/.previous/<name>/, which __enter__ removes: refused unless it is a folder right inside
+        that .previous (never the run's own folder, nor one outside the trace output folder)."""
+        previous_runs = self.trace_dir.parent / PREVIOUS_RUN_DIR
+        folder = previous_runs / self.trace_name
+        if folder.parent != previous_runs or folder.resolve().parent != previous_runs.resolve():
+            raise TraceError(f"trace name {self.trace_name!r}: {folder} is not inside {previous_runs}")
+        return folder
 
     @staticmethod
     def _rank_of(name: str) -> int | None:
@@ -404,14 +471,32 @@ class ChakraTracer:
             logger.info("rank %d: the previous run's %s moved to %s", self.rank, ", ".join(moved),
                         self._previous_dir())
 
-    def _agree_run_id(self) -> str:
-        """One id for the whole run: rank 0's, given to every rank (it marks each device trace and run.json)."""
+    def _lock_trace_dir(self) -> str | None:
+        """Rank 0 locks the trace folder for this run; why it could not (another run traces into it), or None."""
+        if self._lock is None:
+            return None
+        try:
+            taken_over = self._lock.acquire()
+        except UsageError as exc:
+            return str(exc)
+        if taken_over:
+            logger.warning("%s: took over the lock of a run that is gone (pid %s on %s)", self.trace_dir,
+                           taken_over.get("pid"), taken_over.get("host"))
+        return None
+
+    def _release_lock(self) -> None:
+        if self._lock is not None:
+            self._lock.release()
+
+    def _agree_run_id(self, refusal: str | None = None) -> tuple[str, str | None]:
+        """One id for the whole run, and rank 0's refusal to trace (None when it may): rank 0's, given to every rank
+        (the id marks each device trace and run.json)."""
         run_id = f"{datetime.datetime.now(datetime.timezone.utc):%Y%m%dT%H%M%SZ}-{uuid.uuid4().hex[:12]}"
         if self.world_size > 1 and dist.is_available() and dist.is_initialized():
-            box = [run_id]
+            box = [run_id, refusal]
             dist.broadcast_object_list(box, src=0, device=self.device if self.use_cuda else None)
-            run_id = box[0]
-        return run_id
+            run_id, refusal = box
+        return run_id, refusal
 
     def _mark_run_identity(self) -> None:
         """Write the run id, rank and world size into the device trace's metadata when it is exported."""
@@ -491,6 +576,38 @@ class ChakraTracer:
         }
         write_text_atomic(self.trace_dir / RUN_INFO, json.dumps(info, indent=2, default=str) + "\n")
         logger.info("traces of steps %s from %d rank(s) in %s", completed, len(ranks), self.trace_dir)
+
+
+class TraceDirLock(SaveDirLock):
+    """One traced run at a time in a trace folder: the --save-dir lock (utils/checkpointing.py) on
+    <trace folder>/.tracing.lock, so a second run is refused before it touches the first one's files."""
+
+    def __init__(self, trace_dir: Path):
+        super().__init__(trace_dir)
+        self.path = self.save_dir / TRACE_LOCK_FILE
+
+    def _refusal(self, holder: dict | None, held_for_sure: bool) -> str:
+        who = "another run"
+        if holder:
+            who = f"another run (pid {holder.get('pid')} on {holder.get('host')}, started {holder.get('started')})"
+        gone = "" if held_for_sure else "; if that run is gone, delete the lock file"
+        return (f"{self.save_dir}: {who} is tracing into this folder; wait for it to finish or choose another "
+                f"--trace-name or --trace-output-dir (lock file {self.path}{gone})")
+
+
+def folder_is_full(folder: Path) -> bool:
+    """Whether the file system holding `folder` has less than FULL_FOLDER_BYTES left for this user."""
+    try:
+        return shutil.disk_usage(folder).free < FULL_FOLDER_BYTES
+    except OSError:
+        return False
+
+
+def write_failure(folder: Path, exc: OSError) -> str:
+    """One line for a file of the trace folder `folder` that could not be written: a full disk named as such."""
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return f"{folder}: the file system is full ({exc.strerror}); free space or choose another --trace-output-dir"
+    return f"{exc.filename or folder}: could not be written ({exc.strerror or exc})"
 
 
 @dataclass(frozen=True)

@@ -75,8 +75,9 @@ class CheckpointArguments:
     save_steps: int = flag(500, "checkpoint-<step>/ every N steps, 0 for none (default: %(default)s)")
     no_save_initial: bool = flag(False, "do not save initial_model/ before the first step")
     resume_from: Optional[str] = flag(None, "continue from a checkpoint: weights, optimizer, RNG and data position")
-    overwrite_output_dir: bool = flag(False, "train into a --save-dir that holds an earlier run's checkpoints "
-                                             "(refused without it, unless --resume-from is one of them)")
+    overwrite_output_dir: bool = flag(False, "train into a --save-dir that holds an earlier run's checkpoints, "
+                                             "moving them into <save-dir>/.previous/ (refused without it, unless "
+                                             "--resume-from is one of them)")
     logging_steps: int = flag(10, "log line every N steps (default: %(default)s)")
     loss_sync_steps: int = flag(0, "read the loss and average it over the ranks only every N steps (an all-reduce "
                                    "and a host sync); the log lines in between give the step time only (default: "
@@ -152,6 +153,10 @@ class RunConfig:
             raise ConfigError(f"--validation-fraction must be between 0 and 1, got {self.data.validation_fraction}")
         if not self.optim.learning_rate > 0:
             raise ConfigError(f"--learning-rate must be positive, got {self.optim.learning_rate}")
+        problem = folder_name_problem(self.tracing.trace_name)
+        if problem:
+            raise ConfigError(f"--trace-name {self.tracing.trace_name!r}: {problem}; give a plain folder name, made "
+                              "inside --trace-output-dir")
         max_steps, window = self.optim.max_steps, self.trace_window
         if self.tracing.enable_tracing and max_steps is not None and max_steps < sum(window):
             raise ConfigError(f"--max-steps {max_steps} is shorter than the trace window of {sum(window)} steps (wait "
@@ -181,6 +186,21 @@ class RunConfig:
         """{flag name with underscores: value} of every flag, as given or defaulted."""
         return {name: value for group in (self.model, self.data, self.optim, self.checkpoint, self.devices,
                                           self.tracing) for name, value in asdict(group).items()}
+
+
+def folder_name_problem(name: Optional[str]) -> Optional[str]:
+    """Why `name` cannot be a folder made inside another (a path, '.', '..', hidden, empty), or None if it can. A
+    trace name that escaped --trace-output-dir would let the tracer's clean-up of <trace-output-dir>/.previous/<name>
+    reach the run's own folder, or any other."""
+    if name is None:
+        return None
+    if not name.strip():
+        return "empty"
+    if any(sep and sep in name for sep in ("/", "\\", os.sep, os.altsep)):
+        return "a path, not a folder name"
+    if name.startswith("."):
+        return "starts with '.'"
+    return None
 
 
 @dataclass(frozen=True)
