@@ -160,6 +160,42 @@ def test_checkpoint_without_tokenizer_files_resumes_with_tokenizer_path(finished
     assert status == 0 and info(save_dir / "final_model")["step"] == 2
 
 
+def _tokenizer_with_one_more_token(checkpoint: Path, folder: Path) -> None:
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    tokenizer.add_tokens(["<one-more-token>"])
+    tokenizer.save_pretrained(folder)
+
+
+def _tokenizer_with_two_ids_swapped(checkpoint: Path, folder: Path) -> None:
+    """As many tokens as the checkpoint's tokenizer, but two words map to each other's ids."""
+    shutil.copytree(checkpoint, folder, ignore=lambda _, names: [n for n in names if not n.startswith("tokenizer")])
+    document = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8"))
+    vocab = document["model"]["vocab"]
+    first, second = sorted(vocab, key=vocab.get)[100:102]
+    vocab[first], vocab[second] = vocab[second], vocab[first]
+    (folder / "tokenizer.json").write_text(json.dumps(document), encoding="utf-8")
+
+
+@pytest.mark.parametrize("other_tokenizer, expected", [
+    (_tokenizer_with_one_more_token, "has {rows_plus_one} tokens, but the model of --resume-from {checkpoint} has "
+                                     "{rows}: not the tokenizer it was trained with"),
+    (_tokenizer_with_two_ids_swapped, "its vocabulary differs from the tokenizer saved in --resume-from {checkpoint}"),
+], ids=["one more token", "two ids swapped"])
+def test_resuming_with_another_tokenizer_than_the_checkpoints_is_refused(other_tokenizer, expected, finished_gpt2,
+                                                                         tmp_path, capsys):
+    from transformers import AutoConfig
+    checkpoint = copy_checkpoint(finished_gpt2, tmp_path)
+    other = tmp_path / "other-tokenizer"
+    other_tokenizer(checkpoint, other)
+    rows = AutoConfig.from_pretrained(checkpoint).vocab_size
+    status, save_dir, _ = train("gpt2", tmp_path, *TWO_STEPS, "--max-steps", "3", "--resume-from", str(checkpoint),
+                                "--tokenizer-path", str(other))
+    fails_with_one_line(status, capsys, f"error: --tokenizer-path {other}: "
+                        + expected.format(rows=rows, rows_plus_one=rows + 1, checkpoint=checkpoint))
+    assert not (save_dir / "final_model").exists()
+
+
 @pytest.mark.parametrize("saved, resumed_by", [("bert", "gpt2"), ("gpt2", "bert")])
 def test_checkpoint_of_the_other_model_family_is_refused(saved, resumed_by, finished_gpt2, finished_bert, tmp_path,
                                                         capsys):
@@ -178,6 +214,22 @@ def test_output_folder_that_is_a_file_fails_before_the_first_step(flag, tmp_path
                             *[x for f, path in folders.items() for x in (f, str(path))]])
     fails_with_one_line(status, capsys, f"{flag} {folders[flag]}: is a file, not a folder")
     assert not (tmp_path / "ckpt").is_dir() or not any((tmp_path / "ckpt").iterdir())
+
+
+@pytest.mark.parametrize("trace_name", [None, "my-trace"])
+def test_trace_folder_that_is_a_file_fails_before_the_first_step(trace_name, tmp_path, capsys):
+    from utils.chakra_tracer import default_trace_name
+    out = tmp_path / "out"
+    out.mkdir()
+    name = trace_name or default_trace_name("gpt2-tiny", 1, "cuda" if torch.cuda.is_available() else "cpu")
+    (out / name).write_text("a file\n")
+    named = ["--trace-name", trace_name] if trace_name else []
+    status, save_dir, _ = train("gpt2", tmp_path, *QUICK, "--enable-tracing", "--max-steps", "3",
+                                "--trace-output-dir", str(out), *named)
+    fails_with_one_line(status, capsys, f"--trace-output-dir {out}: {out / name} is a file, not a folder",
+                        "--trace-name")
+    assert (out / name).read_text() == "a file\n"
+    assert not save_dir.is_dir() or not any(save_dir.iterdir())
 
 
 needs_read_only = pytest.mark.skipif(os.geteuid() == 0 and not can_mount(),
@@ -232,6 +284,27 @@ def test_overwrite_output_dir_reuses_a_save_dir_deliberately(finished_gpt2, tmp_
     assert status == 0 and info(save_dir / "final_model")["step"] == 3
 
 
+def test_overwrite_output_dir_moves_every_folder_of_the_earlier_run_aside(finished_gpt2, tmp_path, capsys):
+    """Nothing of the earlier run stays beside the new one's (its checkpoint-2 or final_model would pass for this
+    run's); it is kept in .previous/ until the next --overwrite-output-dir replaces it."""
+    save_dir = tmp_path / "ckpt"
+    shutil.copytree(finished_gpt2, save_dir)
+    earlier = sorted(p.name for p in save_dir.iterdir())
+    one_step = [*QUICK, "--max-steps", "1", "--save-steps", "0", "--no-save-initial", "--overwrite-output-dir"]
+    assert train("gpt2", tmp_path, *one_step)[0] == 0
+    assert f"--overwrite-output-dir: moved the earlier run's {', '.join(earlier)} from {save_dir} into " \
+           f"{save_dir / '.previous'}" in capsys.readouterr().err
+    assert sorted(p.name for p in save_dir.iterdir() if not p.name.startswith(".")) == ["best_model", "final_model"]
+    assert info(save_dir / "final_model")["step"] == info(save_dir / "best_model")["step"] == 1
+    assert sorted(p.name for p in (save_dir / ".previous").iterdir()) == earlier
+    assert info(save_dir / ".previous" / "final_model")["step"] == 2
+
+    assert train("gpt2", tmp_path, *one_step)[0] == 0  # the next overwrite keeps only the run it replaces
+    assert "(deleting the run kept there before)" in capsys.readouterr().err
+    assert sorted(p.name for p in (save_dir / ".previous").iterdir()) == ["best_model", "final_model"]
+    assert info(save_dir / ".previous" / "final_model")["step"] == 1
+
+
 def test_resuming_from_a_checkpoint_of_the_save_dir_needs_no_flag(finished_gpt2, tmp_path):
     shutil.copytree(finished_gpt2, tmp_path / "ckpt")
     status, save_dir, _ = train("gpt2", tmp_path, *QUICK, "--max-steps", "3", "--resume-from",
@@ -278,6 +351,51 @@ def test_partial_folders_of_a_killed_save_are_cleaned_up_and_a_moved_aside_best_
     assert info(save_dir / "best_model")["kind"] == "best"
     out = capsys.readouterr().out
     assert f"removed .checkpoint-3.tmp-{pid}" in out and f"restored best_model/ from .best_model.old-{pid}/" in out
+
+
+# ---- the step plan: epochs and the trace window ------------------------------------------------------------------
+@pytest.mark.parametrize("steps, window, left, enough", [
+    ("4", ("1", "1", "1"), 2, 5),   # fewer steps left after the checkpoint than the window
+    ("2", ("0", "0", "1"), 0, 3),   # the checkpoint is already at the planned last step
+])
+def test_resumed_run_with_fewer_steps_left_than_the_trace_window_is_refused(steps, window, left, enough,
+                                                                           finished_gpt2, tmp_path, capsys):
+    checkpoint = copy_checkpoint(finished_gpt2, tmp_path, "checkpoint-2")
+    out = tmp_path / "out"
+    wait, warmup, active = window
+    status, save_dir, _ = train("gpt2", tmp_path, *QUICK, "--max-steps", steps, "--resume-from", str(checkpoint),
+                                "--enable-tracing", "--trace-output-dir", str(out), "--trace-wait-steps", wait,
+                                "--trace-warmup-steps", warmup, "--trace-active-steps", active)
+    fails_with_one_line(status, capsys, f"--resume-from {checkpoint}: resumes at step 2 of {steps}, leaving {left} "
+                        f"step(s), fewer than the trace window of {sum(map(int, window))}",
+                        f"raise --max-steps to at least {enough}")
+    assert not out.exists() or not any(out.iterdir())
+    assert not (save_dir / "final_model").exists()
+
+
+def test_num_epochs_trains_whole_epochs_when_accumulation_leaves_micro_batches_over(tmp_path):
+    """The last optimizer step of an epoch takes the micro-batches left, as transformers.Trainer does."""
+    status, save_dir, log_dir = train("gpt2", tmp_path, *QUICK, "--batch-size", "16", "--gradient-accumulation-steps",
+                                      "10", "--num-epochs", "2", "--save-steps", "0", "--eval-steps", "0",
+                                      "--no-save-initial", "--logging-steps", "1")
+    assert status == 0
+    final = info(save_dir / "final_model")
+    batches = torch.load(save_dir / "final_model" / "trainer_state.pt", weights_only=True)["data"]["batches_per_epoch"]
+    assert batches % 10 != 0  # what this test is about: the epoch does not split into whole optimizer steps
+    per_epoch = -(-batches // 10)
+    assert final["step"] == 2 * per_epoch and final["epoch"] == 2.0
+    assert final["tokens_seen"] == 2 * batches * 16 * 64
+    assert final["learning_rate"] == 0.0  # the schedule's end is the run's end
+    log = (log_dir / "training_rank_0.log").read_text()
+    assert f"step {per_epoch}/{2 * per_epoch} | epoch 1.00 |" in log
+
+
+def test_gradient_accumulation_beyond_an_epochs_batches_is_refused(tmp_path, capsys):
+    status, save_dir, _ = train("gpt2", tmp_path, *QUICK, "--batch-size", "16", "--gradient-accumulation-steps",
+                                "1000", "--num-epochs", "1", "--no-save-initial")
+    fails_with_one_line(status, capsys, "--gradient-accumulation-steps 1000 is more than the ", " batches of an epoch",
+                        "--batch-size 16 x 1 rank(s)")
+    assert not (save_dir / "final_model").exists()
 
 
 # ---- a full disk ------------------------------------------------------------------------------------------------

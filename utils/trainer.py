@@ -7,6 +7,7 @@ import logging
 import math
 import os
 import platform
+import shutil
 import signal
 import sys
 import threading
@@ -20,11 +21,12 @@ import torch.distributed as dist
 from tqdm.auto import tqdm
 from transformers import set_seed
 
-from utils.chakra_tracer import TraceError, build_tracer
-from utils.checkpointing import (BEST_MODEL, FINAL_MODEL, INITIAL_MODEL, SaveDirLock, capture_rng_state,
-                                 check_resumable, check_writable_folder, checkpoint_name, clean_partial_checkpoints,
-                                 earlier_checkpoints, load_resume_state, read_training_info, restore_rng_state,
-                                 weights_fingerprint, write_checkpoint)
+from trace_tools.layout import PREVIOUS_RUN_DIR
+from utils.chakra_tracer import TraceError, build_tracer, default_trace_name
+from utils.checkpointing import (BEST_MODEL, FINAL_MODEL, INITIAL_MODEL, TOKENIZER_FILES, SaveDirLock,
+                                 capture_rng_state, check_resumable, check_writable_folder, checkpoint_name,
+                                 clean_partial_checkpoints, earlier_checkpoints, load_resume_state, read_training_info,
+                                 restore_rng_state, weights_fingerprint, write_checkpoint)
 from utils.data_utils import (REAL_TOKENS, BatchStream, RepeatedBatch, TextExample, TextSplits, build_dataloader,
                               check_data_flags, load_text_splits, tokenize_examples)
 from utils.distributed import DistributedContext, distributed_context, wrap_data_parallel
@@ -222,9 +224,10 @@ def teardown_logging(handlers: list) -> None:
 
 
 # ------------------------------------------------------------------------------------------- output folders
-def check_output_folders(config: RunConfig, ctx: DistributedContext) -> None:
-    """Every folder this rank writes (rank 0's --save-dir, each rank's --log-dir and --trace-output-dir) exists and
-    takes a file, checked before the first step; a problem on any rank stops all of them with one line."""
+def check_output_folders(config: RunConfig, settings: RunSettings, ctx: DistributedContext) -> None:
+    """Every folder this rank writes (rank 0's --save-dir, each rank's --log-dir and --trace-output-dir, and this
+    run's trace folder in it) exists and takes a file, checked before the first step; a problem on any rank stops
+    all of them with one line."""
     folders = [("--log-dir", config.checkpoint.log_dir)]
     if ctx.is_main_process:
         folders.insert(0, ("--save-dir", config.checkpoint.save_dir))
@@ -237,10 +240,29 @@ def check_output_folders(config: RunConfig, ctx: DistributedContext) -> None:
         except UsageError as exc:
             problem = str(exc)
             break
+    if problem is None and config.tracing.enable_tracing:
+        problem = trace_folder_problem(config, settings, ctx)
     problems = ctx.all_gather_object(problem)
     for rank, problem in enumerate(problems):
         if problem:
             raise UsageError(problem if rank == 0 else f"{problem} (on rank {rank})")
+
+
+def trace_folder_problem(config: RunConfig, settings: RunSettings, ctx: DistributedContext) -> Optional[str]:
+    """Why this run's trace folder, <trace-output-dir>/<trace-name>, cannot take the traces, or None: the tracer
+    creates it only after setup, where a file of that name would end the run in a traceback."""
+    tracing = config.tracing
+    name = tracing.trace_name or default_trace_name(settings.run_name, ctx.world_size, ctx.device.type)
+    trace_dir = Path(tracing.trace_output_dir) / name
+    if trace_dir.exists() and not trace_dir.is_dir():
+        return (f"--trace-output-dir {tracing.trace_output_dir}: {trace_dir} is a file, not a folder, and this run "
+                "writes its traces there; move the file, or choose another --trace-name")
+    if trace_dir.is_dir():
+        try:
+            check_writable_folder(trace_dir, "--trace-output-dir")
+        except UsageError as exc:
+            return str(exc)
+    return None
 
 
 def refuse_earlier_checkpoints(flags: CheckpointArguments) -> None:
@@ -258,6 +280,39 @@ def refuse_earlier_checkpoints(flags: CheckpointArguments) -> None:
                      f"{resume}choose another --save-dir, or pass --overwrite-output-dir to write over them")
 
 
+def move_earlier_run_aside(flags: CheckpointArguments) -> None:
+    """--overwrite-output-dir: the earlier run's checkpoint folders move into <save-dir>/.previous/ (replacing the
+    run kept there before), so none of them passes for part of this run, yet that run is at hand until the next one.
+
+    They gather in .previous.incoming/ first, which replaces .previous/ only when complete: a run killed while
+    moving leaves them there, and the next one finishes the move.
+    """
+    save_dir = Path(flags.save_dir)
+    if flags.resume_from and Path(flags.resume_from).resolve().parent == save_dir.resolve():
+        return  # continuing that run: its checkpoints are this run's own, and one of them is the starting point
+    previous = save_dir / PREVIOUS_RUN_DIR
+    incoming = save_dir / f"{PREVIOUS_RUN_DIR}.incoming"
+    earlier = earlier_checkpoints(save_dir)
+    if not earlier and not incoming.is_dir():
+        return
+    try:
+        incoming.mkdir(exist_ok=True)
+        for name in earlier:
+            if (incoming / name).exists():  # left by a move killed halfway: the one in save_dir is newer
+                shutil.rmtree(incoming / name)
+            os.rename(save_dir / name, incoming / name)
+        replaced = previous.exists()
+        if replaced:
+            shutil.rmtree(previous)
+        os.rename(incoming, previous)
+    except OSError as exc:
+        raise UsageError(f"--save-dir {save_dir}: cannot move the earlier run's checkpoints aside into {previous} "
+                         f"({exc.strerror or exc}); --overwrite-output-dir needs them out of the way") from None
+    moved = ", ".join(sorted(p.name for p in previous.iterdir())) or "nothing"
+    logger.warning("--overwrite-output-dir: moved the earlier run's %s from %s into %s%s", moved, save_dir, previous,
+                   " (deleting the run kept there before)" if replaced else "")
+
+
 @contextlib.contextmanager
 def claim_save_dir(flags: CheckpointArguments, ctx: DistributedContext):
     """Rank 0 locks --save-dir for this run, refuses a folder another live run writes to or that holds an earlier
@@ -272,6 +327,8 @@ def claim_save_dir(flags: CheckpointArguments, ctx: DistributedContext):
                 logger.warning("%s: took over the lock of pid %s on %s (started %s), which is no longer running",
                                lock.path, dead.get("pid"), dead.get("host"), dead.get("started"))
             refuse_earlier_checkpoints(flags)
+            if flags.overwrite_output_dir:
+                move_earlier_run_aside(flags)
             for action in clean_partial_checkpoints(save_dir):
                 logger.info("%s: %s (left by a process that died while saving)", save_dir, action)
         except UsageError as exc:
@@ -334,6 +391,7 @@ class Trainer:
         self._build_optimization(steps_per_epoch)
         if self.settings.resume_from:
             self._restore(self.settings.resume_from)
+            self._check_trace_window_fits_steps_left()
         self._wrap_and_measure()
         self._log_setup(steps_per_epoch)
 
@@ -364,10 +422,17 @@ class Trainer:
                        pin_memory=pin, num_workers=GPU_LOADER_WORKERS if pin and not self.family.random_collator else 0)
         self.train_loader = build_dataloader(self.train_data, collator, train=True, **options)
         self.val_loader = build_dataloader(self.val_data, collator, train=False, **options)
-        if len(self.train_loader) == 0:
+        batches = len(self.train_loader)
+        if batches == 0:
             raise UsageError(f"{self.splits.source}: {len(self.train_data)} training sequences are fewer than "
                              f"--batch-size {optim.batch_size} x {ctx.world_size} rank(s); use more data or a smaller batch")
-        return max(1, len(self.train_loader) // optim.gradient_accumulation_steps)
+        if optim.gradient_accumulation_steps > batches and not optim.overfit_one_batch:
+            raise UsageError(f"--gradient-accumulation-steps {optim.gradient_accumulation_steps} is more than the "
+                             f"{batches} batches of an epoch ({len(self.train_data)} training sequences, --batch-size "
+                             f"{optim.batch_size} x {ctx.world_size} rank(s)): an optimizer step cannot take that "
+                             f"many; use at most {batches}, or a smaller --batch-size")
+        # The last step of an epoch takes the micro-batches left (_micro_batches_due), as transformers.Trainer does.
+        return math.ceil(batches / optim.gradient_accumulation_steps)
 
     def _build_optimization(self, steps_per_epoch: int) -> None:
         """Step count, AdamW, the learning-rate schedule, the fp16 gradient scaler and the batch stream."""
@@ -390,8 +455,7 @@ class Trainer:
         self.flops_per_token = flops_per_token(compute_params, self.model_config.num_hidden_layers,
                                                self.model_config.hidden_size, seq)
         self.peak_flops = peak_flops_per_gpu(self.device, self.settings.precision, devices.peak_tflops)
-        self.tokens_per_step = ctx.world_size * self.config.optim.gradient_accumulation_steps \
-            * self.config.optim.batch_size * seq
+        self.tokens_per_micro_batch = ctx.world_size * self.config.optim.batch_size * seq
         self.sinks = MetricSinks(self.config.checkpoint.report_to, Path(self.config.checkpoint.log_dir),
                                  self.settings.run_name, self.arguments(), ctx.is_main_process)
 
@@ -439,7 +503,32 @@ class Trainer:
             tokenizer, source = load_tokenizer(request, tokenizer_path=flags.tokenizer_path,
                                                cache_dir=self.config.data.cache_dir,
                                                training_texts=self.splits.all_texts)
-        return self.family.prepare_tokenizer(tokenizer), source
+        tokenizer = self.family.prepare_tokenizer(tokenizer)
+        if resume_dir:
+            self._check_tokenizer_fits_checkpoint(tokenizer, resume_dir)
+        return tokenizer, source
+
+    def _check_tokenizer_fits_checkpoint(self, tokenizer, resume_dir: Path) -> None:
+        """--tokenizer-path with --resume-from must be the tokenizer the checkpoint was trained with: another one
+        maps text to other ids (or ids past the embedding) and the saved model would pair with the wrong one. Its
+        size must match the model's embedding, and its vocabulary the checkpoint's own tokenizer files, if any."""
+        from transformers import AutoConfig, AutoTokenizer
+        given = f"--tokenizer-path {self.config.model.tokenizer_path}"
+        rows = AutoConfig.from_pretrained(str(resume_dir)).vocab_size
+        if len(tokenizer) != rows:
+            raise UsageError(f"{given}: has {len(tokenizer)} tokens, but the model of --resume-from {resume_dir} has "
+                             f"{rows}: not the tokenizer it was trained with")
+        if not any((resume_dir / name).is_file() for name in TOKENIZER_FILES):
+            return
+        try:
+            saved = self.family.prepare_tokenizer(AutoTokenizer.from_pretrained(str(resume_dir)))
+        except Exception as exc:  # OSError, ValueError, the tokenizers library's own Exception
+            logger.warning("%s: cannot read its tokenizer to compare it with --tokenizer-path (%s); only the sizes "
+                           "were compared", resume_dir, (str(exc).splitlines() or [type(exc).__name__])[0])
+            return
+        if saved.get_vocab() != tokenizer.get_vocab():
+            raise UsageError(f"{given}: its vocabulary differs from the tokenizer saved in --resume-from {resume_dir}; "
+                             "leave --tokenizer-path out to use the checkpoint's own")
 
     def _tokenize(self):
         max_len = self.settings.max_seq_length
@@ -498,6 +587,22 @@ class Trainer:
                                state.get(key), now)
         logger.info("resumed from %s at step %d (epoch %.2f)", resume_dir, self.step, self.stream.epochs_done)
 
+    def _check_trace_window_fits_steps_left(self) -> None:
+        """A resumed run traces from the first step after its checkpoint: the steps left must hold the whole trace
+        window, or the run would end with no trace or a shorter one (a fresh run's --max-steps is checked when the
+        flags are parsed)."""
+        if not self.config.tracing.enable_tracing:
+            return
+        wait, warmup, active = window = self.config.trace_window
+        left = self.max_steps - self.step
+        if left >= sum(window):
+            return
+        enough = self.step + sum(self.config.tracing.window(None))  # no shrinking of the defaults at that length
+        raise UsageError(f"--resume-from {self.settings.resume_from}: resumes at step {self.step} of {self.max_steps}, "
+                         f"leaving {max(left, 0)} step(s), fewer than the trace window of {sum(window)} (wait {wait} "
+                         f"+ warmup {warmup} + active {active}); raise --max-steps to at least {enough} or lower the "
+                         "--trace-*-steps")
+
     def _log_setup(self, steps_per_epoch: int) -> None:
         c, s, ctx, optim = self.config, self.settings, self.ctx, self.config.optim
         logger.info("%s %s: %s parameters, %s attention, precision %s%s, device %s x %d (%s)",
@@ -531,7 +636,7 @@ class Trainer:
         (_sync_due), so the traced step holds no collective and no host sync of the trainer's own.
         """
         optim, model = self.config.optim, self.train_model
-        accumulation = optim.gradient_accumulation_steps
+        accumulation = self._micro_batches_due()
         model.train()
         loss_sum = None
         for micro in range(accumulation):
@@ -556,6 +661,16 @@ class Trainer:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return (loss_sum / accumulation if accumulation > 1 else loss_sum), grad_norm
+
+    def _micro_batches_due(self) -> int:
+        """Micro-batches of the coming optimizer step: --gradient-accumulation-steps, but the last step of an epoch
+        takes only the batches left in it, so an epoch is ceil(batches / accumulation) steps and --num-epochs N
+        trains exactly N epochs (every rank's loader has as many batches: the ranks agree)."""
+        accumulation = self.config.optim.gradient_accumulation_steps
+        if not isinstance(self.stream, BatchStream):  # --overfit-one-batch: one batch, no epochs
+            return accumulation
+        left = self.stream.batches_per_epoch - self.stream.position
+        return min(accumulation, left if left > 0 else self.stream.batches_per_epoch)
 
     # ---- sync steps: the loss read, agreed on and logged -------------------------------------------------------
     def _is_logging_step(self) -> bool:
@@ -730,13 +845,14 @@ class Trainer:
                 around_bar:
             try:
                 while self.step < self.max_steps:
+                    micro_batches = self._micro_batches_due()  # read before the step takes them
                     loss, grad_norm = self._optimizer_step()
                     # the tracer's own preparation for its window is left out of the pace the log reports
                     preparation_s, preparation_cpu_s = tracer.step()
                     window_start += preparation_s
                     cpu_start += preparation_cpu_s
                     self.step += 1
-                    self.tokens_seen += self.tokens_per_step
+                    self.tokens_seen += self.tokens_per_micro_batch * micro_batches
                     window_steps += 1
                     progress.update(1)
                     stop = False
@@ -895,7 +1011,7 @@ def main(family: ModelFamily, argv: Optional[list] = None) -> int:
             settings = settle_run(config, family)
             with distributed_context(config.devices.num_gpus) as ctx:
                 rank = ctx.rank
-                check_output_folders(config, ctx)
+                check_output_folders(config, settings, ctx)
                 handlers = setup_logging(Path(config.checkpoint.log_dir), ctx.rank, ctx.world_size)
                 _quiet_library_progress_bars()
                 with claim_save_dir(config.checkpoint, ctx):
