@@ -444,6 +444,11 @@ NOT_RUNNABLE: dict[str, str] = {
     "python bench/whatif_bench.py --model gpt2-124m-shape --traces 3 --no-docs --keep /tmp/k88_124m": BENCHMARK,
     "python bench/whatif_bench.py --model bert-base-shape --trace-rate 2gbit --traces 3 --no-docs --keep "
     "/tmp/k86_bertbase2g": BENCHMARK,
+    "python bench/whatif_bench.py --model bert-6x384 --trace-rate 1gbit --traces 3 --no-docs --keep "
+    "/tmp/k96_bert6_1g": BENCHMARK,
+    "python bench/whatif_repredict.py /tmp/k85_tiny /tmp/k86_bertbase2g /tmp/k87_berttiny /tmp/k88_124m /tmp/k89_tiny "
+    "/tmp/k90_berttiny1g /tmp/k91_124m /tmp/k92_mid /tmp/k93_mid1g /tmp/k94_bert6 /tmp/k95_mid400":
+        "judges the what-if benchmark's kept runs, which a clone does not have (minutes of tracing as root each)",
     "python bench/rate_cpu.py --model bert-base-shape --rates unthrottled,2gbit --cycles 4":
         "a benchmark of 3 min as root (a rate-limited network namespace); tests/test_bench.py runs it with --quick",
     "python bench/communication_cpu.py --rates unthrottled,1gbit,400mbit,100mbit --mb 0.9 --seconds 3":
