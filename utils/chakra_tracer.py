@@ -582,17 +582,10 @@ class TraceDirLock(SaveDirLock):
     """One traced run at a time in a trace folder: the --save-dir lock (utils/checkpointing.py) on
     <trace folder>/.tracing.lock, so a second run is refused before it touches the first one's files."""
 
-    def __init__(self, trace_dir: Path):
-        super().__init__(trace_dir)
-        self.path = self.save_dir / TRACE_LOCK_FILE
-
-    def _refusal(self, holder: dict | None, held_for_sure: bool) -> str:
-        who = "another run"
-        if holder:
-            who = f"another run (pid {holder.get('pid')} on {holder.get('host')}, started {holder.get('started')})"
-        gone = "" if held_for_sure else "; if that run is gone, delete the lock file"
-        return (f"{self.save_dir}: {who} is tracing into this folder; wait for it to finish or choose another "
-                f"--trace-name or --trace-output-dir (lock file {self.path}{gone})")
+    LOCK_NAME = TRACE_LOCK_FILE
+    FOLDER = "{folder}"
+    ACTIVITY = "is tracing into this folder"
+    CHOICES = "another --trace-name or --trace-output-dir"
 
 
 def folder_is_full(folder: Path) -> bool:

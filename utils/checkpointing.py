@@ -227,9 +227,14 @@ class SaveDirLock:
     of a killed run is taken over (with a warning); without flock support the holder's pid is checked instead.
     """
 
+    LOCK_NAME = LOCK_FILE
+    FOLDER = "--save-dir {folder}"                # the folder, as the refusal names it
+    ACTIVITY = "is writing checkpoints there"     # what the holder does in it
+    CHOICES = "another --save-dir"               # what else this run could use
+
     def __init__(self, save_dir: Path):
         self.save_dir = Path(save_dir)
-        self.path = self.save_dir / LOCK_FILE
+        self.path = self.save_dir / self.LOCK_NAME
         self._fd: Optional[int] = None
 
     def acquire(self) -> Optional[dict]:
@@ -259,7 +264,7 @@ class SaveDirLock:
             os.pwrite(fd, (json.dumps(record) + "\n").encode(), 0)
             self._fd = fd
             return previous
-        raise UsageError(f"--save-dir {self.save_dir}: could not take the lock {self.path}")
+        raise UsageError(f"{self.FOLDER.format(folder=self.save_dir)}: could not take the lock {self.path}")
 
     def release(self) -> None:
         if self._fd is None:
@@ -311,8 +316,8 @@ class SaveDirLock:
             who = f"another run (pid {holder.get('pid')} on {holder.get('host')}, started {holder.get('started')})"
         # Without flock a holder on another machine cannot be checked: it may be long gone.
         gone = "" if held_for_sure else "; if that run is gone, delete the lock file"
-        return (f"--save-dir {self.save_dir}: {who} is writing checkpoints there; wait for it to finish or choose "
-                f"another --save-dir (lock file {self.path}{gone})")
+        return (f"{self.FOLDER.format(folder=self.save_dir)}: {who} {self.ACTIVITY}; wait for it to finish or choose "
+                f"{self.CHOICES} (lock file {self.path}{gone})")
 
 
 # ---- reading ------------------------------------------------------------------------------------------------------
