@@ -223,6 +223,26 @@ def test_two_runs_of_one_name_into_one_folder_are_refused_before_anything_is_wri
     assert not (tmp_path / "out" / "run").exists()
 
 
+def test_two_runs_of_flat_files_in_one_folder_go_to_folders_of_their_own(tmp_path, capsys):
+    """One CONVERSION_SUMMARY.md describes one run: two runs named by their files (<name>_host.json) in one folder
+    are refused there, and converted side by side with --output-dir."""
+    folder = tmp_path / "flat"
+    folder.mkdir()
+    for name, source in (("a", GPT2), ("b", BERT)):
+        for kind in ("host", "device"):
+            (folder / f"{name}_{kind}.json").write_bytes(corpus.unzip(source / f"{kind}.0.json.gz"))
+    code, output = convert(folder, capsys)
+    assert code == 2 and errors(output) == [
+        f"error: runs a and b would both be converted into {folder}, whose CONVERSION_SUMMARY.md can describe one "
+        "run; pass --output-dir DIR (each run goes to DIR/<name>)"]
+    assert not list(folder.glob("*.et"))
+    code, output = convert(folder, capsys, "--output-dir", str(tmp_path / "out"))
+    assert code == 1, output  # b is rank 0 of a 2-rank run alone
+    assert et_names(tmp_path / "out" / "a") == ["a.0.et"]
+    assert "| 0 | ✅ ok |" in (tmp_path / "out" / "a" / "CONVERSION_SUMMARY.md").read_text()
+    assert "rank(s) 1 have no host and device trace here" in (tmp_path / "out" / "b" / "CONVERSION_SUMMARY.md").read_text()
+
+
 def test_sigterm_stops_a_conversion_like_ctrl_c_and_leaves_no_et_of_the_earlier_conversion(tmp_path, capsys):
     folder = corpus.copy_run(BERT, tmp_path / "run")
     assert convert(folder, capsys)[0] == 0

@@ -536,16 +536,21 @@ def _remove_outputs(out_dir: Path, name: str, rank: int, partial_only: bool = Fa
 
 
 def output_dir_clash(runs: list[Run], output_dir: str | Path | None) -> str | None:
-    """Two runs whose .et files would go to one folder under one name (run folders of the same name under
-    --output-dir, or both falling back to converted/<name>): the second would overwrite or mix with the first."""
+    """Two runs whose .et files would go to one folder, which holds one CONVERSION_SUMMARY.md: run folders of the
+    same name under --output-dir, both falling back to converted/<name>, or two runs of flat files in one folder.
+    The second would overwrite or mix with the first."""
     several = len(runs) > 1
-    seen: dict[tuple[Path, str], Run] = {}
+    seen: dict[Path, Run] = {}
     for run in runs:
-        key = (output_dir_for(run, output_dir, several)[0].absolute(), run.name)
-        if key in seen:
-            return (f"{seen[key].folder} and {run.folder} would both be converted into {key[0]} as {run.name}.<rank>.et; "
-                    "convert them one at a time with an --output-dir each")
-        seen[key] = run
+        folder = output_dir_for(run, output_dir, several)[0]
+        other = seen.setdefault(folder.absolute(), run)
+        if other is run:
+            continue
+        if other.name == run.name:
+            return (f"{other.folder} and {run.folder} would both be converted into {folder} as "
+                    f"{run.name}.<rank>.et; convert them one at a time with an --output-dir each")
+        return (f"runs {other.name} and {run.name} would both be converted into {folder}, whose "
+                f"{CONVERSION_SUMMARY} can describe one run; pass --output-dir DIR (each run goes to DIR/<name>)")
     return None
 
 
