@@ -592,6 +592,21 @@ def test_sigterm_to_utils_torchrun_saves_on_every_rank_and_ends_in_one_line(tmp_
 
 
 @pytest.mark.slow
+def test_a_launchers_sigterm_just_after_ctrl_c_is_not_a_second_signal_to_the_ranks(tmp_path):
+    """Ctrl-C at a terminal reaches the launcher, torchrun and the ranks; the launcher then passes SIGTERM on to
+    torchrun. torchrun had sent the ranks that too, and a second signal stops a rank at once, without its checkpoint."""
+    launcher = [sys.executable, "-m", "utils.torchrun"]
+    done = run(torchrun_command(launcher, "gpt2", tmp_path / "ckpt", tmp_path / "logs", "--max-steps", "400",
+                                "--save-steps", "0", "--no-save-initial"), signals=(signal.SIGINT,),
+               to_leader=(signal.SIGTERM,), when=r"^step 2/")
+    assert done.status == 130 and not done.has_traceback, done.stderr[-3000:]
+    assert done.error_lines == ["error: torchrun stopped by SIGINT: every rank was asked to save a checkpoint and "
+                                "stop (their lines above say where)"]
+    [saved] = (tmp_path / "ckpt").glob("checkpoint-*")
+    assert info(saved)["kind"] == "interrupted" and info(saved)["world_size"] == 2
+
+
+@pytest.mark.slow
 def test_failing_rank_under_utils_torchrun_ends_without_a_traceback(tmp_path):
     done = run(torchrun_command([sys.executable, "-m", "utils.torchrun"], "gpt2", tmp_path / "ckpt",
                                 tmp_path / "logs", "--max-steps", "2", "--dataset-path", tmp_path / "missing.jsonl"))

@@ -145,9 +145,11 @@ def run_torchrun(argv: list) -> int:
     raises SignalException; when a rank fails it raises ChildFailedError with a page-long report. Both become one
     `error:` line and the exit status a plain run would have.
     """
+    from torch.distributed.elastic.multiprocessing import api as processes
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun_main
+    processes._terminate_process_handler = _first_signal_only(processes._terminate_process_handler)
     try:
         torchrun_main(argv)
     except SignalException as exc:
@@ -165,6 +167,19 @@ def run_torchrun(argv: list) -> int:
               f"training_rank_{rank}.log in --log-dir", file=sys.stderr)
         return 1 if failure.exitcode >= 0 else 128 - failure.exitcode
     return 0
+
+
+def _first_signal_only(handler):
+    """torchrun's signal handler, made to ignore every later signal once it has run: it passes the first one to the
+    ranks, and a second one reaching torchrun while it waits for them (a launcher's SIGTERM just after the terminal's
+    Ctrl-C reached the whole process group) made it send the ranks a second signal, which stops them at once, without
+    the checkpoint the first one asked for. A second Ctrl-C at the terminal still reaches the ranks themselves."""
+    def first_only(signum, frame):
+        for sig in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None), getattr(signal, "SIGQUIT", None)):
+            if sig is not None and signal.getsignal(sig) is first_only:
+                signal.signal(sig, signal.SIG_IGN)
+        handler(signum, frame)
+    return first_only
 
 
 def buffers_change_in_training(model: torch.nn.Module) -> bool:

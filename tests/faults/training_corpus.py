@@ -106,9 +106,11 @@ def launcher_command(family: str, folder: Path, *train_flags, ranks: int = 2, ma
 
 
 def run(command: list, *, prefix: tuple = (), timeout: float = 600, signals: tuple = (),
-        when: Optional[str] = None, delay: float = 0.0, wait_for_start: Optional[Callable] = None) -> Run:
+        when: Optional[str] = None, delay: float = 0.0, wait_for_start: Optional[Callable] = None,
+        to_leader: tuple = ()) -> Run:
     """Run a command to its end; with `signals`, send them to its process group (as a terminal's Ctrl-C does) once
-    `when` (a regex) appears in its output, or after `delay` seconds."""
+    `when` (a regex) appears in its output, or after `delay` seconds; then `to_leader` to the command's own process
+    only (as a launcher passes a signal on to torchrun)."""
     with tempfile.TemporaryDirectory() as scratch:
         out_path, err_path = Path(scratch) / "out", Path(scratch) / "err"
         with open(out_path, "w") as out, open(err_path, "w") as err:
@@ -124,6 +126,10 @@ def run(command: list, *, prefix: tuple = (), timeout: float = 600, signals: tup
                 for number in signals:
                     if process.poll() is None:
                         os.killpg(process.pid, number)
+                    time.sleep(0.3)
+                for number in to_leader:
+                    if process.poll() is None:
+                        process.send_signal(number)
                     time.sleep(0.3)
             try:
                 status = process.wait(timeout=timeout)
