@@ -39,6 +39,7 @@ from .validate import (EtFormatError, SerializedMessage, collectives_agree, iter
 logger = logging.getLogger(__name__)
 
 DEFAULT_NAME = "{name}_{ranks}npus"
+NAME_CHARACTERS = "A-Za-z0-9_.+-"  # what a scaled set's name may hold (a regular expression's character class)
 SUMMARY_NAME = "SCALE_SUMMARY.md"
 # ASTRA-sim runs a collective whose pg_name is "" or "0" over every NPU (Workload::extract_comm_group), with no
 # --comm-group-configuration; "0" is also PyTorch's name for the default (world) process group.
@@ -338,7 +339,8 @@ def _in_world_group(blob: bytes) -> bytes:
     return node.SerializeToString()
 
 
-def _slowed(blob: bytes, factor: float) -> bytes:
+def with_duration_scaled(blob: bytes, factor: float) -> bytes:
+    """A serialized node with its duration times factor."""
     node = Node()
     node.ParseFromString(blob)
     node.duration_micros = round(node.duration_micros * factor)
@@ -353,7 +355,7 @@ def write_scaled_et(source: SourceEt, out_path: Path, *, ranks: int, traced_rank
     byte as in the source."""
     rewrite: dict[int, bytes] = {i: _in_world_group(source.blobs[i]) for i in source.comm_indices}
     moved = ((ranks - 1) / ranks) / ((traced_ranks - 1) / traced_ranks) if traced_ranks > 1 else 1.0
-    rewrite.update({i: _slowed(source.blobs[i], compute_scale * moved) for i in source.communication_cpu_indices})
+    rewrite.update({i: with_duration_scaled(source.blobs[i], compute_scale * moved) for i in source.communication_cpu_indices})
     metadata = scaled_metadata(source.metadata, ranks, traced_ranks, source_rank, compute_scale)
     with open(out_path, "xb", buffering=1 << 20) as f:
         encodeMessage(f, metadata)
@@ -361,7 +363,7 @@ def write_scaled_et(source: SourceEt, out_path: Path, *, ranks: int, traced_rank
             if i in rewrite:
                 blob = rewrite[i]
             elif compute_scale != 1.0 and source.node_types[i] == COMP_NODE:
-                blob = _slowed(blob, compute_scale)
+                blob = with_duration_scaled(blob, compute_scale)
             encodeMessage(f, SerializedMessage(blob))
     return out_path
 
@@ -464,9 +466,9 @@ def scale_set(source: str | Path, ranks: int, *, output_dir: str | Path | None =
     source_set = find_source_set(source)
     slow = check_slow(slow, ranks)
     if not name:  # the source's name with what --name refuses (spaces, other letters) made "_"
-        name = DEFAULT_NAME.format(name=re.sub(r"[^A-Za-z0-9_.+-]", "_", source_set.name).lstrip(".") or "run",
+        name = DEFAULT_NAME.format(name=re.sub(f"[^{NAME_CHARACTERS}]", "_", source_set.name).lstrip(".") or "run",
                                    ranks=ranks)
-    if not re.fullmatch(r"[A-Za-z0-9_.+-]+", name) or name.startswith("."):
+    if not re.fullmatch(f"[{NAME_CHARACTERS}]+", name) or name.startswith("."):
         raise ScaleError("--name", f"{name!r}: use letters, digits and _ . + - (it becomes <name>.<rank>.et)")
     note = ""
     if output_dir is None:

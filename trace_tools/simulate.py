@@ -371,7 +371,7 @@ def simulate_workload(workload_prefix: Path, ranks: int, *, bandwidth_gbs: float
 # ---------------------------------------------------------------------------------------------------------------
 def without_communication_cpu(workload: Path, ranks: int, out_dir: Path) -> Path | None:
     """A copy of the .et set in out_dir with every communication-CPU node at 0 µs; its workload prefix, or None
-    when rank 0's .et has no such node with time (a GPU run, a run whose gloo threads were not timed).
+    when rank 0's .et has no such node (a GPU run, a run whose gloo threads were not timed).
 
     On a CPU run each collective has a CPU node with gloo's threads' CPU time as measured on the traced network
     (trace_tools.core_sharing). That time is not the same on another network: on a paced link gloo's threads are
@@ -379,32 +379,24 @@ def without_communication_cpu(workload: Path, ranks: int, out_dir: Path) -> Path
     VM (bench/communication_cpu.py, docs/BENCHMARKS.md §4b). How much less a faster network costs, one trace does not
     tell. So simulated on a network faster than the traced one, the step lies between the step of this copy (the
     communication costing no CPU) and the step of the .et as converted."""
-    from chakra.schema.protobuf.et_def_pb2 import Node
     from chakra.src.third_party.utils.protolib import encodeMessage
 
-    from .link import COMMUNICATION_CPU_ATTR
-    from .validate import EtFormatError, SerializedMessage, iter_et_messages
+    from .scale import ScaleError, read_source_et, with_duration_scaled
+    from .validate import SerializedMessage
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    node = Node()
     for rank in range(ranks):
-        source = workload.parent / et_name(workload.name, rank)
-        zeroed = 0
         try:
-            with atomic_output(out_dir / et_name(workload.name, rank)) as f:
-                for index, blob in enumerate(iter_et_messages(source)):
-                    if index:  # the first message is the GlobalMetadata
-                        node.Clear()
-                        node.ParseFromString(blob)
-                        if node.duration_micros and any(a.name == COMMUNICATION_CPU_ATTR for a in node.attr):
-                            node.duration_micros = 0
-                            blob, zeroed = node.SerializeToString(), zeroed + 1
-                    encodeMessage(f, SerializedMessage(blob))
-        except (EtFormatError, OSError) as e:
-            raise SimulationError(f"{source}: cannot read the .et ({e})") from None
-        if rank == 0 and not zeroed:
-            (out_dir / et_name(workload.name, rank)).unlink()
+            source = read_source_et(workload.parent / et_name(workload.name, rank))
+        except ScaleError as e:
+            raise SimulationError(str(e)) from None
+        cpu_nodes = set(source.communication_cpu_indices)
+        if rank == 0 and not cpu_nodes:
             return None
+        with atomic_output(out_dir / et_name(workload.name, rank)) as f:
+            encodeMessage(f, source.metadata)
+            for index, blob in enumerate(source.blobs):
+                encodeMessage(f, SerializedMessage(with_duration_scaled(blob, 0.0) if index in cpu_nodes else blob))
     return out_dir / workload.name
 
 
