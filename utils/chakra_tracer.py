@@ -366,7 +366,7 @@ class ChakraTracer:
             return [f"{self._write_error}; no trace written, the folder's earlier files left in place"]
         self._move_previous_run_aside()
         errors = []
-        for path, kind in ((self.host_path, "host"), (self.device_path, "device")):
+        for path, kind in traces:
             partial = self._partial(path)
             if problems[kind] is None:
                 partial.replace(path)
