@@ -184,6 +184,33 @@ def test_convert_remaining_redoes_ranks_traced_again_since(tmp_path, capsys):
     assert metadata(folder / "bert.0.et")["pid"] == read_json(GPT2_2R / "host.0.json.gz")["pid"]
 
 
+def test_a_report_and_simulation_of_the_earlier_et_files_go_when_a_rank_is_converted_again(tmp_path, capsys):
+    folder = corpus.copy_run(BERT, tmp_path / "bert")
+    assert convert(folder, capsys)[0] == 0
+    described = ["report.md", "report.json", "report_timeline_rank1.png", "SIMULATION.md"]
+    for name in described:
+        (folder / name).write_text("of the first conversion")
+    (folder / "notes.md").write_text("the user's own")
+    assert "nothing to do" in convert(folder, capsys, remaining=True)[1]
+    assert all((folder / name).exists() for name in described)  # the .et files they describe are still there
+    (folder / "bert.1.et").write_bytes(b"")
+    assert "converting 1 remaining rank(s)" in convert(folder, capsys, remaining=True)[1]
+    assert not any((folder / name).exists() for name in described)
+    assert (folder / "notes.md").read_text() == "the user's own"
+
+
+def test_convert_remaining_with_nothing_to_do_still_writes_what_its_flags_ask_for(tmp_path, capsys):
+    folder = corpus.copy_run(BERT, tmp_path / "bert")
+    assert convert(folder, capsys)[0] == 0
+    code, output = convert(folder, capsys, "--emit-merged", remaining=True)
+    assert code == 0 and "converting 2 remaining rank(s) (2 merged JSON asked for)" in output
+    assert sorted(p.name for p in folder.glob("*.merged.json")) == ["bert.0.merged.json", "bert.1.merged.json"]
+    pytest.importorskip("matplotlib")
+    code, output = convert(folder, capsys, "--report", remaining=True)
+    assert code == 0 and "nothing to do" in output and f"report: {folder / 'report.md'}" in output
+    assert "| 1 |" in (folder / "report.md").read_text()
+
+
 def test_a_rank_that_fails_keeps_no_earlier_et(tmp_path, capsys):
     folder = corpus.copy_run(BERT, tmp_path / "bert")
     assert convert(folder, capsys)[0] == 0
@@ -266,8 +293,8 @@ def test_a_conversion_into_a_folder_another_one_is_writing_into_stops_with_one_l
     with pipeline.only_conversion_in(folder):
         code, output = convert(folder, capsys)
     assert code == 1
-    assert errors(output) == [f"error: {folder}: another conversion is writing into this folder now; wait for it to "
-                              "end"]
+    assert errors(output) == [f"error: {folder}: another conversion or a trace_report.py is using this folder now; "
+                              "wait for it to end"]
     assert et_names(folder) == [] and not (folder / "CONVERSION_SUMMARY.md").exists()
     assert convert(folder, capsys)[0] == 0  # the lock went with the first
 

@@ -6,7 +6,7 @@ import os
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
-from typing import BinaryIO, Iterator
+from typing import BinaryIO, Callable, Iterator
 
 
 def process_is_alive(pid: int) -> bool:
@@ -63,3 +63,27 @@ def write_text_atomic(path: str | Path, text: str) -> Path:
     with atomic_output(path) as f:
         f.write(text.encode("utf-8"))
     return Path(path)
+
+
+@contextmanager
+def folder_held(folder: str | Path, busy: Callable[[], Exception], *, shared: bool = False) -> Iterator[None]:
+    """Hold a folder against the other tools that write into it (one writer; with shared=True, readers side by side
+    but no writer): raises busy() when another process holds it. An advisory lock on the folder itself, so no lock
+    file is left and the kernel drops it when the holder dies; unguarded where there are no advisory locks (Windows,
+    a file system without them)."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        try:
+            fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise busy() from None
+        except OSError:
+            pass
+        yield
+    finally:
+        os.close(fd)

@@ -4,18 +4,16 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import signal
 import sys
-import threading
 from pathlib import Path
 
-from .command_line import ArgumentParser
+from .command_line import ArgumentParser, StopSignal
 from .discover import find_runs
 from .layout import CONVERSION_SUMMARY, et_name
 from .load import TraceError
-from .pipeline import (convert_runs, et_fingerprint, input_fingerprints, output_dir_clash, output_dir_for,
-                       output_dir_problem)
-from .summary import read_previous_results, render_table
+from .pipeline import (MERGED_NAME, convert_runs, et_fingerprint, input_fingerprints, output_dir_clash,
+                       output_dir_for, output_dir_problem)
+from .summary import RunResult, read_previous_results, render_table
 
 DEFAULT_PATH = "outputs"
 
@@ -51,34 +49,20 @@ def build_parser(remaining: bool) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None, remaining: bool = False) -> int:
     args = build_parser(remaining).parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
-    stopped_by: list[int] = []
-
-    def stop(signum, frame):  # SIGTERM (kill, a job scheduler's time limit) cleans up as Ctrl-C does
-        stopped_by.append(signum)
-        raise KeyboardInterrupt
-
-    previous_handler = signal.signal(signal.SIGTERM, stop) if _in_main_thread() else None
-    try:
-        return _main(args, remaining)
-    except KeyboardInterrupt:
-        what = "convert_remaining.py" if remaining else "convert_to_et.py"
-        how = "SIGTERM" if stopped_by else "Ctrl-C"
-        print(f"interrupted: {what} stopped by {how}; ranks already converted are kept (see CONVERSION_SUMMARY.md), "
-              "convert_remaining.py converts the rest", file=sys.stderr)
-        return 128 + signal.SIGTERM if stopped_by else 130
-    except TraceError as e:  # an output that cannot be written (the summary)
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    except BrokenPipeError:  # whoever read the output stopped reading (`| head`): nothing more to say
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 1
-    finally:
-        if previous_handler is not None:
-            signal.signal(signal.SIGTERM, previous_handler)
-
-
-def _in_main_thread() -> bool:
-    return threading.current_thread() is threading.main_thread()
+    with StopSignal() as stop:
+        try:
+            return _main(args, remaining)
+        except KeyboardInterrupt:
+            what = "convert_remaining.py" if remaining else "convert_to_et.py"
+            print(f"interrupted: {what} stopped by {stop.name}; ranks already converted are kept (see "
+                  "CONVERSION_SUMMARY.md), convert_remaining.py converts the rest", file=sys.stderr)
+            return stop.exit_code
+        except TraceError as e:  # an output that cannot be written (the summary)
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+        except BrokenPipeError:  # whoever read the output stopped reading (`| head`): nothing more to say
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return 1
 
 
 def _main(args: argparse.Namespace, remaining: bool) -> int:
@@ -116,11 +100,18 @@ def _main(args: argparse.Namespace, remaining: bool) -> int:
         for run in runs:
             out_dir, _ = output_dir_for(run, args.output_dir, several)
             previous[str(out_dir)] = read_previous_results(out_dir) or {}
-        only, kept = _still_to_convert(runs, previous, args.output_dir, several)
+        only, kept = _still_to_convert(runs, previous, args.output_dir, several, args.emit_merged)
         todo = sum(1 for run in runs for rank in run.ranks if only(run, rank))
         if todo == 0:
             print(f"nothing to do: every rank of {len(runs)} run(s) has a valid .et made from the traces there now")
-            return 0
+            if not args.report:
+                return 0
+            converted = []  # --report: the report of the .et files there, whether or not it was written before
+            for run in runs:
+                out_dir, _ = output_dir_for(run, args.output_dir, several)
+                converted.append(RunResult(run=run, output_dir=out_dir,
+                                           ranks=[previous[str(out_dir)][rank] for rank in run.ranks]))
+            return 0 if write_reports(converted) else 1
         print(f"converting {todo} remaining rank(s)" + (f" ({kept})" if kept else ""))
     results = convert_runs(runs, output_dir=args.output_dir, jobs=args.jobs, emit_merged=args.emit_merged,
                            progress=not args.no_progress and sys.stderr.isatty(), only=only, previous=previous)
@@ -153,7 +144,7 @@ def write_reports(results) -> bool:
     return written_all
 
 
-def _still_to_convert(runs, previous: dict, output_dir: str | None, several: bool):
+def _still_to_convert(runs, previous: dict, output_dir: str | None, several: bool, emit_merged: bool = False):
     """(predicate (run, rank) -> True when the rank must be converted again, words on why some are redone).
 
     A rank is kept only when the last summary says ok, its .et is the file that summary recorded and still
@@ -168,6 +159,8 @@ def _still_to_convert(runs, previous: dict, output_dir: str | None, several: boo
         for rank in run.ranks:
             old = previous[str(out_dir)].get(rank)
             reason = _why_redo(run, rank, old, out_dir / et_name(run.name, rank), validate_et)
+            if not reason and emit_merged and not (out_dir / MERGED_NAME.format(name=run.name, rank=rank)).is_file():
+                reason = "merged JSON asked for"
             if reason:
                 redo.add((str(out_dir), rank))
                 reasons[reason] = reasons.get(reason, 0) + 1

@@ -4,6 +4,8 @@ one `error:` line that says what is wrong and where the help is (exit status 2),
 from __future__ import annotations
 
 import argparse
+import signal
+import threading
 from typing import NoReturn
 
 
@@ -12,3 +14,34 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"error: {self.prog}: {message} (see {self.prog} --help)\n")
+
+
+class StopSignal:
+    """SIGTERM (kill, a job scheduler's time limit) raises KeyboardInterrupt inside `with StopSignal() as stop:`, so
+    a command line cleans up as on Ctrl-C; afterwards stop.name and stop.exit_code say which of the two it was."""
+
+    def __init__(self) -> None:
+        self.by_sigterm = False
+        self._previous = None
+
+    def _stop(self, signum, frame) -> NoReturn:
+        self.by_sigterm = True
+        raise KeyboardInterrupt
+
+    def __enter__(self) -> "StopSignal":
+        if threading.current_thread() is threading.main_thread():  # signal handlers can be set only there
+            self._previous = signal.signal(signal.SIGTERM, self._stop)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+            self._previous = None
+
+    @property
+    def name(self) -> str:
+        return "SIGTERM" if self.by_sigterm else "Ctrl-C"
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + signal.SIGTERM if self.by_sigterm else 130

@@ -24,10 +24,25 @@ STEP_ANNOTATION = STEP_PREFIX + "{step}"
 RUN_METADATA_KEY = "mosim_run"
 # The files of the run a new one replaces go here, once the new window is written: <trace-output-dir>/.previous/<name>/
 PREVIOUS_RUN_DIR = ".previous"
-# What a conversion or a report made of a run's traces (rank 0 moves them aside with the traces they came from).
-DERIVED_FILES = ("run.json", CONVERSION_SUMMARY, "report.md", "report.json", "SIMULATION.md")
+# What trace_report.py and simulate.py write beside a run's .et files: they describe those .et files, so a conversion
+# that rewrites one removes them.
+REPORT_FILE_RE = re.compile(r"report\.(md|json)|report_(breakdown|top_ops|collectives|timeline_rank\d+)\.png")
+SIMULATION_FILE = "SIMULATION.md"
+# What a conversion made of a run's traces, besides its .et files (with the files above, rank 0's tracer moves them
+# aside with the traces they came from).
+DERIVED_FILES = (RUN_INFO, CONVERSION_SUMMARY)
 # ExecutionTraceObserver.start() records the process-group config under this name when torch.distributed is up.
 PG_INIT_NODE = "## process_group:init ##"
+
+
+def made_from_et_files(name: str) -> bool:
+    """Whether a file of this name in a converted run's folder describes its .et files (a report, a simulation)."""
+    return name == SIMULATION_FILE or REPORT_FILE_RE.fullmatch(name) is not None
+
+
+def derived_file(name: str) -> bool:
+    """Whether a file of this name in a run's folder was made from its traces (not a trace itself)."""
+    return name in DERIVED_FILES or made_from_et_files(name)
 
 
 def host_trace_name(rank: int) -> str:

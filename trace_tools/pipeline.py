@@ -14,22 +14,22 @@ import statistics
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
-from .atomic import atomic_path
+from .atomic import atomic_path, folder_held
 from .convert import write_et, write_merged_json
 from .core_sharing import share_cores
 from .discover import Run
 from .identity import device_header_identity, host_device_time_problem, one_run_problems, rank_identity
-from .layout import CONVERSION_SUMMARY, PG_INIT_NODE, RUN_INFO, STEP_PREFIX, et_name, et_sets
+from .layout import CONVERSION_SUMMARY, PG_INIT_NODE, RUN_INFO, STEP_PREFIX, et_name, et_sets, made_from_et_files
 from .link import GPU_OP, link_host_and_device, remove_recording_overhead
 from .load import TraceError, is_structural, load_device_trace, load_host_trace, read_trace_bytes
 from .repair import NO_OPERATORS_PROBLEM
 from .step_timing import STEP_SPREAD_BOUND, StepTimes, read_step_times
-from .summary import RankResult, RunResult, write_run_summary
+from .summary import RankResult, RunResult, et_fingerprint, write_run_summary
 from .validate import collectives_agree, validate_et
 
 logger = logging.getLogger(__name__)
@@ -155,14 +155,6 @@ def input_fingerprints(host_path: str | Path, device_path: str | Path) -> dict[s
     if run_info.is_file():
         inputs["run_info"] = file_fingerprint(run_info)
     return inputs
-
-
-def et_fingerprint(path: str | Path, name: str | None = None) -> dict[str, Any]:
-    """Name, size and SHA-256 of a written .et: it is still the file a summary describes (whatever its mtime)."""
-    import hashlib
-
-    data = Path(path).read_bytes()
-    return {"name": name or Path(path).name, "size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
 
 
 def _step_names(names) -> list[str]:
@@ -535,6 +527,16 @@ def _remove_outputs(out_dir: Path, name: str, rank: int, partial_only: bool = Fa
                 pass
 
 
+def _remove_descriptions_of_et_files(out_dir: Path) -> None:
+    """The report and SIMULATION.md of the .et files a conversion is about to replace: they describe those files."""
+    for path in out_dir.iterdir():
+        if made_from_et_files(path.name):
+            try:
+                path.unlink()
+            except OSError:
+                pass
+
+
 def output_dir_clash(runs: list[Run], output_dir: str | Path | None) -> str | None:
     """Two runs whose .et files would go to one folder, which holds one CONVERSION_SUMMARY.md: run folders of the
     same name under --output-dir, both falling back to converted/<name>, or two runs of flat files in one folder.
@@ -554,27 +556,12 @@ def output_dir_clash(runs: list[Run], output_dir: str | Path | None) -> str | No
     return None
 
 
-@contextmanager
-def only_conversion_in(folder: Path) -> Iterator[None]:
+def only_conversion_in(folder: Path):
     """Hold the folder for one conversion: a second one into it at the same time (each removing the other's
-    partial files) stops with an OutputError instead. An advisory lock on the folder itself (no lock file is left)."""
-    try:
-        import fcntl
-    except ImportError:  # Windows: no advisory locks; conversions are not guarded there
-        yield
-        return
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise OutputError(folder, "another conversion is writing into this folder now; wait for it to end") \
-                from None
-        except OSError:
-            pass  # a file system without locks
-        yield
-    finally:
-        os.close(fd)
+    partial files), or a report reading it, stops with an OutputError instead."""
+    return folder_held(folder, lambda: OutputError(folder, "another conversion or a trace_report.py is using this "
+                                                           "folder now; wait for it to end"))
+
 
 
 def convert_runs(runs: list[Run], output_dir: str | Path | None = None, jobs: int | None = None,
@@ -607,14 +594,17 @@ def _convert_runs(runs, output_dir, jobs, emit_merged, progress, only, previous)
         out_dir, note = output_dir_for(run, output_dir, several)
         # .et files of ranks the run does not have (an earlier conversion of a larger run of this name) would be
         # simulated as part of it
-        for stale in set(et_sets(out_dir).get(run.name, ())) - set(run.ranks):
+        stale_ranks = set(et_sets(out_dir).get(run.name, ())) - set(run.ranks)
+        for stale in stale_ranks:
             _remove_outputs(out_dir, run.name, stale)
         ranks: list[RankResult] = []
+        kept: list[RankResult] = []  # ranks whose earlier .et stays
         for rank in run.ranks:
             if only is not None and not only(run, rank):
-                kept = (previous or {}).get(str(out_dir), {}).get(rank)
-                if kept is not None:
-                    ranks.append(kept)
+                earlier = (previous or {}).get(str(out_dir), {}).get(rank)
+                if earlier is not None:
+                    ranks.append(earlier)
+                    kept.append(earlier)
                     continue
             missing = run.run_info_problem or run.missing(rank)
             if missing:
@@ -630,6 +620,8 @@ def _convert_runs(runs, output_dir, jobs, emit_merged, progress, only, previous)
             tasks.append((str(out_dir), (run.name, rank, str(run.hosts[rank]), str(run.devices[rank]),
                                          str(et_path), str(merged) if merged else None)))
         by_dir[str(out_dir)] = RunResult(run=run, output_dir=out_dir, ranks=ranks, note=note)
+        if stale_ranks or len(kept) < len(ranks):  # the set of .et files changes
+            _remove_descriptions_of_et_files(out_dir)
     for run_result in by_dir.values():  # the summary says from now on which ranks are still to come
         _save_summary(run_result)
 

@@ -2,15 +2,17 @@
 from __future__ import annotations
 
 import datetime
+import hashlib
 import json
 import re
+import shlex
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 from .atomic import write_text_atomic
-from .discover import Run
-from .layout import CONVERSION_SUMMARY, STEP_PREFIX
+from .discover import FLAT_FILE, Run
+from .layout import CONVERSION_SUMMARY, STEP_PREFIX, TRACE_FILE_RE, et_name
 
 _STATUS_RE = re.compile(r"<!-- trace_tools-status\n(.*?)\n-->", re.S)
 
@@ -301,6 +303,50 @@ def read_previous_results(output_dir: Path) -> dict[int, RankResult] | None:
     except ValueError:
         return None
     return {int(rank): rank_result_from_dict(data) for rank, data in status.items()}
+
+
+def et_fingerprint(path: str | Path, name: str | None = None) -> dict[str, Any]:
+    """Name, size and SHA-256 of a written .et: it is still the file a summary describes (whatever its mtime)."""
+    data = Path(path).read_bytes()
+    return {"name": name or Path(path).name, "size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def reconvert_command(folder: Path) -> str:
+    """The command that converts again the run whose .et files are in folder (its traces may be elsewhere)."""
+    source = converted_from(folder)
+    holds_traces = any(TRACE_FILE_RE.match(path.name) or FLAT_FILE.match(path.name) for path in folder.iterdir())
+    if source is None or holds_traces or not source.is_dir():
+        return f"convert_remaining.py {shlex.quote(str(folder))}"
+    return f"convert_remaining.py {shlex.quote(str(source))} --output-dir {shlex.quote(str(folder))}"
+
+
+def unrecorded_et_file(folder: Path, name: str, ranks: Iterable[int], *,
+                       every_recorded_rank: bool = True) -> tuple[Path, str] | None:
+    """The first .et of the set `name` in folder, among those of `ranks`, that is not the file the folder's
+    CONVERSION_SUMMARY.md recorded as converted, and why: one left from a conversion of another run, one copied in
+    from another run, or one changed or cut short since (an .et cut at a node boundary still decodes, and would be
+    read as it is). every_recorded_rank: a rank the summary records and `ranks` lacks is a problem too. None when
+    every file is as recorded, or when no summary records this set (.et files from elsewhere, a scaled set)."""
+    recorded = {rank: r for rank, r in (read_previous_results(folder) or {}).items() if r.run == name}
+    if not recorded:
+        return None
+    present = set(ranks)
+    summary, again = folder / CONVERSION_SUMMARY, reconvert_command(folder)
+    for rank in sorted(present | set(recorded) if every_recorded_rank else present):
+        et, result = folder / et_name(name, rank), recorded.get(rank)
+        if result is None:
+            return et, (f"{summary} records no rank {rank} of {name}: the file is left from another conversion "
+                        f"({again} converts the run again)")
+        if not result.ok:
+            return et, (f"{summary} says rank {rank} was not converted ({result.status}: {result.error}); "
+                        f"{again} converts it")
+        if rank not in present:
+            return et, f"missing, though {summary} records it converted ({again} makes it again)"
+        expected = (result.inputs or {}).get("et")
+        if expected and et_fingerprint(et, expected.get("name")) != expected:
+            return et, (f"not the file {summary} recorded (another run's .et, or changed or cut short since it was "
+                        f"written); {again} makes it again")
+    return None
 
 
 def converted_from(output_dir: Path) -> Path | None:

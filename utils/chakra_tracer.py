@@ -24,9 +24,9 @@ import torch.distributed as dist
 from torch.profiler import ExecutionTraceObserver, ProfilerActivity, profile, schedule
 
 from trace_tools.atomic import write_text_atomic
-from trace_tools.layout import (DERIVED_FILES, INVALID_SUFFIX, PARTIAL_SUFFIX, PG_INIT_NODE, PREVIOUS_RUN_DIR,
-                                RUN_INFO, RUN_METADATA_KEY, STACKS_TABLE, STEP_ANNOTATION, device_trace_name,
-                                host_trace_name)
+from trace_tools.layout import (INVALID_SUFFIX, PARTIAL_SUFFIX, PG_INIT_NODE, PREVIOUS_RUN_DIR,
+                                RUN_INFO, RUN_METADATA_KEY, STACKS_TABLE, STEP_ANNOTATION, derived_file,
+                                device_trace_name, host_trace_name)
 from trace_tools.load import describe_json_problem
 from utils.checkpointing import SaveDirLock
 from utils.collective_start import measure_collective_start_wait_s
@@ -457,8 +457,7 @@ class ChakraTracer:
                 continue
             rank = self._rank_of(path.name)
             mine = rank == self.rank or (self.rank == 0 and rank is not None and rank >= self.world_size)
-            derived = self.rank == 0 and rank is None and (
-                path.name in DERIVED_FILES or (path.name.startswith("report_") and path.name.endswith(".png")))
+            derived = self.rank == 0 and rank is None and derived_file(path.name)
             if not (mine or derived):
                 continue
             target = self._previous_dir() / path.name
