@@ -4,7 +4,7 @@ import argparse
 import sys
 import time
 
-from trace_tools.command_line import ArgumentParser
+from trace_tools.command_line import ArgumentParser, StopSignal
 from utils.environment import require
 
 require("conversion")  # one line naming the environment to use, not a ModuleNotFoundError
@@ -40,6 +40,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    with StopSignal() as stop:
+        return _repair_all(args, stop)
+
+
+def _repair_all(args: argparse.Namespace, stop: StopSignal) -> int:
     files, problems = find_host_traces(args.paths)
     for problem in problems:
         print(problem, file=sys.stderr)
@@ -50,9 +55,9 @@ def main(argv=None) -> int:
             result = repair_host_trace(path, keep_original=not args.no_backup, check_only=args.check,
                                        min_nodes=args.min_nodes)
         except KeyboardInterrupt:
-            print(f"interrupted: stopped by Ctrl-C at {path}, which is left as it was (a repair is written to a "
+            print(f"interrupted: stopped by {stop.name} at {path}, which is left as it was (a repair is written to a "
                   f"temporary file first); {done} of {len(files)} host traces done", file=sys.stderr)
-            return 130
+            return stop.exit_code
         counts[result.status] += 1
         print(result.line(), file=sys.stdout if result.ok else sys.stderr, flush=True)
     if len(files) > 1:

@@ -6,7 +6,7 @@ import sys
 import time
 from pathlib import Path
 
-from trace_tools.command_line import ArgumentParser
+from trace_tools.command_line import ArgumentParser, StopSignal
 from utils.environment import require
 
 require("report")  # one line naming the environment to use, not a ModuleNotFoundError
@@ -35,6 +35,20 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s")
+    for raw in args.traces:
+        if not Path(raw).is_dir():
+            print(f"error: --traces {raw}: no such folder", file=sys.stderr)
+            return 2
+    with StopSignal() as stop:
+        try:
+            return _report_all(args)
+        except KeyboardInterrupt:
+            print(f"interrupted: trace_report.py stopped by {stop.name}; the report being written was not moved in "
+                  "(its folder keeps the earlier one, if any); the reports printed above are complete", file=sys.stderr)
+            return stop.exit_code
+
+
+def _report_all(args: argparse.Namespace) -> int:
     failed = 0
     for raw in args.dirs:
         try:

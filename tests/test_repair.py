@@ -439,3 +439,71 @@ def test_keep_original_false_leaves_no_backup(tmp_path, gpt2_text):
     assert result.status == "repaired" and result.backup is None
     assert [p.name for p in tmp_path.iterdir()] == ["host.0.json"]
     assert load(path) == orjson.loads(gpt2_text)
+
+
+# --- a repair never makes the trace into another one ------------------------------------------------------
+
+
+def test_host_traces_of_two_processes_concatenated_are_refused(tmp_path):
+    """Rank 0's and rank 1's traces in one file: keeping the last would give host.0.json rank 1's trace."""
+    rank0, rank1 = (unzip(p) for p in BERT_HOSTS)
+    pids = sorted((orjson.loads(rank0)["pid"], orjson.loads(rank1)["pid"]))
+    original = rank0 + rank1
+    path = write(tmp_path, "host.0.json", original)
+    proc = run_cli(path)
+    assert proc.returncode == 1 and proc.stdout == ""
+    assert proc.stderr.strip() == (f"error: {path}: 2 host traces of 2 processes concatenated (pids {pids[0]}, "
+                                   f"{pids[1]}): cannot tell which is this file's trace; trace again with one output "
+                                   "file per process (host.<rank>.json)")
+    assert_refused_untouched(repair_host_trace(path), path, original)
+
+
+def test_concatenation_whose_last_document_holds_no_operator_is_refused(tmp_path, gpt2, gpt2_text):
+    """The observer registered again wrote a document of its structure only: keeping it would drop every operator."""
+    structure = [n for n in gpt2["nodes"] if n["name"].startswith("[pytorch|profiler|execution_trace|")]
+    original = gpt2_text + orjson.dumps(dict(gpt2, nodes=structure))
+    path = write(tmp_path, "host.0.json", original)
+    assert_refused_untouched(repair_host_trace(path), path, original,
+                             "2 JSON objects concatenated (ExecutionTraceObserver wrote twice); the document to keep "
+                             f"holds {len(structure)} node(s) and no operator")
+
+
+def test_interrupted_repair_leaves_the_original_alone_and_no_backup(tmp_path, gpt2_text, monkeypatch):
+    original = gpt2_text + gpt2_text
+    path = write(tmp_path, "host.0.json", original)
+
+    def interrupted(src, dst):
+        raise KeyboardInterrupt  # Ctrl-C just before the repaired file is renamed into place
+
+    monkeypatch.setattr(repair.os, "replace", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        repair_host_trace(path)
+    assert [p.name for p in tmp_path.iterdir()] == ["host.0.json"] and path.read_bytes() == original
+
+
+def test_interrupt_right_after_the_rename_keeps_the_backup(tmp_path, gpt2, gpt2_text, monkeypatch):
+    original = gpt2_text + gpt2_text
+    path = write(tmp_path, "host.0.json", original)
+    rename = repair.os.replace
+
+    def renamed_then_interrupted(src, dst):
+        rename(src, dst)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(repair.os, "replace", renamed_then_interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        repair_host_trace(path)
+    assert path.with_name("host.0.json.orig").read_bytes() == original and load(path) == gpt2
+
+
+def test_sigterm_during_a_repair_says_so_in_one_line_and_keeps_the_original(tmp_path, gpt2_text):
+    original = gpt2_text + gpt2_text
+    path = write(tmp_path, "host.0.json", original)
+    code = ("import os, signal, sys, fix_host_traces, trace_tools.repair as r\n"
+            "r._backup_path = lambda p: os.kill(os.getpid(), signal.SIGTERM)\n"
+            f"sys.exit(fix_host_traces.main([{str(path)!r}]))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 143
+    assert proc.stderr.strip() == (f"interrupted: stopped by SIGTERM at {path}, which is left as it was (a repair is "
+                                   "written to a temporary file first); 0 of 1 host traces done")
+    assert [p.name for p in tmp_path.iterdir()] == ["host.0.json"] and path.read_bytes() == original

@@ -19,6 +19,7 @@ from chakra.src.third_party.utils.protolib import encodeMessage
 from matplotlib.image import imread
 
 from conversion_helpers import read_et_with_protolib
+from trace_tools.layout import made_from_et_files
 from trace_tools import report as report_lib
 from trace_tools.report import ReportError, write_report
 
@@ -253,6 +254,8 @@ def test_report_and_figures_come_out_for_every_rank(run_dir):
     if any(r["collectives"] for r in report["per_rank"].values()):
         figures.append("report_collectives.png")
     assert sorted(report["figures"]) == sorted(figures)
+    # a conversion that replaces the .et files removes exactly these (trace_tools.layout.made_from_et_files)
+    assert all(made_from_et_files(name) for name in ["report.md", "report.json", *figures])
     for name in figures:
         assert f"]({name})" in md
         image = imread(run_dir / name)
@@ -484,3 +487,99 @@ def test_two_runs_in_one_folder_are_refused(tmp_path):
         write_et(tmp_path / f"{name}.0.et", 0, 10, [{"id": 1, "name": "x", "ts": 0, "dur": 1, "attrs": cpu}])
     with pytest.raises(ReportError, match=r"\.et files of several runs \(a, b\)"):
         write_report(tmp_path, use_hta=False)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The report describes the .et files there now, and only those
+# ---------------------------------------------------------------------------------------------------------------
+def _two_ranks_with_an_all_reduce(folder: Path) -> None:
+    cpu = {"tid": 1, "is_cpu_op": True}
+    for rank in (0, 1):
+        write_et(folder / f"two.{rank}.et", 0, 100, [
+            {"id": 1, "name": "a", "ts": 0, "dur": 10, "attrs": cpu},
+            {"id": 2, "name": "gloo:all_reduce", "type": COMM_COLL_NODE, "ts": 10, "dur": 40, "ctrl": [1],
+             "deps": [1], "attrs": {"tid": 1, "is_cpu_op": False, "comm_type": ALL_REDUCE, "comm_size": 64,
+                                    "pg_name": "0"}},
+        ], world_size=2)
+
+
+def test_an_earlier_reports_figures_that_this_one_does_not_draw_go(tmp_path, monkeypatch):
+    _two_ranks_with_an_all_reduce(tmp_path)
+    write_report(tmp_path, use_hta=False)
+    assert (tmp_path / "report_collectives.png").is_file() and (tmp_path / "report_top_ops.png").is_file()
+    for et in tmp_path.glob("*.et"):  # another run in the folder now: one rank, no communication
+        et.unlink()
+    write_et(tmp_path / "one.0.et", 0, 50, [{"id": 1, "name": "b", "ts": 0, "dur": 10,
+                                            "attrs": {"tid": 1, "is_cpu_op": True}}])
+
+    def broken(*args):
+        raise ValueError("no room for the labels")
+
+    monkeypatch.setattr(report_lib, "plot_top", broken)
+    write_report(tmp_path, use_hta=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["one.0.et", "report.json", "report.md",
+                                                          "report_breakdown.png", "report_timeline_rank0.png"]
+    md = (tmp_path / "report.md").read_text()
+    assert "# Trace report: one" in md and "- report_top_ops.png: ValueError: no room for the labels" in md
+
+
+def test_et_files_the_summary_did_not_record_are_refused(tmp_path, cpu_reports):
+    """A rank's .et replaced by another run's (same file name): CONVERSION_SUMMARY.md recorded other bytes. The folder
+    holds no traces, so the command to convert again reads them where the conversion did."""
+    run = tmp_path / "bert_tiny_2r"
+    shutil.copytree(cpu_reports / "bert_tiny_2r", run)
+    before = (run / "report.md").read_bytes()
+    shutil.copy(cpu_reports / "gpt2_tiny_1r" / "gpt2_tiny_1r.0.et", run / "bert_tiny_2r.1.et")
+    done = _run(["trace_report.py", str(run)])
+    assert done.returncode == 1
+    assert done.stderr.strip() == (f"error: {run / 'bert_tiny_2r.1.et'}: not the file {run / 'CONVERSION_SUMMARY.md'} "
+                                   "recorded (another run's .et, or changed or cut short since it was written); "
+                                   f"convert_remaining.py {CPU_DATA / 'bert_tiny_2r'} --output-dir {run} makes it again")
+    assert (run / "report.md").read_bytes() == before
+    assert not [p for p in run.iterdir() if p.name.startswith(".report.")]
+
+
+def test_no_report_while_a_conversion_writes_into_the_folder(tmp_path):
+    from trace_tools.pipeline import only_conversion_in
+
+    _two_ranks_with_an_all_reduce(tmp_path)
+    with only_conversion_in(tmp_path), \
+            pytest.raises(ReportError, match="a conversion is writing into this folder now; report on it when"):
+        write_report(tmp_path, use_hta=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["two.0.et", "two.1.et"]
+
+
+def test_a_killed_reports_staging_folder_is_removed_by_the_next(tmp_path):
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = tmp_path / f".report.{int(gone.stdout)}.k3x9q2ab"
+    dead.mkdir()
+    (dead / "report_breakdown.png").write_bytes(b"half")
+    alive = tmp_path / f".report.{os.getppid()}.a1b2c3d4"  # another report still drawing
+    alive.mkdir()
+    _two_ranks_with_an_all_reduce(tmp_path)
+    write_report(tmp_path, use_hta=False)
+    assert not dead.exists() and alive.is_dir()
+
+
+@pytest.mark.parametrize("signal_name, code, how", [("SIGINT", 130, "Ctrl-C"), ("SIGTERM", 143, "SIGTERM")])
+def test_interrupted_report_says_so_in_one_line_and_keeps_the_earlier_one(tmp_path, signal_name, code, how):
+    _two_ranks_with_an_all_reduce(tmp_path)
+    write_report(tmp_path, use_hta=False)
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    # the signal arrives while a figure is drawn, as a Ctrl-C or a job scheduler's kill would
+    done = _run(["-c", "import os, signal, sys, trace_report, trace_tools.report as r\n"
+                       f"r.plot_top = lambda *a: os.kill(os.getpid(), signal.{signal_name})\n"
+                       f"sys.exit(trace_report.main([{str(tmp_path)!r}]))"])
+    assert done.returncode == code
+    assert done.stderr.strip() == (f"interrupted: trace_report.py stopped by {how}; the report being written was not "
+                                   "moved in (its folder keeps the earlier one, if any); the reports printed above "
+                                   "are complete")
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+
+
+def test_a_traces_folder_that_does_not_exist_is_a_usage_error(tmp_path):
+    _two_ranks_with_an_all_reduce(tmp_path)
+    done = _run(["trace_report.py", str(tmp_path), "--traces", str(tmp_path / "nowhere")])
+    assert done.returncode == 2
+    assert done.stderr.strip() == f"error: --traces {tmp_path / 'nowhere'}: no such folder"
+    assert not (tmp_path / "report.md").exists()

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import filecmp
 import gc
 import gzip
 import json
@@ -244,6 +245,7 @@ class _Doc:
     node_spans: list = field(default_factory=list)
     node_ids: list = field(default_factory=list)
     node_parents: list = field(default_factory=list)
+    has_operator: bool = False  # a node other than the observer's structure (see NO_OPERATORS_PROBLEM)
     last_member_end: Optional[int] = None  # end of the last complete top-level member
     error: Optional[json.JSONDecodeError] = None
     at_eof: bool = False  # the error is the text ending, not a syntax error
@@ -301,6 +303,7 @@ def _walk_nodes(text: str, index: int, end: int, doc: _Doc) -> int:
         doc.node_spans.append((index, after))
         doc.node_ids.append(_node_id(node))
         doc.node_parents.append(_parent_id(node))
+        doc.has_operator = doc.has_operator or _is_operator(node)
         index = _skip_ws(text, after)
         if index >= end:
             _fail(text, "Expecting ',' delimiter", index)
@@ -606,8 +609,10 @@ def _analyse_scan(path: Path, scan: _Scan, raw: _Raw, min_nodes: int) -> _Analys
             return refuse(kind, f"{problem}; none is a host trace: {why}")
         keep = hosts[-1]
         pids = sorted({d.pid for d in hosts if d.pid is not None}, key=str)
-        if len(pids) > 1:
-            problem += f", by {len(pids)} processes (pids {', '.join(map(str, pids))})"
+        if len(pids) > 1:  # other ranks or runs writing one path: the last one need not be this file's trace
+            return refuse(TWO_WRITERS, f"{len(hosts)} host traces of {len(pids)} processes concatenated (pids "
+                                       f"{', '.join(map(str, pids))}): cannot tell which is this file's trace; "
+                                       "trace again with one output file per process (host.<rank>.json)")
         which = "the last complete one" if keep is complete[-1] else f"complete object {complete.index(keep) + 1}, the last host trace"
         return _plan_for(path, keep, problem, CONCATENATED, f"kept {which} ({{nodes}} nodes)", min_nodes)
     if truncated:
@@ -663,6 +668,10 @@ def _plan_for(path: Path, doc: _Doc, problem: Optional[str], kind: str, action: 
     bad = _bad_id_problem(doc.node_ids)
     if bad:
         return _Analysis(Diagnosis(path, NOT_HOST_TRACE, bad, schema=doc.fields["schema"]))
+    if not doc.has_operator:  # keeping it would "repair" the trace into one that holds no data
+        prefix = f"{problem}; the document to keep " if problem else ""
+        return _Analysis(Diagnosis(path, NO_OPERATORS, prefix + NO_OPERATORS_PROBLEM.format(nodes=len(doc.node_ids)),
+                                   schema=doc.fields["schema"], nodes=len(doc.node_ids)))
     dups = _duplicate_indices(doc.node_ids)
     nodes = len(doc.node_ids) - len(dups)
     if dups:
@@ -826,19 +835,33 @@ def _remove_dead_writers_temp_files(path: Path) -> None:
 
 def _write_replacement(path: Path, payload: bytes, gzipped: bool) -> Path:
     """Write the repaired trace beside the original, keep the original as <file>.orig, then rename into place."""
-    with atomic_output(path, mode=stat.S_IMODE(path.stat().st_mode), stage=str(os.getpid())) as out:
-        if gzipped:
-            with gzip.GzipFile(fileobj=out, mode="wb", compresslevel=6, mtime=0) as zipped:
-                zipped.write(payload)
-        else:
-            out.write(payload)
-        backup = _backup_path(path)
-        try:
-            os.link(path, backup)  # the original bytes, instantly, and nothing is lost if the rename fails
-        except OSError:
-            with atomic_output(backup, stage=str(os.getpid())) as copy, open(path, "rb") as source:
-                shutil.copyfileobj(source, copy, 1 << 20)
+    backup = None
+    try:
+        with atomic_output(path, mode=stat.S_IMODE(path.stat().st_mode), stage=str(os.getpid())) as out:
+            if gzipped:
+                with gzip.GzipFile(fileobj=out, mode="wb", compresslevel=6, mtime=0) as zipped:
+                    zipped.write(payload)
+            else:
+                out.write(payload)
+            backup = _backup_path(path)
+            try:
+                os.link(path, backup)  # the original bytes, instantly, and nothing is lost if the rename fails
+            except OSError:
+                with atomic_output(backup, stage=str(os.getpid())) as copy, open(path, "rb") as source:
+                    shutil.copyfileobj(source, copy, 1 << 20)
+    except BaseException:  # the original is still in place (Ctrl-C, a full disk): no second copy of it beside it
+        if backup is not None and _same_file(backup, path):
+            backup.unlink()
+        raise
     return backup
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    """Whether a holds b's bytes (a hard link to it, or a whole copy), compared without reading them whole."""
+    try:
+        return os.path.samefile(a, b) or filecmp.cmp(a, b, shallow=False)
+    except OSError:
+        return False
 
 
 def repair_host_trace(path, *, keep_original: bool = True, check_only: bool = False,

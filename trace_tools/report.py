@@ -5,6 +5,7 @@ import importlib.util
 import logging
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -20,13 +21,14 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
+from .atomic import folder_held, process_is_alive
 from .discover import find_runs
 from .graph import longest_path, topological_order
 from .intervals import clip_intervals, merge_intervals, subtract_intervals, total_length
-from .layout import STEP_PREFIX, et_sets
+from .layout import REPORT_FILE_RE, STEP_PREFIX, et_sets
 from .link import COMM_TYPE_NAMES
 from .load import read_trace_bytes
-from .summary import format_bytes
+from .summary import format_bytes, unrecorded_et_file
 from .validate import EtFormatError, read_et, serve_in_turn
 
 logger = logging.getLogger(__name__)
@@ -37,6 +39,8 @@ FIGURE_BREAKDOWN = "report_breakdown.png"
 FIGURE_TIMELINE = "report_timeline_rank{rank}.png"
 FIGURE_TOP = "report_top_ops.png"
 FIGURE_COMM = "report_collectives.png"
+# The folder a report is drawn in before it is moved in: .report.<pid>.<random> (a killed writer's is removed).
+STAGING_RE = re.compile(r"\.report\.(?P<pid>\d+)\..+")
 TOP_N = 20
 # Collective rows written into report.md (all of them are in report.json).
 MAX_COLLECTIVE_ROWS = 120
@@ -189,6 +193,15 @@ def find_et_files(folder: Path) -> tuple[str, dict[int, Path]]:
                           f"keep one run per folder")
     name = next(iter(runs))
     return name, runs[name]
+
+
+def check_against_summary(et_dir: Path, name: str, et_files: dict[int, Path]) -> None:
+    """ReportError when an .et is not the file the folder's CONVERSION_SUMMARY.md recorded (another run's .et copied
+    in, one left from an earlier conversion, one changed since: summary.unrecorded_et_file); ranks the summary records
+    that have no .et are the report's missing ranks."""
+    problem = unrecorded_et_file(et_dir, name, et_files, every_recorded_rank=False)
+    if problem:
+        raise ReportError(f"{problem[0]}: {problem[1]}")
 
 
 def place_work_intervals(trace: RankTrace) -> None:
@@ -798,6 +811,7 @@ def _cell(text: str) -> str:
 def build_report(et_dir: Path, trace_dirs: list[Path] | None = None, use_hta: bool = True) -> tuple[dict, list]:
     """Everything the report says, as a dict for report.json, plus the traces (for the figures)."""
     name, et_files = find_et_files(et_dir)
+    check_against_summary(et_dir, name, et_files)
     traces = {rank: load_rank(path, rank) for rank, path in sorted(et_files.items())}
     world = max((int(t.meta["world_size"]) for t in traces.values() if "world_size" in t.meta), default=0)
     expected = set(range(max(world, max(traces) + 1)))
@@ -1075,10 +1089,26 @@ def write_report(et_dir: str | Path, trace_dirs: list[str | Path] | None = None,
     et_dir = Path(et_dir)
     if not et_dir.is_dir():
         raise ReportError(f"{et_dir}: not a folder")
+    # reports side by side, but none while a conversion rewrites the .et files (pipeline.only_conversion_in)
+    with folder_held(et_dir, lambda: ReportError(f"{et_dir}: a conversion is writing into this folder now; report on it "
+                                                 "when it has ended"), shared=True):
+        return _write_report(et_dir, trace_dirs, use_hta)
+
+
+def _remove_dead_writers_staging(et_dir: Path) -> None:
+    """The staging folders of reports that were killed (SIGKILL, a power cut) before they could remove them."""
+    for entry in et_dir.iterdir():
+        match = STAGING_RE.fullmatch(entry.name)
+        if match and entry.is_dir() and not process_is_alive(int(match["pid"])):
+            shutil.rmtree(entry, ignore_errors=True)
+
+
+def _write_report(et_dir: Path, trace_dirs: list[str | Path] | None, use_hta: bool) -> Path:
     report, traces = build_report(et_dir, [Path(d) for d in trace_dirs or []], use_hta)
     ranks = {int(r): s for r, s in report["per_rank"].items()}
     try:
-        staging = Path(tempfile.mkdtemp(prefix=".report.", dir=et_dir))
+        _remove_dead_writers_staging(et_dir)
+        staging = Path(tempfile.mkdtemp(prefix=f".report.{os.getpid()}.", dir=et_dir))
     except OSError as e:
         raise ReportError(f"{et_dir}: cannot write the report here ({e.strerror})") from None
     try:
@@ -1099,8 +1129,10 @@ def write_report(et_dir: str | Path, trace_dirs: list[str | Path] | None = None,
         report["figures"] = figures["files"]
         (staging / REPORT_MD).write_text(render_markdown(report, figures))
         (staging / REPORT_JSON).write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS))
-        for old in et_dir.glob("report_timeline_rank*.png"):  # figures of ranks that are gone
-            old.unlink()
+        written = {item.name for item in staging.iterdir()}
+        for old in et_dir.iterdir():  # an earlier report's figures this one has not drawn (ranks gone, no collectives)
+            if REPORT_FILE_RE.fullmatch(old.name) and old.name not in written:
+                old.unlink()
         for item in sorted(staging.iterdir()):
             os.replace(item, et_dir / item.name)
     finally:
