@@ -4,7 +4,7 @@ import argparse
 import logging
 import sys
 
-from trace_tools.command_line import ArgumentParser
+from trace_tools.command_line import ArgumentParser, StopSignal
 from trace_tools.scale import DEFAULT_NAME, SUMMARY_NAME, ScaleError, parse_slow, scale_set
 
 
@@ -36,12 +36,17 @@ def main(argv: list[str] | None = None) -> int:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("warning: %(message)s"))
     logging.getLogger("trace_tools").addHandler(handler)
-    try:
-        result = scale_set(args.run_dir, args.ranks, output_dir=args.output_dir, name=args.name,
-                           slow=parse_slow(args.slow), assume_data_parallel=args.assume_data_parallel)
-    except ScaleError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2 if e.where.startswith("--") else 1
+    with StopSignal() as stop:
+        try:
+            result = scale_set(args.run_dir, args.ranks, output_dir=args.output_dir, name=args.name,
+                               slow=parse_slow(args.slow), assume_data_parallel=args.assume_data_parallel)
+        except ScaleError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2 if e.where.startswith("--") else 1
+        except KeyboardInterrupt:
+            print(f"interrupted: scale_et.py stopped by {stop.name}; no partial set is left (the set in place is the "
+                  f"one its {SUMMARY_NAME} describes)", file=sys.stderr)
+            return stop.exit_code
     extra = f", {result.copies} copies" if result.copies else ""
     print(f"wrote {result.ranks} ranks from {result.source.ranks} traced: {len(result.written)} files, "
           f"{result.links} hard links{extra}, {result.new_bytes / 1e6:.1f} MB, {result.seconds:.2f} s")

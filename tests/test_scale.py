@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -18,7 +19,7 @@ from trace_tools import scale
 from trace_tools.discover import find_runs
 from trace_tools.pipeline import convert_runs
 from trace_tools.scale import NotDataParallelError, ScaleError, scale_run, scale_set
-from trace_tools.validate import collectives_agree, validate_et
+from trace_tools.validate import SerializedMessage, collectives_agree, iter_et_messages, validate_et
 
 REPO = Path(__file__).resolve().parent.parent
 GPT2_2R = "gpt2_tiny_2r"
@@ -164,6 +165,13 @@ def test_a_scaled_set_scales_again_keeping_the_traced_rank(gpt2_run, tmp_path):
     assert result.parallelism.startswith("a scaled set")
 
 
+def test_a_scaled_set_that_the_traced_ranks_do_not_divide_scales_again_by_traced_rank(gpt2_run, tmp_path):
+    three = scale_run(gpt2_run, 3, output_dir=tmp_path / "three")  # replays traced ranks 0, 1, 0
+    result = scale_set(three.parent, 8, output_dir=tmp_path / "eight")
+    # As if the traced run were scaled to 8 directly, not 0, 1, 0, 0, 1, 0, 0, 1 (rank r mod 3 of the 3-rank set).
+    assert [metadata_of(Path(f"{result.prefix}.{r}.et"))["source_rank"] for r in range(8)] == [0, 1] * 4
+
+
 def test_summary_says_what_was_scaled_and_how_to_run_it(gpt2_run, tmp_path):
     result = scale_set(gpt2_run, 16, output_dir=tmp_path)
     summary = (tmp_path / "SCALE_SUMMARY.md").read_text()
@@ -258,7 +266,11 @@ def collective_nodes_of(nodes: list[Node]) -> list[Node]:
     (["{run}", "--ranks", "4", "--slow", "4:2"], "--slow: rank 4 is not one of the 4 output ranks (0-3)"),
     (["{run}", "--ranks", "4", "--slow", "1:fast"], "--slow 1:fast: expected RANK:FACTOR"),
     (["{run}", "--ranks", "4", "--slow", "1:0"], "--slow: factor 0.0 of rank 1 must be a positive number"),
-    (["{run}", "--ranks", "4", "--output-dir", "{run}", "--name", GPT2_2R], "--name: gpt2_tiny_2r would overwrite"),
+    (["{run}", "--ranks", "4", "--output-dir", "{run}", "--name", GPT2_2R],
+     "--output-dir: {run} is the run folder itself; a scaled set goes in a folder of its own"),
+    # Another name would put a second set beside the converted one: simulate.py could no longer tell them apart.
+    (["{run}", "--ranks", "4", "--output-dir", "{run}"],
+     "--output-dir: {run} is the run folder itself; a scaled set goes in a folder of its own"),
 ])
 def test_bad_input_is_one_error_line(gpt2_run, tmp_path, capsys, argv, message):
     code = scale_et.main([a.format(tmp=tmp_path, run=gpt2_run) for a in argv])
@@ -286,6 +298,67 @@ def test_a_failure_leaves_no_partial_set_and_keeps_the_previous_one(gpt2_run, tm
         scale_run(gpt2_run, 8, output_dir=tmp_path, name="run")
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before  # no staging folder, no rank 4-7
     assert previous == tmp_path / "run"
+
+
+def test_a_source_et_cut_short_since_its_conversion_is_refused(gpt2_run, tmp_path):
+    source = tmp_path / GPT2_2R
+    shutil.copytree(gpt2_run, source, ignore=shutil.ignore_patterns("*.json.gz"))
+    rank0 = source / f"{GPT2_2R}.0.et"
+    blobs = list(iter_et_messages(rank0))
+    with open(rank0, "wb") as f:  # cut at a node boundary after the collectives: it still decodes and validates
+        for blob in blobs[:-3]:
+            encodeMessage(f, SerializedMessage(blob))
+    assert validate_et(rank0).ok
+    code = scale_et.main([str(source), "--ranks", "4", "--output-dir", str(tmp_path / "out")])
+    assert code == 1 and not (tmp_path / "out").exists()
+    with pytest.raises(ScaleError, match=rf"{GPT2_2R}\.0\.et: not the file .*CONVERSION_SUMMARY.md recorded"):
+        scale_run(source, 4, output_dir=tmp_path / "out")
+
+
+def test_a_second_scale_into_a_folder_being_written_is_refused(gpt2_run, tmp_path):
+    fcntl = pytest.importorskip("fcntl")
+    fd = os.open(tmp_path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # as a scale_et.py still writing there holds it
+        with pytest.raises(ScaleError, match="another scale_et.py is writing into this folder now"):
+            scale_run(gpt2_run, 4, output_dir=tmp_path, name="run")
+    finally:
+        os.close(fd)
+    assert list(tmp_path.iterdir()) == []
+    assert scale_run(gpt2_run, 4, output_dir=tmp_path, name="run") == tmp_path / "run"
+
+
+def test_a_write_that_fails_is_one_error_line_and_keeps_the_previous_set(gpt2_run, tmp_path, monkeypatch, capsys):
+    scale_run(gpt2_run, 4, output_dir=tmp_path, name="run")
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+
+    def disk_full(existing, new):
+        raise OSError(28, "No space left on device", str(new))
+    monkeypatch.setattr(scale, "link_or_copy", disk_full)
+    code = scale_et.main([str(gpt2_run), "--ranks", "8", "--output-dir", str(tmp_path), "--name", "run"])
+    err = capsys.readouterr().err
+    assert code == 1 and err.count("\n") == 1 and "No space left on device" in err and "nothing was changed" in err
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+
+
+def test_sigterm_while_scaling_leaves_nothing_half_written(gpt2_run, tmp_path, monkeypatch, capsys):
+    write = scale.write_scaled_et
+
+    def killed_midway(source, out_path, **kwargs):
+        write(source, out_path, **kwargs)
+        os.kill(os.getpid(), signal.SIGTERM)  # a job scheduler's time limit, after the first file
+    monkeypatch.setattr(scale, "write_scaled_et", killed_midway)
+
+    def unhandled(signum, frame):
+        raise AssertionError("SIGTERM reached the test: scale_et.py did not handle it")
+    previous = signal.signal(signal.SIGTERM, unhandled)  # without this, a SIGTERM scale_et.py ignores ends pytest
+    try:
+        code = scale_et.main([str(gpt2_run), "--ranks", "4", "--output-dir", str(tmp_path / "out")])
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert code == 128 + signal.SIGTERM
+    assert capsys.readouterr().err.startswith("interrupted: scale_et.py stopped by SIGTERM; no partial set is left")
+    assert list((tmp_path / "out").iterdir()) == []  # no staging folder, no rank, no summary
 
 
 def test_a_smaller_set_replaces_a_larger_one_of_the_same_name(gpt2_run, tmp_path):

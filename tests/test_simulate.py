@@ -6,8 +6,10 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -269,7 +271,8 @@ def test_more_ranks_than_traced_needs_the_scaler(converted, monkeypatch, tmp_pat
 
 
 @pytest.mark.parametrize("damage, says", [
-    ("cut", "gpt2_tiny_2r.0.et: not the file {summary} recorded (changed or cut short since it was written)"),
+    ("cut", "gpt2_tiny_2r.0.et: not the file {summary} recorded (another run's .et, or changed or cut short since it "
+            "was written)"),
     ("stale rank", "gpt2_tiny_2r.2.et: {summary} records no rank 2 of gpt2_tiny_2r: the file is left from another "
                    "conversion"),
     ("missing rank", "gpt2_tiny_2r.1.et: missing, though {summary} records it converted"),
@@ -325,6 +328,133 @@ def test_the_finish_cycles_of_every_rank_are_read_from_astra_sims_log_lines(conv
     args = (tmp_path / "w" / "args.txt").read_text().split()
     assert f"--workload-configuration={converted / 'gpt2_tiny_2r'}" in args
     assert "--network-configuration=network.yml" in args and "--logging-folder=log" in args
+
+
+def finishing_astra_sim(folder: Path, ranks: int) -> Path:
+    """A stand-in for ASTRA-sim that finishes every rank at 1 ms and records the workload it was given."""
+    fake = folder / "astra"
+    lines = "".join(f"echo 'sys[{r}] finished, 1000000 cycles, exposed communication 10 cycles.'\n"
+                    for r in range(ranks))
+    fake.write_text(f"#!/bin/sh\n{lines}echo \"$1\" > workload.txt\n")
+    fake.chmod(0o755)
+    return fake
+
+
+def scaled(converted: Path, folder: Path, ranks: int, **kwargs) -> Path:
+    from trace_tools.scale import scale_run
+    return scale_run(converted, ranks, output_dir=folder, **kwargs)
+
+
+def test_a_set_with_a_rank_missing_in_the_middle_is_refused(converted, tmp_path):
+    for rank, copied in ((0, 0), (1, 1), (3, 1)):
+        shutil.copy(converted / f"gpt2_tiny_2r.{copied}.et", tmp_path / f"set.{rank}.et")
+    for given in (tmp_path, tmp_path / "set"):  # ranks 0-1 alone would be simulated as the whole run
+        with pytest.raises(SimulationError, match=r"set\.2\.et: missing \(the set has ranks up to 3"):
+            find_workload(given)
+
+
+def test_a_set_smaller_than_the_world_its_files_record_is_refused(converted, tmp_path):
+    pytest.importorskip("trace_tools.scale")
+    prefix = scaled(converted, tmp_path / "four", 4)
+    for rank in (2, 3):
+        Path(f"{prefix}.{rank}.et").unlink()
+    with pytest.raises(SimulationError, match=r"\.0\.et: recorded in a world of 4 ranks, but the set has 2 \.et files"):
+        simulate_run(prefix.parent, bandwidth_gbs=1.0, binary=finishing_astra_sim(tmp_path, 2), work_dir=tmp_path / "w")
+
+
+def test_more_ranks_of_a_set_named_as_a_prefix_scale_that_set(converted, tmp_path):
+    pytest.importorskip("trace_tools.scale")
+    folder = tmp_path / "gpt2_tiny_2r"  # the folder's own set, and a straggler variant of it beside it
+    shutil.copytree(converted, folder)
+    for path in scaled(converted, tmp_path / "slow", 2, name="straggler", slow={1: 3.0}).parent.glob("*.et"):
+        shutil.copy(path, folder)
+    fake = finishing_astra_sim(tmp_path, 4)
+    result = simulate_run(folder / "straggler", ranks=4, bandwidth_gbs=1.0, binary=fake, work_dir=tmp_path / "w",
+                          communication_cpu_bound=False)
+    assert result.workload.name == "straggler_4npus"
+    assert (tmp_path / "w" / "workload.txt").read_text().strip().endswith("/scaled_4/straggler_4npus")
+    # The summary's critical paths are those of gpt2_tiny_2r, not of this set.
+    assert result.critical_path_ms == {}
+
+
+def test_a_second_simulation_in_the_same_work_folder_is_refused(converted, tmp_path):
+    fcntl = pytest.importorskip("fcntl")
+    work = tmp_path / "w"
+    work.mkdir()
+    fd = os.open(work, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # as a simulation still running there holds it
+        with pytest.raises(SimulationError, match="another simulation of this run is running there now"):
+            simulate_run(converted, bandwidth_gbs=1.0, binary=finishing_astra_sim(tmp_path, 2), work_dir=work)
+    finally:
+        os.close(fd)
+    assert list(work.iterdir()) == []
+
+
+def test_a_work_folder_that_cannot_be_made_is_one_error_line(converted, tmp_path):
+    folder = tmp_path / "run"
+    shutil.copytree(converted, folder, ignore=shutil.ignore_patterns("astra-sim", "SIMULATION.md"))
+    (folder / "astra-sim").write_text("a file where the work folder goes\n")
+    proc = run_cli(folder, "--bandwidth", "1Gbit/s", "--astra-sim", finishing_astra_sim(tmp_path, 2))
+    assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stderr.startswith(f"error: {folder / 'astra-sim'}: cannot write ASTRA-sim's files there"), proc.stderr
+
+
+def process_runs(pid: int, wait_s: float = 5.0) -> bool:
+    """Whether the process still runs after wait_s (a killed one that is not reaped yet is a zombie: not running)."""
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (FileNotFoundError, ProcessLookupError):
+            return False
+        if state == "Z":
+            return False
+        time.sleep(0.1)
+    return True
+
+
+def test_sigterm_stops_astra_sim_too_and_says_so_in_one_line(converted, tmp_path):
+    if not Path("/proc/self/stat").is_file():
+        pytest.skip("reads the stand-in simulator's state from /proc (Linux)")
+    folder = tmp_path / "run"
+    shutil.copytree(converted, folder, ignore=shutil.ignore_patterns("astra-sim", "SIMULATION.md"))
+    fake = tmp_path / "astra"
+    fake.write_text(f"#!/bin/sh\necho $$ > {tmp_path / 'pid'}\nexec sleep 60\n")
+    fake.chmod(0o755)
+    proc = subprocess.Popen([sys.executable, "simulate.py", str(folder), "--bandwidth", "1Gbit/s", "--astra-sim",
+                             str(fake)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    pid_file = tmp_path / "pid"
+    for _ in range(300):
+        if pid_file.is_file() and pid_file.read_text().strip():
+            break
+        time.sleep(0.05)
+    proc.terminate()
+    _, err = proc.communicate(timeout=30)
+    astra_pid = int(pid_file.read_text())
+    assert proc.returncode == 128 + signal.SIGTERM
+    assert err.startswith("interrupted: simulate.py stopped by SIGTERM; ASTRA-sim was stopped") and err.count("\n") == 1
+    assert not process_runs(astra_pid)  # killed, not left running for minutes (26 at 1024 NPUs)
+    assert not (folder / "SIMULATION.md").exists()
+
+
+def test_the_copy_without_communication_cpu_keeps_a_scaled_sets_hard_links(tmp_path):
+    pytest.importorskip("trace_tools.scale")
+    prefix = scaled(converted_with_run_json(tmp_path / "cpu_run", 0.05), tmp_path / "eight", 8)
+    zeroed = simulate.without_communication_cpu(prefix, 8, tmp_path / "zeroed")
+    files = [Path(f"{zeroed}.{rank}.et") for rank in range(8)]
+    assert len({path.stat().st_ino for path in files}) == 2  # one copy per traced rank, not 8 (1024: 1.3 GB)
+    assert files[6].read_bytes() == files[0].read_bytes() != Path(f"{prefix}.0.et").read_bytes()
+
+
+def test_a_scaled_set_simulated_as_it_is_says_it_was_scaled(converted, tmp_path):
+    pytest.importorskip("trace_tools.scale")
+    prefix = scaled(converted, tmp_path / "four", 4)
+    result = simulate_run(prefix.parent, bandwidth_gbs=1.0, binary=finishing_astra_sim(tmp_path, 4),
+                          work_dir=tmp_path / "w", communication_cpu_bound=False)
+    assert result.traced_ranks == 2
+    assert "Ring of 4 NPUs" in simulate.render_simulation(result, "...")
+    assert "(scaled from the 2 traced ranks)" in simulate.render_simulation(result, "...")
 
 
 # --- install_astra_sim.sh -------------------------------------------------------------------------------------

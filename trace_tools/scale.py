@@ -15,6 +15,7 @@ import math
 import os
 import re
 import shutil
+import signal
 import tempfile
 import time
 from collections import Counter
@@ -28,11 +29,11 @@ from chakra.schema.protobuf.et_def_pb2 import (
 )
 from chakra.src.third_party.utils.protolib import encodeMessage
 
-from .atomic import write_text_atomic
+from .atomic import folder_held, write_text_atomic
 from .layout import ET_FILE_RE, RUN_INFO, et_name, et_sets
 from .link import COMM_TYPE_NAMES, COMMUNICATION_CPU_ATTR
 from .pipeline import FALLBACK_OUTPUT_ROOT, _writable
-from .summary import converted_from, format_bytes
+from .summary import converted_from, format_bytes, unrecorded_et_file
 from .validate import (EtFormatError, SerializedMessage, collectives_agree, iter_et_messages, read_et_metadata,
                        validate_et)
 
@@ -111,6 +112,14 @@ def _complete_set(folder: Path, name: str) -> SourceSet:
         raise ScaleError(folder / et_name(name, missing[0]), f"missing (the set has ranks {_ranges(sorted(ranks))}; "
                          "every rank from 0 up is needed)")
     return SourceSet(folder=folder, name=name, paths=[folder / et_name(name, r) for r in range(len(ranks))])
+
+
+def check_against_conversion(source: SourceSet) -> None:
+    """Refuse .et files that are not those the folder's CONVERSION_SUMMARY.md recorded (summary.unrecorded_et_file):
+    one cut short at a node boundary still decodes and validates, and would be scaled to N ranks as it is."""
+    problem = unrecorded_et_file(source.folder, source.name, range(source.ranks))
+    if problem:
+        raise ScaleError(*problem)
 
 
 @dataclass
@@ -477,8 +486,12 @@ def scale_set(source: str | Path, ranks: int, *, output_dir: str | Path | None =
         out_dir = Path(output_dir)
     if out_dir.exists() and not out_dir.is_dir():
         raise ScaleError(out_dir, "exists and is not a folder")
-    if out_dir.is_dir() and out_dir.resolve() == source_set.folder.resolve() and name == source_set.name:
-        raise ScaleError("--name", f"{name} would overwrite the source set in {out_dir}; pick another name")
+    if out_dir.is_dir() and out_dir.resolve() == source_set.folder.resolve():
+        # A second set beside the converted one: simulate.py and the conversion tools would no longer know which
+        # set the folder is (and a set of the source's name would overwrite it).
+        raise ScaleError("--output-dir", f"{out_dir} is the run folder itself; a scaled set goes in a folder of its "
+                         "own (default: one beside the run)")
+    check_against_conversion(source_set)
 
     # Ranks sharing one file (a scaled set as source) are read once; output rank r replays file r mod k.
     sources: list[SourceEt] = []
@@ -498,20 +511,41 @@ def scale_set(source: str | Path, ranks: int, *, output_dir: str | Path | None =
 
     k = source_set.ranks
     source_of_rank = [r % k for r in range(ranks)]
+    replays = [sources[file_of_rank[s]].meta for s in range(k)]
+    traced = replays[0].get("traced_world_size") if replays[0].get("scaled") else None
+    if traced and k % traced:
+        # A scaled set of k ranks that k traced ranks do not divide (2 traced, scaled to 3: 0, 1, 0): r mod k would
+        # not replay traced rank r mod traced. Take a rank of the set that does, and is not a straggler of --slow.
+        first = {}
+        for s in reversed(range(k)):
+            if replays[s].get("compute_scale", 1.0) == 1.0:
+                first[replays[s].get("source_rank")] = s
+        source_of_rank = [s if replays[s].get("source_rank") == r % traced else first.get(r % traced, s)
+                          for r, s in enumerate(source_of_rank)]
     result = ScaleResult(source=source_set, output_dir=out_dir, name=name, ranks=ranks, source_of_rank=source_of_rank,
                          slow=slow, parallelism=parallelism, warnings=warnings, note=note)
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f".{name}.scaling-", dir=out_dir))
     except OSError as e:
         raise ScaleError(out_dir, f"cannot write there ({e.strerror or e})") from None
-    try:
-        _write_set(result, sources, file_of_rank, staging)
-        _publish(result, staging)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    result.seconds = time.perf_counter() - started
-    write_scale_summary(result)
+    # one scale_et.py at a time in an output folder: two publishing sets of one name at once would leave ranks of
+    # each (and the summary of one)
+    with folder_held(out_dir, lambda: ScaleError(out_dir, "another scale_et.py is writing into this folder now; "
+                                                          "wait for it to end")):
+        try:
+            staging = Path(tempfile.mkdtemp(prefix=f".{name}.scaling-", dir=out_dir))
+        except OSError as e:
+            raise ScaleError(out_dir, f"cannot write there ({e.strerror or e})") from None
+        try:
+            _write_set(result, sources, file_of_rank, staging)
+            result.seconds = time.perf_counter() - started
+            write_text_atomic(staging / SUMMARY_NAME, render_scale_summary(result))
+            _publish(result, staging)
+        except OSError as e:  # the disk filled, the folder went read-only
+            raise ScaleError(e.filename or out_dir, f"cannot write the scaled set ({e.strerror or e}); nothing "
+                             "was changed") from None
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
     return result
 
 
@@ -560,14 +594,24 @@ def _write_set(result: ScaleResult, sources: list[SourceEt], file_of_rank: list[
 
 
 def _publish(result: ScaleResult, staging: Path) -> None:
-    """Rename every rank's file into place, then drop ranks >= N left by an earlier, larger set of this name."""
-    for r in range(result.ranks):
-        name = et_name(result.name, r)
-        os.replace(staging / name, result.output_dir / name)
-    for entry in os.scandir(result.output_dir):
-        match = ET_FILE_RE.match(entry.name)
-        if match and match["name"] == result.name and int(match["rank"]) >= result.ranks:
-            os.unlink(entry.path)
+    """Rename every rank's file and the summary into place, then drop ranks >= N left by an earlier, larger set of
+    this name. Ctrl-C and SIGTERM wait until it is done: an interrupted publish would leave ranks of two sets."""
+    deferred = {signal.SIGINT, signal.SIGTERM}
+    blocked = hasattr(signal, "pthread_sigmask")
+    if blocked:
+        signal.pthread_sigmask(signal.SIG_BLOCK, deferred)
+    try:
+        for r in range(result.ranks):
+            name = et_name(result.name, r)
+            os.replace(staging / name, result.output_dir / name)
+        for entry in os.scandir(result.output_dir):
+            match = ET_FILE_RE.match(entry.name)
+            if match and match["name"] == result.name and int(match["rank"]) >= result.ranks:
+                os.unlink(entry.path)
+        os.replace(staging / SUMMARY_NAME, result.output_dir / SUMMARY_NAME)
+    finally:
+        if blocked:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, deferred)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -610,7 +654,7 @@ def render_scale_summary(result: ScaleResult) -> str:
         "| output ranks | replay traced rank | compute | file |",
         "|---|---:|---|---|",
     ]
-    for s in range(min(k, ranks)):
+    for s in sorted(set(result.source_of_rank)):
         lines.append(f"| {_outputs_of(result, s)} | {s} | as traced | shared (hard links) |")
     for r, factor in sorted(result.slow.items()):
         lines.append(f"| {r} | {result.source_of_rank[r]} | x{factor:g} (--slow {r}:{factor:g}) | its own |")
@@ -658,7 +702,3 @@ def render_scale_summary(result: ScaleResult) -> str:
               "copies": result.copies, "new_bytes": result.new_bytes, "seconds": round(result.seconds, 3)}
     lines += ["", "<!-- trace_tools-scale-status", json.dumps(status, sort_keys=True), "-->", ""]
     return "\n".join(lines)
-
-
-def write_scale_summary(result: ScaleResult) -> Path:
-    return write_text_atomic(result.output_dir / SUMMARY_NAME, render_scale_summary(result))

@@ -16,15 +16,15 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .atomic import atomic_output, write_text_atomic
-from .command_line import ArgumentParser
-from .layout import CONVERSION_SUMMARY, RUN_INFO, et_name, et_sets
+from .atomic import atomic_output, folder_held, write_text_atomic
+from .command_line import ArgumentParser, StopSignal
+from .layout import CONVERSION_SUMMARY, RUN_INFO, SIMULATION_FILE, et_name, et_sets
 from .step_timing import step_times_of
+from .summary import unrecorded_et_file
 
 ASTRA_SIM_ENV = "ASTRA_SIM"
 INSTALLER = "install_astra_sim.sh"
 BINARY_NAME = "AstraSim_Analytical_Congestion_Unaware"
-SIMULATION_NAME = "SIMULATION.md"
 WORK_DIR_NAME = "astra-sim"  # inside the run folder: the configuration files, ASTRA-sim's output and logs
 NETWORK_FILE, SYSTEM_FILE, MEMORY_FILE, COMM_GROUP_FILE = "network.yml", "system.json", "remote_memory.json", \
     "comm_groups.json"
@@ -194,9 +194,9 @@ def find_astra_sim(path: str | os.PathLike | None = None) -> Path:
 def find_workload(run: Path) -> tuple[Path, int]:
     """(workload prefix, ranks) of a converted run: a folder with <name>.<rank>.et files, or the prefix itself."""
     if not run.is_dir():
-        ranks = _contiguous_ranks(run.parent, run.name)
-        if ranks:
-            return run, ranks
+        ranks = et_sets(run.parent).get(run.name, {})
+        if 0 in ranks:
+            return run, _contiguous_ranks(run.parent, run.name, ranks)
         raise SimulationError(f"{run}: no such folder (nor a workload prefix with {run.name}.0.et beside it)")
     sets = {name: ranks for name, ranks in et_sets(run).items() if 0 in ranks}
     if not sets:
@@ -211,13 +211,18 @@ def find_workload(run: Path) -> tuple[Path, int]:
             raise SimulationError(f"{run}: several .et sets ({', '.join(sorted(sets))}); pass the one to simulate as "
                                   f"a prefix, e.g. {run / sorted(sets)[0]}")
         name = next(iter(sets))
-    return run / name, _contiguous_ranks(run, name)
+    return run / name, _contiguous_ranks(run, name, sets[name])
 
 
-def _contiguous_ranks(folder: Path, name: str) -> int:
+def _contiguous_ranks(folder: Path, name: str, ranks: dict[int, Path]) -> int:
+    """How many ranks the set has; a gap (rank 2 of 0-3 gone) is refused: ASTRA-sim would simulate ranks 0-1 as the
+    whole run, a smaller world than the one traced."""
     count = 0
-    while (folder / et_name(name, count)).is_file():
+    while count in ranks:
         count += 1
+    if count < len(ranks):
+        raise SimulationError(f"{folder / et_name(name, count)}: missing (the set has ranks up to {max(ranks)}; "
+                              "every rank from 0 up is needed)")
     return count
 
 
@@ -238,6 +243,11 @@ def process_groups(workload: Path, ranks: int) -> dict[str, list[int]]:
             decodeMessage(handle, metadata)
         finally:
             handle.close()
+        world = _int_attr(metadata, "world_size")
+        if world and world != ranks:  # ranks deleted from the top of the set, or a set of another run mixed in
+            raise SimulationError(f"{path}: recorded in a world of {world} ranks, but the set has {ranks} .et files "
+                                  f"({et_name(workload.name, 0)} to {et_name(workload.name, ranks - 1)}); simulate "
+                                  "a complete set")
         raw = next((a.string_val for a in metadata.attr if a.name == "process_groups"), "")
         try:
             listed = json.loads(raw) if raw else []
@@ -253,6 +263,24 @@ def process_groups(workload: Path, ranks: int) -> dict[str, list[int]]:
                                       f"says {groups[name]}")
             groups[name] = members
     return groups
+
+
+def _int_attr(metadata, name: str) -> int:
+    return next((a.int64_val for a in metadata.attr if a.name == name), 0)
+
+
+def traced_world_size(workload: Path) -> int:
+    """The ranks the set was traced on: a scaled set's `traced_world_size` (scale_et.py), else 0."""
+    from chakra.schema.protobuf.et_def_pb2 import GlobalMetadata
+    from chakra.src.third_party.utils.protolib import decodeMessage, openFileRd
+
+    handle = openFileRd(str(workload.parent / et_name(workload.name, 0)))
+    try:
+        metadata = GlobalMetadata()
+        decodeMessage(handle, metadata)
+    finally:
+        handle.close()
+    return _int_attr(metadata, "traced_world_size")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -381,35 +409,44 @@ def without_communication_cpu(workload: Path, ranks: int, out_dir: Path) -> Path
     communication costing no CPU) and the step of the .et as converted."""
     from chakra.src.third_party.utils.protolib import encodeMessage
 
-    from .scale import ScaleError, read_source_et, with_duration_scaled
+    from .scale import ScaleError, link_or_copy, read_source_et, with_duration_scaled
     from .validate import SerializedMessage
 
     out_dir.mkdir(parents=True, exist_ok=True)
+    copy_of: dict[tuple[int, int], Path] = {}  # a scaled set's hard links are one file: one copy, linked again
     for rank in range(ranks):
+        path, out = workload.parent / et_name(workload.name, rank), out_dir / et_name(workload.name, rank)
+        stat = path.stat()
+        key = (stat.st_dev, stat.st_ino)
+        if key in copy_of:
+            link_or_copy(copy_of[key], out)
+            continue
         try:
-            source = read_source_et(workload.parent / et_name(workload.name, rank))
+            source = read_source_et(path)
         except ScaleError as e:
             raise SimulationError(str(e)) from None
         cpu_nodes = set(source.communication_cpu_indices)
         if rank == 0 and not cpu_nodes:
             return None
-        with atomic_output(out_dir / et_name(workload.name, rank)) as f:
+        with atomic_output(out) as f:
             encodeMessage(f, source.metadata)
             for index, blob in enumerate(source.blobs):
                 encodeMessage(f, SerializedMessage(with_duration_scaled(blob, 0.0) if index in cpu_nodes else blob))
+        copy_of[key] = out
     return out_dir / workload.name
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # A converted run: its .et set, its measured steps, SIMULATION.md
 # ---------------------------------------------------------------------------------------------------------------
-def _summary_status(folder: Path) -> dict[int, dict]:
-    """Per-rank results recorded in the folder's CONVERSION_SUMMARY.md (empty when there is none)."""
+def _summary_status(folder: Path, name: str | None = None) -> dict[int, dict]:
+    """Per-rank results recorded in the folder's CONVERSION_SUMMARY.md for the set `name` (any set when None; empty
+    when there is none)."""
     from .summary import read_previous_results
 
     previous = read_previous_results(folder) or {}
     return {rank: {"traced_step_us": r.traced_step_us, "critical_path_us": r.critical_path_us}
-            for rank, r in previous.items() if r.ok}
+            for rank, r in previous.items() if r.ok and name in (None, r.run)}
 
 
 def _median_seconds(value) -> float | None:
@@ -450,34 +487,11 @@ def measured_steps(folder: Path) -> tuple[dict[int, float], str]:
 
 
 def check_against_summary(workload: Path, ranks: int) -> None:
-    """Refuse a set whose .et files are not those the folder's CONVERSION_SUMMARY.md recorded as converted: one left
-    from an earlier conversion of another run, one changed or cut short since (an .et cut at a node boundary still
-    decodes, and ASTRA-sim would simulate what is left), or a rank the conversion did not finish. Nothing is checked
-    where no summary records this set (.et files from elsewhere)."""
-    from .pipeline import et_fingerprint
-    from .summary import read_previous_results
-
-    folder = workload.parent
-    recorded = {rank: r for rank, r in (read_previous_results(folder) or {}).items() if r.run == workload.name}
-    if not recorded:
-        return
-    summary = folder / CONVERSION_SUMMARY
-    for rank in sorted(set(recorded) | set(range(ranks))):
-        et = folder / et_name(workload.name, rank)
-        result = recorded.get(rank)
-        if result is None:
-            raise SimulationError(f"{et}: {summary} records no rank {rank} of {workload.name}: the file is left from "
-                                  "another conversion (convert the run again)")
-        if not result.ok:
-            raise SimulationError(f"{et}: {summary} says rank {rank} was not converted ({result.status}: "
-                                  f"{result.error}); convert_remaining.py {folder} converts it")
-        if rank >= ranks:
-            raise SimulationError(f"{et}: missing, though {summary} records it converted (convert_remaining.py "
-                                  f"{folder} makes it again)")
-        expected = (result.inputs or {}).get("et")
-        if expected and et_fingerprint(et, expected.get("name")) != expected:
-            raise SimulationError(f"{et}: not the file {summary} recorded (changed or cut short since it was "
-                                  f"written); convert_remaining.py {folder} makes it again")
+    """Refuse a set whose .et files are not those the folder's CONVERSION_SUMMARY.md recorded as converted
+    (summary.unrecorded_et_file): ASTRA-sim would simulate another run's rank, or what is left of a file cut short."""
+    problem = unrecorded_et_file(workload.parent, workload.name, range(ranks))
+    if problem:
+        raise SimulationError(f"{problem[0]}: {problem[1]}")
 
 
 def simulate_run(run_dir: Path, *, ranks: int | None = None, work_dir: Path | None = None,
@@ -495,6 +509,20 @@ def simulate_run(run_dir: Path, *, ranks: int | None = None, work_dir: Path | No
         ranks = traced
     if ranks < traced:
         raise SimulationError(f"--ranks {ranks}: the run has {traced} traced ranks; simulate at least as many")
+    try:
+        work_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise SimulationError(f"{work_dir}: cannot write ASTRA-sim's files there ({e.strerror or e})") from None
+    # One simulation at a time in a work folder: a second one would rewrite network.yml and the .et copies while the
+    # first one's ASTRA-sim reads them (a result for the other's network).
+    with folder_held(work_dir, lambda: SimulationError(f"{work_dir}: another simulation of this run is running there "
+                                                       "now; wait for it to end")):
+        return _simulate_run(workload, traced, ranks, work_dir, communication_cpu_bound, network)
+
+
+def _simulate_run(workload: Path, traced: int, ranks: int, work_dir: Path, communication_cpu_bound: bool,
+                  network: dict) -> SimulationResult:
+    folder, traced_name = workload.parent, workload.name
     if ranks > traced:
         try:
             from .scale import ScaleError, scale_run
@@ -502,11 +530,13 @@ def simulate_run(run_dir: Path, *, ranks: int | None = None, work_dir: Path | No
             raise SimulationError(f"--ranks {ranks}: more ranks than the {traced} traced needs trace_tools.scale, "
                                   f"which this checkout does not have: scaling is unavailable ({e})") from e
         try:
-            workload = Path(scale_run(folder, ranks, output_dir=work_dir / f"scaled_{ranks}"))
+            # The prefix, not the folder: a folder of several sets would otherwise scale the one named after it.
+            workload = Path(scale_run(workload, ranks, output_dir=work_dir / f"scaled_{ranks}"))
         except ScaleError as e:
             raise SimulationError(f"--ranks {ranks}: {e}") from e
     result = simulate_workload(workload, ranks, work_dir=work_dir, **network)
-    result.traced_ranks, result.run_folder = traced, folder
+    # A scaled set simulated as it is was still traced on fewer ranks: SIMULATION.md says so.
+    result.traced_ranks, result.run_folder = traced_world_size(workload) or traced, folder
     bound_dir = work_dir / WITHOUT_COMMUNICATION_CPU_DIR
     shutil.rmtree(bound_dir, ignore_errors=True)  # an earlier simulation's copies are of an earlier .et set
     if communication_cpu_bound:
@@ -515,7 +545,7 @@ def simulate_run(run_dir: Path, *, ranks: int | None = None, work_dir: Path | No
             result.without_communication_cpu_ms = simulate_workload(zeroed, ranks, work_dir=bound_dir,
                                                                     **network).step_ms
     result.measured_ms, result.measured_source = measured_steps(folder)
-    status = _summary_status(folder)
+    status = _summary_status(folder, traced_name)  # another set's critical path is not this one's
     result.critical_path_ms = {rank: s["critical_path_us"] / 1e3 for rank, s in status.items()
                                if s["critical_path_us"]}
     return result
@@ -583,7 +613,7 @@ def bound_line(result: SimulationResult) -> str:
 
 
 def write_simulation(result: SimulationResult, folder: Path, invocation: str) -> Path:
-    path = Path(folder) / SIMULATION_NAME
+    path = Path(folder) / SIMULATION_FILE
     write_text_atomic(path, render_simulation(result, invocation))
     return path
 
@@ -619,6 +649,16 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     invocation = shlex.join(["python3", "simulate.py", *(sys.argv[1:] if argv is None else argv)])
+    with StopSignal() as stop:  # SIGTERM unwinds as Ctrl-C does, so ASTRA-sim is stopped too
+        try:
+            return _main(args, invocation)
+        except KeyboardInterrupt:
+            print(f"interrupted: simulate.py stopped by {stop.name}; ASTRA-sim was stopped and {SIMULATION_FILE} not "
+                  "written", file=sys.stderr)
+            return stop.exit_code
+
+
+def _main(args: argparse.Namespace, invocation: str) -> int:
     try:
         bandwidth = parse_bandwidth(args.bandwidth)
         Network(args.ranks or 2, bandwidth, args.latency, args.topology, args.collective)  # flags checked first
@@ -630,6 +670,9 @@ def main(argv: list[str] | None = None) -> int:
     except SimulationError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2 if str(e).startswith("--") else 1
+    except OSError as e:  # a folder that cannot be written (read-only, full, a file in the way)
+        print(f"error: {e.filename or args.run}: {e.strerror or e}", file=sys.stderr)
+        return 1
     print(f"network: {result.network.describe()}")
     print(f"measured: {result.measured_source}")
     print(render_table(result))
