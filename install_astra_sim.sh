@@ -95,6 +95,21 @@ check_tree() {
         die "$what $tree: extern/network_backend/analytical has no include/astra-network-analytical (not astra-sim/astra-network-analytical, the repository the submodule names)"
 }
 
+# $1 as an absolute path, whether or not it exists yet (its nearest existing folder resolved as cd resolves it).
+absolute_path() {
+    local path="$1" rest=""
+    while [ ! -d "$path" ]; do
+        rest="/$(basename "$path")$rest"
+        path="$(dirname "$path")"
+    done
+    echo "$(cd "$path" && pwd)$rest"
+}
+
+# True when folder $1 is folder $2 or lies under it (both absolute).
+is_within() {
+    case "$1/" in "$2"/*) return 0 ;; *) return 1 ;; esac
+}
+
 # True when `using NAME = FeederV3::NAME;` is declared in namespace Chakra (after FeederV3 closes) in a header.
 has_chakra_alias() {
     local name="$1" header
@@ -187,7 +202,10 @@ main() {
     while [ $# -gt 0 ]; do
         case "$1" in
             --prefix|--source|--yaml-cpp|--jobs)
-                [ $# -ge 2 ] || usage_error "$1 needs a value"
+                # An empty value would mean the default (--source= would clone), an option would be taken as the
+                # value (--prefix --dry-run would build into ./--dry-run).
+                [ $# -ge 2 ] && [ -n "$2" ] || usage_error "$1 needs a value"
+                [ "${2#-}" = "$2" ] || usage_error "$1 needs a value (got the option $2)"
                 case "$1" in
                     --prefix) PREFIX="$2" ;;
                     --source) SOURCE="$2" ;;
@@ -195,10 +213,15 @@ main() {
                     --jobs) JOBS="$2" ;;
                 esac
                 shift 2 ;;
-            --prefix=*) PREFIX="${1#--prefix=}"; shift ;;
-            --source=*) SOURCE="${1#--source=}"; shift ;;
-            --yaml-cpp=*) YAML_CPP="${1#--yaml-cpp=}"; shift ;;
-            --jobs=*) JOBS="${1#--jobs=}"; shift ;;
+            --prefix=*|--source=*|--yaml-cpp=*|--jobs=*)
+                [ -n "${1#*=}" ] || usage_error "${1%%=*} needs a value"
+                case "$1" in
+                    --prefix=*) PREFIX="${1#*=}" ;;
+                    --source=*) SOURCE="${1#*=}" ;;
+                    --yaml-cpp=*) YAML_CPP="${1#*=}" ;;
+                    --jobs=*) JOBS="${1#*=}" ;;
+                esac
+                shift ;;
             --force) FORCE=1; shift ;;
             --dry-run) DRY_RUN=1; shift ;;
             -h|--help) usage; exit 0 ;;
@@ -224,6 +247,19 @@ main() {
     if [ -z "$JOBS" ]; then
         JOBS="$(getconf _NPROCESSORS_ONLN 2>/dev/null || echo 2)"
         [ "$JOBS" -le 16 ] || JOBS=16
+    fi
+    # A build deletes the prefix's src/ and copies the tree there: a tree in src/ would be gone before it is copied,
+    # and a prefix inside the tree would be copied into itself.
+    local absolute_prefix
+    absolute_prefix="$(absolute_path "$PREFIX")"
+    if [ -n "$SOURCE" ] && is_within "$absolute_prefix" "$SOURCE"; then
+        usage_error "--prefix $PREFIX is inside --source $SOURCE (the tree would be copied into itself); pass a --prefix outside it"
+    fi
+    if [ -n "$SOURCE" ] && is_within "$SOURCE" "$absolute_prefix/src"; then
+        usage_error "--source $SOURCE is inside $absolute_prefix/src, which a build deletes before copying the tree there; copy the tree elsewhere or pass another --prefix"
+    fi
+    if [ -n "$YAML_CPP" ] && is_within "$YAML_CPP" "$absolute_prefix/src"; then
+        usage_error "--yaml-cpp $YAML_CPP is inside $absolute_prefix/src, which a build deletes; copy it elsewhere or pass another --prefix"
     fi
     if [ "$DRY_RUN" = 0 ]; then
         mkdir -p "$PREFIX" 2>/dev/null || die "--prefix $PREFIX: cannot create the folder"

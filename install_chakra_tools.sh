@@ -121,10 +121,14 @@ main() {
     while [ $# -gt 0 ]; do
         case "$1" in
             --venv)
-                [ $# -ge 2 ] || usage_error "--venv needs a folder"
+                # Not empty, and not the next option: `--venv --with-report` would make a venv named --with-report.
+                [ $# -ge 2 ] && [ -n "$2" ] && [ "${2#-}" = "$2" ] || usage_error "--venv needs a folder${2:+ (got $2)}"
                 VENV="$2"
                 shift 2 ;;
-            --venv=*) VENV="${1#--venv=}"; shift ;;
+            --venv=*)
+                [ -n "${1#--venv=}" ] || usage_error "--venv needs a folder"
+                VENV="${1#--venv=}"
+                shift ;;
             --with-official) WITH_OFFICIAL=1; shift ;;
             --with-report) WITH_REPORT=1; shift ;;
             -h|--help) usage; exit 0 ;;
@@ -149,8 +153,15 @@ main() {
             exit 1
         fi
         say "Creating $VENV ($("$base_python" --version 2>&1))"
-        if ! "$base_python" -m venv "$VENV"; then
-            echo "error: '$base_python -m venv $VENV' failed; on Debian/Ubuntu install python3-venv" >&2
+        local existed=0 out reason
+        [ ! -e "$VENV" ] || existed=1   # then an empty folder (checked above)
+        if ! out="$("$base_python" -m venv "$VENV" 2>&1)"; then
+            # Debian's python3 without python3-venv leaves a venv without pip, which the next run would take for a
+            # made one: remove what this run made.
+            if [ "$existed" = 1 ]; then find "$VENV" -mindepth 1 -delete; else rm -rf "$VENV"; fi
+            reason="$(printf '%s\n' "$out" | grep -m 1 -iE 'ensurepip|error' || printf '%s\n' "$out" | tail -n 1)"
+            echo "error: '$base_python -m venv $VENV' failed (${reason:-no message}); on Debian/Ubuntu:" \
+                 "sudo apt-get install python3-venv" >&2
             exit 1
         fi
     fi

@@ -78,17 +78,15 @@ parse_args() {
                 shift 2 ;;
             --jobs=*) JOBS="${1#--jobs=}"; shift ;;
             --with-official) WITH_OFFICIAL=1; shift ;;
-            --venv)
-                [ $# -ge 2 ] || usage_error "--venv needs a folder"
-                VENV="$2"
-                VENV_GIVEN="$2"
+            --venv|--python)
+                # Not empty, and not the next option: `--venv --with-official` would make a venv named --with-official.
+                [ $# -ge 2 ] && [ -n "$2" ] && [ "${2#-}" = "$2" ] || usage_error "$1 needs a value${2:+ (got $2)}"
+                if [ "$1" = --venv ]; then VENV="$2"; VENV_GIVEN="$2"; else PYTHON_GIVEN="$2"; fi
                 shift 2 ;;
-            --venv=*) VENV="${1#--venv=}"; VENV_GIVEN="$VENV"; shift ;;
-            --python)
-                [ $# -ge 2 ] || usage_error "--python needs an interpreter"
-                PYTHON_GIVEN="$2"
-                shift 2 ;;
-            --python=*) PYTHON_GIVEN="${1#--python=}"; shift ;;
+            --venv=*|--python=*)
+                [ -n "${1#*=}" ] || usage_error "${1%%=*} needs a value"
+                if [ "${1%%=*}" = --venv ]; then VENV="${1#*=}"; VENV_GIVEN="$VENV"; else PYTHON_GIVEN="${1#*=}"; fi
+                shift ;;
             -h|--help) usage; exit 0 ;;
             --) shift; CONVERT_ARGS=("$@"); break ;;
             -*) usage_error "unknown option: $1" ;;

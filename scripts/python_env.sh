@@ -78,7 +78,17 @@ ensure_python_env() {
         echo "==> $root/.venv lacks packages for $purpose; installing them" >&2
     else
         echo "==> No suitable Python environment active; creating $root/.venv (once)" >&2
-        "$base_python" -m venv "$root/.venv"
+        local out reason existed=0
+        [ ! -e "$root/.venv" ] || existed=1
+        if ! out="$("$base_python" -m venv "$root/.venv" 2>&1)"; then
+            # Debian's python3 without python3-venv leaves a .venv without pip, which the next run would take for a
+            # made one: remove what this run made.
+            [ "$existed" = 1 ] || rm -rf "$root/.venv"
+            reason="$(printf '%s\n' "$out" | grep -m 1 -iE 'ensurepip|error' || printf '%s\n' "$out" | tail -n 1)"
+            echo "error: '$base_python -m venv $root/.venv' failed (${reason:-no message}); on Debian/Ubuntu:" \
+                 "sudo apt-get install python3-venv" >&2
+            return 1
+        fi
     fi
     if ! "$venv_python" -c "import torch" >/dev/null 2>&1; then
         echo "==> Installing torch==$PROJECT_TORCH_VERSION (CPU wheel) first" >&2

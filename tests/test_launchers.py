@@ -142,6 +142,40 @@ def test_bad_values_give_a_one_line_error_and_exit_2(args, message):
     assert result.stderr.startswith(f"error: {message}")
 
 
+def test_an_option_missing_its_value_does_not_swallow_the_next_option(tmp_path):
+    """`--output-dir --dry-run` once ran for real, into ./--dry-run, replacing the last run's checkpoints."""
+    result = launch("run_gpt2_quick.sh", "--output-dir", "--dry-run", env=machine(), cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stderr.startswith("error: --output-dir needs a value (got the option --dry-run; write "
+                                    "--output-dir=--dry-run if you mean it)")
+    assert result.stdout == "" and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("args", [["--bogus", "--help"], ["--batch-size", "x", "-h"], ["--num-gpus", "--help"]])
+def test_help_anywhere_before_the_double_dash_prints_the_help(args):
+    result = launch("run_gpt2.sh", *args)
+    assert result.returncode == 0 and "Usage:" in result.stdout and result.stderr == ""
+
+
+def test_help_after_the_double_dash_goes_to_train_py(squad_file):
+    result = launch("run_gpt2.sh", "1", "--dry-run", "--foreground", "--dataset-path", str(squad_file), "--", "--help",
+                    env=machine())
+    assert result.returncode == 0, result.stderr
+    [argv] = torchrun_commands(result.stdout)
+    assert argv[-1] == "--help"
+
+
+@pytest.mark.parametrize("flag_name", ["--output-dir", "--save-dir", "--logs-dir"])
+def test_a_folder_that_cannot_be_made_is_named_before_anything_runs(tmp_path, flag_name):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    result = launch("run_gpt2_quick.sh", "--num-gpus", "1", "--dry-run", flag_name, str(blocker / "sub"),
+                    env=machine())
+    assert result.returncode == 1
+    assert f"❌ {flag_name} {blocker}/sub cannot be made: {blocker} is a file, not a folder" in result.stdout
+    assert "Traceback" not in result.stdout + result.stderr and "$ env" not in result.stdout
+
+
 def test_quick_scripts_take_no_positional_arguments():
     result = launch("run_gpt2_quick.sh", "2")
     assert result.returncode == 2
@@ -401,6 +435,71 @@ def test_background_mode_refuses_to_start_over_a_live_run(squad_file, tmp_path):
     assert result.returncode == 1
     assert f"error: a background run is still going (PID {os.getpid()}" in result.stderr
     assert not (logs / "training_console.log").exists()
+
+
+def test_background_mode_with_an_unusable_logs_folder_is_one_line_not_a_traceback(squad_file, tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    result = launch("run_gpt2.sh", "1", "--dry-run", "--background", "--dataset-path", str(squad_file),
+                    "--logs-dir", str(blocker / "logs"), env=machine())
+    assert result.returncode == 1
+    assert f"❌ --logs-dir {blocker}/logs cannot be made: {blocker} is a file, not a folder" in result.stdout
+    assert "Traceback" not in result.stderr
+
+
+def test_background_mode_prints_a_tail_command_that_works_with_spaces(squad_file, tmp_path):
+    logs = tmp_path / "my logs"
+    result = launch("run_gpt2.sh", "1", "--dry-run", "--background", "--dataset-path", str(squad_file),
+                    "--logs-dir", str(logs), env=machine())
+    assert result.returncode == 0, result.stdout + result.stderr
+    [tail] = [line.split("#")[0].strip() for line in result.stdout.splitlines() if "tail -f" in line]
+    assert shlex.split(tail) == ["tail", "-f", f"{logs}/training_console.log"]
+
+
+def test_a_second_background_start_keeps_the_first_console_log(squad_file, tmp_path):
+    logs = tmp_path / "logs"
+    for batch in ("3", "5"):
+        result = launch("run_gpt2.sh", "1", batch, "--dry-run", "--background", "--dataset-path", str(squad_file),
+                        "--logs-dir", str(logs), env=machine())
+        assert result.returncode == 0, result.stdout + result.stderr
+    console = (logs / "training_console.log").read_text()
+    assert [flag(argv, "--batch-size") for argv in torchrun_commands(console)] == ["3", "5"]
+    assert console.count("===== ") == 2 and "./run_gpt2.sh 1 5 --dry-run --background" in console
+    # the second start shows its own first lines, not the first run's
+    assert [flag(argv, "--batch-size") for argv in torchrun_commands(result.stdout.split("First log lines")[1])] \
+        == ["5"]
+
+
+def test_a_second_launcher_on_the_same_runs_stops_before_it_starts(squad_file, tmp_path):
+    import fcntl
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    with open(logs / ".gpt2_1cpu.node0.lock", "w") as lock:  # as a launcher running gpt2_1cpu holds it
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        lock.write("4242\n")
+        lock.flush()
+        result = launch("run_gpt2.sh", "1", "--foreground", "--max-steps", "1", "--dataset-path", str(squad_file),
+                        "--logs-dir", str(logs), "--save-dir", str(tmp_path / "ck"), env=machine())
+    assert result.returncode == 1
+    assert (f"❌ gpt2_1cpu is already being run by another launcher (PID 4242, {logs}/.gpt2_1cpu.node0.lock)"
+            in result.stdout)
+    assert "▶ GPT-2" not in result.stdout and not (tmp_path / "ck").exists()
+
+
+def test_ctrl_c_while_checking_the_environment_is_one_line_not_a_traceback(tmp_path):
+    slow_python = tmp_path / "venv" / "bin" / "python"  # the active environment, which the check waits on
+    slow_python.parent.mkdir(parents=True)
+    slow_python.write_text("#!/bin/sh\nsleep 30\n")
+    slow_python.chmod(0o755)
+    env = {key: value for key, value in os.environ.items() if key not in ("PYTHON", "LC_PROBED")}
+    launcher = subprocess.Popen([str(REPO / "run_gpt2.sh"), "1", "--dry-run"], cwd=REPO,
+                                env={**env, "VIRTUAL_ENV": str(tmp_path / "venv")}, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+    time.sleep(3)
+    os.killpg(launcher.pid, signal.SIGINT)  # as Ctrl-C in a terminal: to the whole foreground process group
+    out, err = launcher.communicate(timeout=30)
+    assert launcher.returncode == 130
+    assert "Traceback" not in err and err.strip() == "🛑 Stopped (Ctrl-C) before any run started", err
 
 
 # ---------------------------------------------------------------------------------------------------------

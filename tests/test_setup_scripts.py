@@ -1,4 +1,5 @@
-"""install_chakra_tools.sh and setup_and_convert.sh: usage, environment reuse, GitHub unreachable, and a real conversion."""
+"""install_chakra_tools.sh, setup_and_convert.sh, scripts/python_env.sh and install_astra_sim.sh's options: usage,
+environment reuse, GitHub unreachable, a Python without venv support, and a real conversion."""
 import gzip
 import hashlib
 import os
@@ -357,3 +358,119 @@ def test_setup_and_convert_passes_a_failed_rank_through_as_non_zero(tmp_path):
     assert "error: outputs/bert_tiny_2r/host.1.json.gz: empty file" in proc.stderr
     et_files = sorted(p.name for p in tmp_path.rglob("*.et"))
     assert len(et_files) == 1 and et_files[0].endswith(".0.et")  # the good rank is still converted
+
+
+# --- bad values, a Python without venv support, install_astra_sim.sh's --source ------------------------------------
+
+
+@pytest.mark.parametrize("script, args, says", [
+    (SETUP, ["--venv", "--with-official"], "error: --venv needs a value (got --with-official)"),
+    (SETUP, ["--venv="], "error: --venv needs a value"),
+    (SETUP, ["--python", "--jobs", "2"], "error: --python needs a value (got --jobs)"),
+    (INSTALL, ["--venv", "--with-report"], "error: --venv needs a folder (got --with-report)"),
+    (INSTALL, ["--venv="], "error: --venv needs a folder"),
+])
+def test_an_option_missing_its_value_does_not_swallow_the_next_option(tmp_path, script, args, says):
+    """`--venv --with-official` once made a virtual environment named ./--with-official."""
+    proc = run([script, *args], cwd=tmp_path)
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines()[0] == says
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.fixture
+def python_without_venv(tmp_path) -> dict:
+    """PATH with Debian's python3 without python3-venv: `-m venv` makes the environment without pip, then fails."""
+    bin_dir = tmp_path / "no-venv-bin"
+    bin_dir.mkdir()
+    (bin_dir / "python3").write_text(f"""#!/bin/sh
+if [ "$1" = -m ] && [ "$2" = venv ]; then
+    {sys.executable} -m venv --without-pip "$3"
+    echo "The virtual environment was not created successfully because ensurepip is not"
+    echo "available.  On Debian/Ubuntu systems, you need to install the python3-venv"
+    exit 1
+fi
+exec {sys.executable} "$@"
+""")
+    (bin_dir / "python3").chmod(0o755)
+    return {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+
+
+def test_install_without_venv_support_says_so_in_one_line_and_leaves_no_half_made_venv(tmp_path, python_without_venv):
+    venv = tmp_path / "chakra-venv"
+    for _ in range(2):  # the second run meets the same clean state, not a venv without pip
+        proc = run([INSTALL, "--venv", venv], env=python_without_venv)
+        assert proc.returncode == 1
+        [line] = proc.stderr.splitlines()
+        assert line.startswith(f"error: '{tmp_path}/no-venv-bin/python3 -m venv {venv}' failed (The virtual "
+                               "environment was not created successfully because ensurepip is not)"), line
+        assert line.endswith("sudo apt-get install python3-venv")
+        assert not venv.exists()
+
+
+def test_python_env_without_venv_support_says_so_and_leaves_no_half_made_venv(tmp_path, python_without_venv):
+    root = tmp_path / "checkout"
+    (root / "scripts").mkdir(parents=True)
+    shutil.copy(REPO / "scripts" / "python_env.sh", root / "scripts")
+    env = {key: value for key, value in os.environ.items() if key not in ("PYTHON", "VIRTUAL_ENV")}
+    proc = subprocess.run(["bash", str(root / "scripts" / "python_env.sh"), "train"], env={**env, **python_without_venv},
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1 and proc.stdout == ""
+    assert proc.stderr.splitlines()[-1].startswith(f"error: '{tmp_path}/no-venv-bin/python3 -m venv {root}/.venv' "
+                                                   "failed (The virtual environment was not created successfully")
+    assert not (root / ".venv").exists()
+
+
+ASTRA = REPO / "install_astra_sim.sh"
+
+
+@pytest.fixture
+def astra_tree(tmp_path) -> Path:
+    """An ASTRA-sim tree as install_astra_sim.sh checks one (the files it looks for), under prefix/src."""
+    tree = tmp_path / "prefix" / "src"
+    for path in ("build/astra_analytical/CMakeLists.txt", "extern/graph_frontend/chakra/schema/protobuf/et_def.proto",
+                 "extern/graph_frontend/chakra/src/feeder_v3/et_feeder.h",
+                 "extern/network_backend/analytical/include/astra-network-analytical/a.h",
+                 "extern/network_backend/analytical/CMakeLists.txt", "extern/remote_memory_backend/analytical/a",
+                 "extern/helper/fmt/a", "extern/helper/spdlog/a", "astra-sim/a.cc"):
+        (tree / path).parent.mkdir(parents=True, exist_ok=True)
+        (tree / path).write_text("")
+    return tree
+
+
+@pytest.fixture
+def no_build_tools(tmp_path) -> dict:
+    """PATH whose cmake and protoc fail at once: nothing is ever built by these tests."""
+    bin_dir = tmp_path / "no-build-bin"
+    bin_dir.mkdir()
+    for tool in ("cmake", "protoc"):
+        (bin_dir / tool).write_text("#!/bin/sh\nexit 1\n")
+        (bin_dir / tool).chmod(0o755)
+    return {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+
+
+@pytest.mark.parametrize("prefix, says", [
+    ("prefix", "error: --source {tree} is inside {tmp}/prefix/src, which a build deletes before copying the tree "
+               "there; copy the tree elsewhere or pass another --prefix"),
+    ("prefix/src/install", "error: --prefix {tmp}/prefix/src/install is inside --source {tree} (the tree would be "
+                           "copied into itself); pass a --prefix outside it"),
+])
+def test_astra_source_in_the_prefix_is_refused_and_kept(tmp_path, astra_tree, no_build_tools, prefix, says):
+    """`--source PREFIX/src` (rebuilding a patched tree in place) once deleted the tree before copying it."""
+    proc = run([ASTRA, "--source", astra_tree, "--prefix", tmp_path / prefix], env=no_build_tools)
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines()[0] == says.format(tree=astra_tree, tmp=tmp_path)
+    assert (astra_tree / "astra-sim" / "a.cc").exists() and not (astra_tree / "install").exists()
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--source="], "error: --source needs a value"),
+    (["--prefix", "--dry-run"], "error: --prefix needs a value (got the option --dry-run)"),
+    (["--yaml-cpp", ""], "error: --yaml-cpp needs a value"),
+])
+def test_astra_empty_or_missing_values_are_usage_errors_not_a_clone(tmp_path, args, says):
+    """An empty --source once meant "no --source": it cloned from GitHub."""
+    proc = run([ASTRA, *args, "--dry-run"], cwd=tmp_path)
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines()[0] == says and "Cloning" not in proc.stdout
+    assert list(tmp_path.iterdir()) == []

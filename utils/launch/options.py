@@ -101,7 +101,7 @@ Data and outputs:
 
 Execution:
   --foreground            run in this terminal{default[quick]}
-  --background            run with nohup; PID in LOGS/{PID_FILE}, output in LOGS/{CONSOLE_LOG}{default[not quick]}
+  --background            run with nohup; PID in LOGS/{PID_FILE}, output appended to LOGS/{CONSOLE_LOG}{default[not quick]}
   --dry-run               check the environment, print the exact torchrun commands and stop
                           (with an explicit --background: rehearse the background start, commands go to the log)
   --verbose               more detail: device names, probe results, a log line every step
@@ -222,6 +222,9 @@ def parse_options(launcher: Launcher, argv: list) -> Options:
     """The options in argv (UsageError naming the flag, ShowHelp for -h); the kind's defaults for the rest."""
     opts = Options(convert=launcher.convert)
     args, positionals = list(argv), []
+    ours = args[:args.index("--")] if "--" in args else args
+    if "-h" in ours or "--help" in ours:  # help wins wherever it stands, as with argparse
+        raise ShowHelp
     while args:
         arg = args.pop(0)
         if arg == "--":
@@ -233,6 +236,12 @@ def parse_options(launcher: Launcher, argv: list) -> Options:
             if not inline:
                 value = args.pop(0) if args else ""
                 opts.own_args.append(value)
+                # `--output-dir --dry-run` lost its value: taking the next option as the value would run for real
+                # into ./--dry-run. A value that starts with a dash can still be given as --output-dir=-x.
+                if value == "--":
+                    raise UsageError(f"{opt} needs a value")
+                if re.match(r"--?[A-Za-z]", value):
+                    raise UsageError(f"{opt} needs a value (got the option {value}; write {opt}={value} if you mean it)")
             if not value:
                 raise UsageError(f"{opt} needs a value")
             name, check = VALUE_OPTIONS[opt]
@@ -242,8 +251,6 @@ def parse_options(launcher: Launcher, argv: list) -> Options:
                 raise UsageError(f"{opt}: '{value}' {exc}") from None
         elif inline:
             raise UsageError(f"{opt} takes no value ({arg})")
-        elif opt in ("-h", "--help"):
-            raise ShowHelp
         elif opt in FLAGS and (opt != "--no-convert" or launcher.convert):
             setattr(opts, *FLAGS[opt])
         elif opt.startswith("-"):

@@ -125,6 +125,22 @@ def dataset_arguments(path: Optional[str], device: str) -> list:
     return ["--squad-file" if squad else "--dataset-path", path]
 
 
+def check_folders(opts: Options) -> None:
+    """Each folder the runs write (relative ones under the repository) can be made and written: found here, not by a
+    rank after it has trained (or by the background start, as a traceback)."""
+    folders = [("--output-dir", opts.output_dir)] if opts.trace else []
+    for flag, text in folders + [("--save-dir", opts.save_dir), ("--logs-dir", opts.logs_dir)]:
+        path = ROOT / text
+        existing = path
+        while not existing.exists() and existing != existing.parent:
+            existing = existing.parent
+        if not existing.is_dir():
+            what = "is a file" if existing == path else f"cannot be made: {existing} is a file"
+            raise LaunchError(f"❌ {flag} {text} {what}, not a folder")
+        if not os.access(existing, os.W_OK | os.X_OK):
+            raise LaunchError(f"❌ {flag} {text} cannot be written: {existing} is not writable by this user")
+
+
 def run_name(family: FamilyInfo, world: int, device: str, quick: bool) -> str:
     """<model>_<world size><gpu|cpu>[_quick_trace]: the trace, checkpoint and log folders' name."""
     return f"{family.name}_{world}{device}{'_quick_trace' if quick else ''}"

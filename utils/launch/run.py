@@ -2,6 +2,7 @@
 .et, the summary and the next steps."""
 from __future__ import annotations
 
+import fcntl
 import os
 import shlex
 import signal
@@ -15,8 +16,8 @@ from trace_tools import layout
 from trace_tools.atomic import process_is_alive, write_text_atomic
 from utils.errors import UsageError
 from utils.launch.options import CONSOLE_LOG, LAUNCHERS, PID_FILE, Launcher, ShowHelp, parse_options, usage
-from utils.launch.plan import (ROOT, LaunchError, Plan, Run, dataset_arguments, make_plan, print_settings,
-                               probe_machine, report_machine, size_text)
+from utils.launch.plan import (ROOT, LaunchError, Plan, Run, check_folders, dataset_arguments, make_plan,
+                               print_settings, probe_machine, report_machine, size_text)
 
 PEEK_SECONDS = 5  # how long a background start shows the run's first lines
 
@@ -69,6 +70,30 @@ def check_traces(plan: Plan, run: Run, started: float) -> bool:
     return True
 
 
+def claim_runs(plan: Plan) -> list:
+    """A lock per run in the logs folder, held until this launcher exits: a second launcher about to write the same
+    run folders (same run names, same --logs-dir) stops before it starts instead of mixing its traces and checkpoints
+    with this one's."""
+    logs = plan.opts.logs_dir
+    (ROOT / logs).mkdir(parents=True, exist_ok=True)
+    held = []
+    for run in plan.runs():
+        lock = f"{logs}/.{run.name}.node{plan.opts.node_rank}.lock"
+        handle = open(ROOT / lock, "a+")
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            holder = handle.read().strip() or "unknown"
+            raise LaunchError(f"❌ {run.name} is already being run by another launcher (PID {holder}, {lock}); wait for "
+                              "it to end, or give this one other --output-dir, --save-dir and --logs-dir") from None
+        handle.truncate(0)
+        handle.write(f"{os.getpid()}\n")
+        handle.flush()
+        held.append(handle)
+    return held
+
+
 def _non_empty(path: Path) -> bool:
     return path.is_file() and path.stat().st_size > 0
 
@@ -85,7 +110,12 @@ def start_background(launcher: Launcher, plan: Plan) -> int:
     (ROOT / logs).mkdir(parents=True, exist_ok=True)
     print(f"\n🎯 Starting in the background\n📋 Console log: {console}")
     extra = ["--", *plan.opts.extra] if plan.opts.extra else []
-    with open(ROOT / console, "wb") as log:
+    # Appended to, not replaced: an earlier run's console log is often all that is left of it.
+    with open(ROOT / console, "ab") as log:
+        log.write(f"\n===== {time.strftime('%Y-%m-%d %H:%M:%S')} ./{shlex.join([launcher.script, *plan.opts.own_args])}"
+                  f" =====\n".encode())
+        log.flush()  # before the child writes to the same file
+        start = log.tell()
         # nohup and a session of its own: neither closing the terminal nor Ctrl-C there reaches it, only a kill
         child = subprocess.Popen(["nohup", sys.executable, str(ROOT / "utils" / "launch"), launcher.script,
                                   *plan.opts.own_args, "--foreground", *extra], stdin=subprocess.DEVNULL, stdout=log,
@@ -97,16 +127,22 @@ def start_background(launcher: Launcher, plan: Plan) -> int:
 📄 PID file: {logs}/{PID_FILE}
 
 🔍 Follow it with:
-  tail -f {console}     # live log
+  tail -f {shlex.quote(console)}     # live log
   ps -p {child.pid}                             # still running?
   kill {child.pid}                              # stop it (a checkpoint is saved)
 
 📋 First log lines (up to {PEEK_SECONDS}s):
 ----------------------------------------""")
     deadline = time.time() + PEEK_SECONDS
-    while time.time() < deadline and child.poll() is None:
-        time.sleep(0.5)
-    print("\n".join((ROOT / console).read_text(errors="replace").splitlines()[-20:]))
+    try:
+        while time.time() < deadline and child.poll() is None:
+            time.sleep(0.5)
+    except KeyboardInterrupt:  # the run has a session of its own: Ctrl-C here stops only the watching
+        print(f"\n----------------------------------------\nStill running in the background (PID {child.pid}).")
+        return 0
+    with open(ROOT / console, "rb") as log:
+        log.seek(start)
+        print("\n".join(log.read().decode(errors="replace").splitlines()[-20:]))
     print("----------------------------------------")
     if child.poll() is None:
         print("Still running in the background...")
@@ -208,7 +244,15 @@ def print_summary(plan: Plan, results: list, conversion: Optional[str], next_run
 
 def main(argv: Optional[list] = None) -> int:
     """argv: the launcher script's name (run_gpt2.sh), then the user's arguments."""
-    script, *args = sys.argv[1:] if argv is None else argv
+    try:
+        return launch(sys.argv[1:] if argv is None else argv)
+    except KeyboardInterrupt:  # Ctrl-C while checking the environment, before any run started
+        print("\n🛑 Stopped (Ctrl-C) before any run started", file=sys.stderr)
+        return 130
+
+
+def launch(argv: list) -> int:
+    script, *args = argv
     launcher = LAUNCHERS[script]
     if hasattr(sys.stdout, "reconfigure"):
         sys.stdout.reconfigure(line_buffering=True)  # our lines and the children's stay in order in a log
@@ -226,6 +270,7 @@ def main(argv: Optional[list] = None) -> int:
         machine = probe_machine()
         device = report_machine(machine, opts)
         plan = make_plan(launcher, opts, machine, device, dataset_arguments(opts.dataset_path, device))
+        check_folders(opts)
     except LaunchError as exc:
         print(exc)
         return 1
@@ -233,4 +278,13 @@ def main(argv: Optional[list] = None) -> int:
     # A plain --dry-run only prints; with an explicit --background it rehearses the background start.
     if opts.background and (not opts.dry_run or "--background" in opts.own_args):
         return start_background(launcher, plan)
-    return run_plan(plan)
+    try:
+        locks = [] if opts.dry_run else claim_runs(plan)
+    except LaunchError as exc:
+        print(exc)
+        return 1
+    try:
+        return run_plan(plan)
+    finally:
+        for lock in locks:
+            lock.close()
