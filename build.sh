@@ -31,10 +31,8 @@ On success: ✓ Docker image built successfully!  Then: ./run.sh gpu  (or docker
 EOF
 }
 
-usage_error() {
-    echo "error: $1" >&2
-    echo >&2
-    usage >&2
+usage_error() {  # one line, as the Python command lines refuse theirs: the help would push it off screen
+    echo "error: $1 (see ./build.sh --help)" >&2
     exit 2
 }
 

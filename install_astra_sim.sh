@@ -42,9 +42,8 @@ Exit status: 0 built (or already built); 1 the build failed; 2 bad usage.
 EOF
 }
 
-usage_error() {
-    echo "error: $1" >&2
-    usage >&2
+usage_error() {  # one line, as the Python command lines refuse theirs: the help would push it off screen
+    echo "error: $1 (see ./install_astra_sim.sh --help)" >&2
     exit 2
 }
 

@@ -39,9 +39,8 @@ $EXIT_OFFICIAL_UNAVAILABLE ready, but the official tools asked for with --with-o
 EOF
 }
 
-usage_error() {
-    echo "error: $1" >&2
-    usage >&2
+usage_error() {  # one line, as the Python command lines refuse theirs: the help would push it off screen
+    echo "error: $1 (see ./install_chakra_tools.sh --help)" >&2
     exit 2
 }
 

@@ -37,10 +37,8 @@ Passed through from this shell when set: ${PASSED_ENV[*]}. Set DOCKER=podman to 
 EOF
 }
 
-usage_error() {
-    echo "error: $1" >&2
-    echo >&2
-    usage >&2
+usage_error() {  # one line, as the Python command lines refuse theirs: the help would push it off screen
+    echo "error: $1 (see ./run.sh --help)" >&2
     exit 2
 }
 

@@ -39,9 +39,8 @@ is missing, holds no traces, a host trace cannot be repaired or the environment 
 EOF
 }
 
-usage_error() {
-    echo "error: $1" >&2
-    usage >&2
+usage_error() {  # one line, as the Python command lines refuse theirs: the help would push it off screen
+    echo "error: $1 (see ./setup_and_convert.sh --help)" >&2
     exit 2
 }
 

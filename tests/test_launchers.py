@@ -113,11 +113,10 @@ def test_the_launcher_imports_no_torch_so_help_and_option_errors_are_instant():
 
 
 @pytest.mark.parametrize("script", LAUNCHERS)
-def test_unknown_option_prints_usage_and_exits_2(script):
+def test_unknown_option_is_one_line_pointing_at_the_help_and_exits_2(script):
     result = launch(script, "--bogus-option")
     assert result.returncode == 2
-    assert "error: unknown option: --bogus-option" in result.stderr
-    assert "Usage:" in result.stderr
+    assert result.stderr == f"error: unknown option: --bogus-option (see ./{script} --help)\n"
     assert result.stdout == ""
 
 

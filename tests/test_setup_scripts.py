@@ -73,11 +73,10 @@ def test_help_prints_usage_and_exits_0(script):
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
-def test_unknown_option_exits_2_with_usage(script):
+def test_unknown_option_is_one_line_pointing_at_the_help_and_exits_2(script):
     proc = run([script, "--frobnicate"])
     assert proc.returncode == 2
-    assert proc.stderr.startswith("error: unknown option: --frobnicate\n")
-    assert f"Usage: ./{script.name}" in proc.stderr
+    assert proc.stderr == f"error: unknown option: --frobnicate (see ./{script.name} --help)\n"
 
 
 def test_jobs_must_be_a_positive_number():
@@ -374,7 +373,7 @@ def test_an_option_missing_its_value_does_not_swallow_the_next_option(tmp_path, 
     """`--venv --with-official` once made a virtual environment named ./--with-official."""
     proc = run([script, *args], cwd=tmp_path)
     assert proc.returncode == 2
-    assert proc.stderr.splitlines()[0] == says
+    assert proc.stderr == f"{says} (see ./{script.name} --help)\n"
     assert list(tmp_path.iterdir()) == []
 
 
@@ -459,7 +458,7 @@ def test_astra_source_in_the_prefix_is_refused_and_kept(tmp_path, astra_tree, no
     """`--source PREFIX/src` (rebuilding a patched tree in place) once deleted the tree before copying it."""
     proc = run([ASTRA, "--source", astra_tree, "--prefix", tmp_path / prefix], env=no_build_tools)
     assert proc.returncode == 2
-    assert proc.stderr.splitlines()[0] == says.format(tree=astra_tree, tmp=tmp_path)
+    assert proc.stderr == says.format(tree=astra_tree, tmp=tmp_path) + " (see ./install_astra_sim.sh --help)\n"
     assert (astra_tree / "astra-sim" / "a.cc").exists() and not (astra_tree / "install").exists()
 
 
@@ -472,5 +471,5 @@ def test_astra_empty_or_missing_values_are_usage_errors_not_a_clone(tmp_path, ar
     """An empty --source once meant "no --source": it cloned from GitHub."""
     proc = run([ASTRA, *args, "--dry-run"], cwd=tmp_path)
     assert proc.returncode == 2
-    assert proc.stderr.splitlines()[0] == says and "Cloning" not in proc.stdout
+    assert proc.stderr == f"{says} (see ./install_astra_sim.sh --help)\n" and "Cloning" not in proc.stdout
     assert list(tmp_path.iterdir()) == []

@@ -262,7 +262,7 @@ def launch(argv: list) -> int:
         print(usage(launcher))
         return 0
     except UsageError as exc:
-        print(f"error: {exc}\n\n{usage(launcher)}", file=sys.stderr)
+        print(f"error: {exc} (see ./{launcher.script} --help)", file=sys.stderr)  # the help would push it off screen
         return 2
     print(f"{'=' * 56}\n  MOSIM LLMs · {launcher.title}\n  torchrun + DDP · Chakra execution traces\n{'=' * 56}\n")
     print("🔍 Checking the environment")
