@@ -522,8 +522,8 @@ def test_ctrl_c_during_setup_says_nothing_was_saved(tmp_path, capsys, monkeypatc
 def test_second_ctrl_c_stops_at_once_and_names_the_last_checkpoint(tmp_path, capsys, monkeypatch):
     step = Trainer._optimizer_step
 
-    def ctrl_c_twice_in_step_3(self):
-        result = step(self)
+    def ctrl_c_twice_in_step_3(self, accumulation):
+        result = step(self, accumulation)
         if self.step == 2:
             os.kill(os.getpid(), signal.SIGINT)
             os.kill(os.getpid(), signal.SIGINT)

@@ -280,7 +280,7 @@ def test_nan_loss_stops_with_a_clear_error_and_keeps_the_last_good_checkpoint(tm
 
 
 def test_cuda_out_of_memory_names_the_flags_to_lower(tmp_path, capsys, monkeypatch):
-    def out_of_memory(self):
+    def out_of_memory(self, accumulation):
         raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
     monkeypatch.setattr(Trainer, "_optimizer_step", out_of_memory)
     status, _, _ = train("gpt2", tmp_path, *QUICK, "--max-steps", "2", "--no-save-initial")

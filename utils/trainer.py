@@ -628,15 +628,15 @@ class Trainer:
         """The model inputs of a batch on the device (the collator's token count stays behind)."""
         return {k: v.to(self.device, non_blocking=True) for k, v in batch.items() if k != REAL_TOKENS}
 
-    def _optimizer_step(self) -> "tuple[torch.Tensor, Optional[torch.Tensor]]":
-        """All micro-steps of one optimizer step: (this rank's mean loss, grad norm), both left on the device.
+    def _optimizer_step(self, accumulation: int) -> "tuple[torch.Tensor, Optional[torch.Tensor]]":
+        """The `accumulation` micro-steps of one optimizer step (_micro_batches_due): (this rank's mean loss, grad
+        norm), both left on the device.
 
         Only what training itself does: forward, backward (DDP all-reduces the gradients), clipping, the optimizer.
         Reading the loss, which waits for the device, and agreeing with the other ranks happen on sync steps only
         (_sync_due), so the traced step holds no collective and no host sync of the trainer's own.
         """
         optim, model = self.config.optim, self.train_model
-        accumulation = self._micro_batches_due()
         model.train()
         loss_sum = None
         for micro in range(accumulation):
@@ -846,7 +846,7 @@ class Trainer:
             try:
                 while self.step < self.max_steps:
                     micro_batches = self._micro_batches_due()  # read before the step takes them
-                    loss, grad_norm = self._optimizer_step()
+                    loss, grad_norm = self._optimizer_step(micro_batches)
                     # the tracer's own preparation for its window is left out of the pace the log reports
                     preparation_s, preparation_cpu_s = tracer.step()
                     window_start += preparation_s
