@@ -175,6 +175,37 @@ def test_a_folder_that_cannot_be_made_is_named_before_anything_runs(tmp_path, fl
     assert "Traceback" not in result.stdout + result.stderr and "$ env" not in result.stdout
 
 
+def test_an_unresolvable_master_address_is_one_line_not_minutes_of_torchrun_retries(tmp_path):
+    result = launch("run_gpt2_quick.sh", "--num-gpus", "1", "--dry-run", "--nnodes", "2", "--node-rank", "1",
+                    "--master-addr", "no-such-node.invalid", "--output-dir", str(tmp_path / "out"), env=machine())
+    assert result.returncode == 1
+    errors = [line for line in result.stdout.splitlines() if line.startswith("❌")]
+    [error] = errors  # the reason in the parentheses is the C library's
+    assert error.startswith("❌ --master-addr no-such-node.invalid: this machine cannot resolve it (")
+    assert error.endswith("); give node 0's IP address, or a host name in /etc/hosts or DNS")
+    assert "$ env" not in result.stdout and not (tmp_path / "out").exists()
+
+
+def test_a_signal_to_the_whole_process_group_is_passed_to_torchrun_once(tmp_path, capsys):
+    """`timeout` and `kill -- -PGID` signal the launcher and its process group: the launcher passed it on a second
+    time and said so twice."""
+    from utils.launch.run import Foreground
+    counted = tmp_path / "signals"
+    child = (f"import os, signal, time\nseen = []\nsignal.signal(signal.SIGTERM, lambda *a: seen.append(1))\n"
+             f"os.kill(os.getppid(), signal.SIGTERM); os.kill(os.getppid(), signal.SIGTERM)\n"
+             f"end = time.time() + 2\nwhile time.time() < end: time.sleep(0.05)\n"
+             f"open({str(counted)!r}, 'w').write(str(len(seen)))\n")
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        foreground = Foreground()
+        assert foreground.run([sys.executable, "-c", child]) == 0
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    assert foreground.stopped and counted.read_text() == "1"
+    assert capsys.readouterr().out.count("🛑 Stopping: SIGTERM to torchrun") == 1
+
+
 def test_quick_scripts_take_no_positional_arguments():
     result = launch("run_gpt2_quick.sh", "2")
     assert result.returncode == 2

@@ -3,6 +3,7 @@ GPU count, with the settings the machine decides."""
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -139,6 +140,19 @@ def check_folders(opts: Options) -> None:
             raise LaunchError(f"❌ {flag} {text} {what}, not a folder")
         if not os.access(existing, os.W_OK | os.X_OK):
             raise LaunchError(f"❌ {flag} {text} cannot be written: {existing} is not writable by this user")
+
+
+def check_master_address(opts: Options) -> None:
+    """--master-addr names a host this machine can resolve: torchrun would otherwise retry an unknown name for
+    minutes (a warning every few seconds) before it gives up."""
+    if not opts.master_addr:
+        return
+    try:
+        socket.getaddrinfo(opts.master_addr, opts.master_port or 29500, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as exc:
+        reason = exc.strerror if isinstance(exc, socket.gaierror) else "not a valid host name"
+        raise LaunchError(f"❌ --master-addr {opts.master_addr}: this machine cannot resolve it ({reason}); give node "
+                          f"0's IP address, or a host name in /etc/hosts or DNS") from None
 
 
 def run_name(family: FamilyInfo, world: int, device: str, quick: bool) -> str:

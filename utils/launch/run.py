@@ -16,8 +16,8 @@ from trace_tools import layout
 from trace_tools.atomic import process_is_alive, write_text_atomic
 from utils.errors import UsageError
 from utils.launch.options import CONSOLE_LOG, LAUNCHERS, PID_FILE, Launcher, ShowHelp, parse_options, usage
-from utils.launch.plan import (ROOT, LaunchError, Plan, Run, check_folders, dataset_arguments, make_plan,
-                               print_settings, probe_machine, report_machine, size_text)
+from utils.launch.plan import (ROOT, LaunchError, Plan, Run, check_folders, check_master_address, dataset_arguments,
+                               make_plan, print_settings, probe_machine, report_machine, size_text)
 
 PEEK_SECONDS = 5  # how long a background start shows the run's first lines
 
@@ -31,8 +31,10 @@ class Foreground:
         self.stopped = False
 
     def _on_signal(self, signum, frame) -> None:
-        self.stopped = True
-        if self.child is not None and self.child.poll() is None:
+        # Passed on once: `timeout` and `kill -- -PGID` signal the launcher and its whole process group, so the ranks
+        # have it already; a second Ctrl-C reaches them from the terminal without the launcher.
+        already_stopping, self.stopped = self.stopped, True
+        if not already_stopping and self.child is not None and self.child.poll() is None:
             print(f"🛑 Stopping: SIGTERM to torchrun (PID {self.child.pid}); the trainer saves a checkpoint and exits")
             self.child.send_signal(signal.SIGTERM)
 
@@ -271,6 +273,7 @@ def launch(argv: list) -> int:
         device = report_machine(machine, opts)
         plan = make_plan(launcher, opts, machine, device, dataset_arguments(opts.dataset_path, device))
         check_folders(opts)
+        check_master_address(opts)
     except LaunchError as exc:
         print(exc)
         return 1
