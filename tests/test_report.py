@@ -445,6 +445,26 @@ def test_without_hta_the_report_says_so(tmp_path, monkeypatch):
     assert "Not used: HolisticTraceAnalysis is not installed" in (tmp_path / "report.md").read_text()
 
 
+def test_hta_is_not_given_a_device_trace_the_et_was_not_made_from(tmp_path, shared_fixtures):
+    """A run traced again and not converted since: HTA would cut the new device trace to the old .et's step."""
+    run = tmp_path / "run"
+    shutil.copytree(shared_fixtures / "gpu" / "hta_simple_add_a100_1r", run, copy_function=shutil.copyfile)
+    run.chmod(0o755)  # the shared fixtures are read-only
+    _convert([run], run)
+    write_report(run)
+    assert load_json(run)["hta"]["status"] != "skipped"
+    device = run / "device.0.json.gz"
+    recorded = device.stat().st_size
+    device.write_bytes(device.read_bytes() + b"\0" * 10)  # gzip ignores trailing zeros: still a readable trace
+    write_report(run)
+    hta = load_json(run)["hta"]
+    assert hta["status"] == "skipped"
+    assert hta["reason"] == (f"{device}: not the device trace rank 0's .et was made from ({run}/CONVERSION_SUMMARY.md "
+                             f"records {recorded:,} bytes, it has {recorded + 10:,}); convert_remaining.py {run} "
+                             f"converts the run again")
+    assert f"Not used: {hta['reason']}" in (run / "report.md").read_text()
+
+
 def test_hta_without_device_traces_says_where_it_looked(tmp_path):
     _gpu_toy_run(tmp_path)
     (tmp_path / "device.0.json").unlink()

@@ -28,7 +28,7 @@ from .intervals import clip_intervals, merge_intervals, subtract_intervals, tota
 from .layout import REPORT_FILE_RE, STEP_PREFIX, et_sets
 from .link import COMM_TYPE_NAMES
 from .load import read_trace_bytes
-from .summary import format_bytes, unrecorded_et_file
+from .summary import CONVERSION_SUMMARY, format_bytes, read_previous_results, reconvert_command, unrecorded_et_file
 from .validate import EtFormatError, read_et, serve_in_turn
 
 logger = logging.getLogger(__name__)
@@ -646,6 +646,24 @@ def find_device_traces(et_dir: Path, name: str, ranks: list[int],
     return {}, ""
 
 
+def changed_device_trace(et_dir: Path, name: str, devices: dict[int, Path]) -> str | None:
+    """Why HTA may not read these device traces: one is not the file its rank's .et was made from (the run traced
+    again and not converted since), so HTA, which cuts it to the .et's step, would describe another run. Compared by
+    size, which CONVERSION_SUMMARY.md records with the name (a copy keeps the size, not the modification time); a
+    trace compressed or uncompressed since has another name and is not compared."""
+    recorded = {rank: r for rank, r in (read_previous_results(et_dir) or {}).items() if r.run == name}
+    for rank, path in sorted(devices.items()):
+        expected = (recorded[rank].inputs or {}).get("device") if rank in recorded else None
+        if not expected or expected.get("name") != path.name:
+            continue
+        size = path.stat().st_size
+        if size != expected.get("size"):
+            return (f"{path}: not the device trace rank {rank}'s .et was made from ({et_dir / CONVERSION_SUMMARY} "
+                    f"records {expected.get('size'):,} bytes, it has {size:,}); {reconvert_command(et_dir)} converts "
+                    f"the run again")
+    return None
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Figures
 # ---------------------------------------------------------------------------------------------------------------
@@ -842,6 +860,8 @@ def build_report(et_dir: Path, trace_dirs: list[Path] | None = None, use_hta: bo
             report["hta"] = {"status": "failed",
                              "reason": f"no device traces (device.<rank>.json) beside {et_dir} or in the given "
                                        f"trace folders; HTA reads the Kineto traces, not the .et"}
+        elif changed := changed_device_trace(et_dir, name, devices):
+            report["hta"] = {"status": "skipped", "reason": changed}
         else:
             windows = {r: (traces[r].step_start, traces[r].step_end) for r in devices}
             report["hta"] = run_hta(devices, windows)
