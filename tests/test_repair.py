@@ -138,6 +138,19 @@ def test_two_concatenated_documents_keep_the_last_complete_one(tmp_path, gpt2, g
     assert repaired == gpt2
 
 
+@pytest.mark.parametrize("other, says", [
+    ("device", "a Kineto device trace among them: the device trace was written to the host trace's path"),
+    ("other", "1 of them not a host trace: another program wrote to this path too"),
+])
+def test_a_concatenated_document_that_is_no_host_trace_is_not_blamed_on_the_observer(tmp_path, gpt2_text, other, says):
+    first = unzip(GPT2_DEVICE) if other == "device" else b'{"format": "something else"}'
+    path = write(tmp_path, "host.0.json", first + b"\n" + gpt2_text)
+    proc = run_cli(path)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == (f"repaired: {path}: 2 JSON objects concatenated ({says}); kept the last complete one "
+                                   "(2298 nodes); original kept as host.0.json.orig")
+
+
 def test_concatenated_with_a_truncated_last_write_keeps_the_last_complete_one(tmp_path, gpt2, gpt2_text):
     original = gpt2_text + gpt2_text[: len(gpt2_text) // 3]
     path = write(tmp_path, "host.0.json", original)

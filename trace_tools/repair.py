@@ -602,7 +602,13 @@ def _analyse_scan(path: Path, scan: _Scan, raw: _Raw, min_nodes: int) -> _Analys
         problem = f"{writes} JSON objects concatenated"
         if truncated:
             problem += ", the last one truncated"
-        problem += f" (ExecutionTraceObserver wrote {times})"
+        others = [doc for doc in complete if not doc.is_host]
+        if not others:
+            problem += f" (ExecutionTraceObserver wrote {times})"
+        elif any("traceEvents" in doc.fields for doc in others):
+            problem += " (a Kineto device trace among them: the device trace was written to the host trace's path)"
+        else:
+            problem += f" ({len(others)} of them not a host trace: another program wrote to this path too)"
         if not hosts:
             last = complete[-1]
             kind, why = _schema_problem(last.fields, last.nodes_is_list) or (NOT_HOST_TRACE, "not a host trace")
