@@ -186,15 +186,20 @@ copy_sources() {
     tar -C "$from" --exclude=./.git --exclude=./build/astra_analytical/build -cf - . | tar -C "$src" -xf -
 }
 
-# The commit (or a description) of the tree being built, to recognise an install that is already done.
+# The tree being built, to recognise an install that is already done: the pinned commit, or a --source tree with a
+# checksum of its files (what copy_sources copies), so a tree edited since the last build (a patch applied, a
+# submodule updated, uncommitted or not in git at all) is built again instead of reused.
 describe_source() {
     if [ -z "$SOURCE" ]; then
         echo "$REPO_URL@$PINNED_COMMIT"
-    elif git -C "$SOURCE" rev-parse HEAD >/dev/null 2>&1; then
-        echo "$SOURCE@$(git -C "$SOURCE" rev-parse HEAD)"
     else
-        echo "$SOURCE"
+        echo "$SOURCE (files checksum $(tree_checksum "$SOURCE"))"
     fi
+}
+
+tree_checksum() {
+    (cd "$1" && find . \( -path ./.git -o -path ./build/astra_analytical/build \) -prune -o -type f -print |
+        LC_ALL=C sort | tr '\n' '\0' | xargs -0 cksum | cksum | cut -d' ' -f1)
 }
 
 main() {
@@ -275,7 +280,7 @@ main() {
         exit 0
     fi
     if [ "$DRY_RUN" = 1 ]; then
-        say "Dry run: nothing is changed"
+        say "Dry run: nothing is changed (would build $wanted)"
     else
         require_tools cmake c++ protoc
         [ -n "$SOURCE" ] || require_tools git

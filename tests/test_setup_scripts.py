@@ -3,6 +3,7 @@ environment reuse, GitHub unreachable, a Python without venv support, and a real
 import gzip
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -473,3 +474,22 @@ def test_astra_empty_or_missing_values_are_usage_errors_not_a_clone(tmp_path, ar
     assert proc.returncode == 2
     assert proc.stderr == f"{says} (see ./install_astra_sim.sh --help)\n" and "Cloning" not in proc.stdout
     assert list(tmp_path.iterdir()) == []
+
+
+def test_astra_source_tree_edited_since_its_build_is_built_again_not_reused(tmp_path, astra_tree, no_build_tools):
+    """The install was recognised by the --source path alone (or its git HEAD): a tree patched since, or one outside
+    git, was reported as "Reusing" the binary built from its earlier files."""
+    prefix = tmp_path / "install"
+    dry = run([ASTRA, "--source", astra_tree, "--prefix", prefix, "--dry-run"], env=no_build_tools)
+    [described] = re.findall(r"would build (.+)\)$", dry.stdout.splitlines()[0])
+    assert described.startswith(f"{astra_tree} (files checksum ")
+    (prefix / "bin").mkdir(parents=True)  # as a build from these files leaves it
+    (prefix / "bin" / "AstraSim_Analytical_Congestion_Unaware").write_text("#!/bin/sh\n")
+    (prefix / "bin" / "AstraSim_Analytical_Congestion_Unaware").chmod(0o755)
+    (prefix / ".mosim-astra-sim-source").write_text(described + "\n")
+    again = run([ASTRA, "--source", astra_tree, "--prefix", prefix], env=no_build_tools)
+    assert again.returncode == 0 and again.stdout.startswith(f"==> Reusing {prefix}/bin/")
+    (astra_tree / "astra-sim" / "a.cc").write_text("// patched\n")
+    patched = run([ASTRA, "--source", astra_tree, "--prefix", prefix, "--dry-run"], env=no_build_tools)
+    assert patched.returncode == 0 and "Reusing" not in patched.stdout
+    assert patched.stdout.splitlines()[0] != dry.stdout.splitlines()[0]
