@@ -1,6 +1,7 @@
 """Scale-out: a data-parallel run traced on k ranks becomes N ranks for ASTRA-sim; other parallelism is refused."""
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import shutil
@@ -365,6 +366,52 @@ def test_a_smaller_set_replaces_a_larger_one_of_the_same_name(gpt2_run, tmp_path
     scale_run(gpt2_run, 8, output_dir=tmp_path, name="run")
     scale_run(gpt2_run, 4, output_dir=tmp_path, name="run")
     assert sorted(p.name for p in tmp_path.glob("*.et")) == [f"run.{r}.et" for r in range(4)]
+
+
+def test_a_set_of_another_name_is_refused_in_a_folder_holding_a_scaled_set(gpt2_run, tmp_path, capsys):
+    scale_run(gpt2_run, 8, output_dir=tmp_path)
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    # --ranks 16 is another set (gpt2_tiny_2r_16npus): beside the 8-rank one it would take its SCALE_SUMMARY.md
+    code = scale_et.main([str(gpt2_run), "--ranks", "16", "--output-dir", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1
+    assert err.startswith(f"error: --output-dir: {tmp_path} already holds the scaled set {GPT2_2R}_8npus; a scaled "
+                          "set goes in a folder of its own"), err
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+
+
+def test_the_summary_records_the_size_and_sha256_of_every_ranks_file(gpt2_run, tmp_path):
+    result = scale_set(gpt2_run, 8, output_dir=tmp_path, slow={3: 2.0})
+    status = scale.read_scale_status(tmp_path)
+    files = {tuple(f["ranks"]): f for f in status["files"]}
+    assert sorted(files) == [(0, 2, 4, 6), (1, 5, 7), (3,)]  # rank 3, the straggler, has a file of its own
+    for ranks, fingerprint in files.items():
+        data = Path(f"{result.prefix}.{ranks[0]}.et").read_bytes()
+        assert (fingerprint["size"], fingerprint["sha256"]) == (len(data), hashlib.sha256(data).hexdigest())
+
+
+@pytest.mark.parametrize("change, says", [
+    ("cut", "{prefix}.2.et: not the file {summary} recorded for rank 2 (re-written by hand or by another scale run, "
+            "or cut short, since scale_et.py wrote it)"),
+    ("top rank gone", "{prefix}.3.et: missing, though {summary} records it written"),
+])
+def test_a_scaled_set_changed_since_it_was_written_is_refused_as_a_source(gpt2_run, tmp_path, change, says):
+    four = scale_run(gpt2_run, 4, output_dir=tmp_path / "four")
+    rank = Path(f"{four}.{2 if change == 'cut' else 3}.et")
+    if change == "cut":  # at a node boundary, in a file of its own (not through rank 0's hard link): still decodes
+        blobs = list(iter_et_messages(rank))
+        rank.unlink()
+        with open(rank, "wb") as f:
+            for blob in blobs[:-3]:
+                encodeMessage(f, SerializedMessage(blob))
+        assert validate_et(rank).ok
+    else:
+        rank.unlink()
+    with pytest.raises(ScaleError) as error:
+        scale_run(four.parent, 8, output_dir=tmp_path / "eight")
+    assert says.format(prefix=four, summary=four.parent / scale.SUMMARY_NAME) in str(error.value), str(error.value)
+    assert f"scale_et.py {gpt2_run / GPT2_2R} --ranks 4 --output-dir {four.parent}" in str(error.value)
+    assert not (tmp_path / "eight").exists()
 
 
 def test_the_default_output_is_a_folder_beside_the_run(gpt2_run, tmp_path):

@@ -377,6 +377,128 @@ def test_more_ranks_of_a_set_named_as_a_prefix_scale_that_set(converted, tmp_pat
     assert result.critical_path_ms == {}
 
 
+@pytest.mark.parametrize("change", ["replaced by another scale's rank", "edited through a hard link", "cut short"])
+def test_a_scaled_rank_changed_since_scale_et_wrote_it_is_refused(converted, tmp_path, change):
+    pytest.importorskip("trace_tools.scale")
+    prefix = scaled(converted, tmp_path / "four", 4)
+    rank1 = Path(f"{prefix}.1.et")
+    if change == "replaced by another scale's rank":  # a straggler's file renamed over it: a new inode
+        slow = scaled(converted, tmp_path / "slow", 4, name=prefix.name, slow={1: 3.0})
+        os.replace(f"{slow}.1.et", rank1)
+    elif change == "edited through a hard link":  # rank 3 is the same file: it changes too
+        blobs = list(iter_et_messages(rank1))
+        with open(rank1, "r+b") as f:
+            f.truncate(0)
+            for blob in blobs[:-3]:
+                encodeMessage(f, SerializedMessage(blob))
+    else:  # cut at a node boundary in a file of its own: it still decodes
+        blobs = list(iter_et_messages(rank1))
+        rank1.unlink()
+        with open(rank1, "wb") as f:
+            for blob in blobs[:-3]:
+                encodeMessage(f, SerializedMessage(blob))
+    with pytest.raises(SimulationError) as error:
+        simulate_run(prefix.parent, bandwidth_gbs=1.0, binary=tmp_path / "never run", work_dir=tmp_path / "w")
+    assert str(error.value).startswith(f"{rank1}: not the file {prefix.parent / 'SCALE_SUMMARY.md'} recorded for "
+                                       "rank 1"), str(error.value)
+    assert f"scale_et.py {converted / 'gpt2_tiny_2r'} --ranks 4 --output-dir {prefix.parent}" in str(error.value)
+    assert not (tmp_path / "w").exists()
+
+
+def test_sets_scaled_by_earlier_simulations_and_their_logs_do_not_pile_up(converted, tmp_path):
+    pytest.importorskip("trace_tools.scale")
+    folder = tmp_path / "run"
+    shutil.copytree(converted, folder, ignore=shutil.ignore_patterns("astra-sim", "SIMULATION.md"))
+    fake = tmp_path / "astra"  # finishes every rank it is given, and appends to its log as ASTRA-sim's spdlog does
+    fake.write_text("#!/bin/sh\nn=$(sed -n 's/npus_count: \\[ \\([0-9]*\\) \\]/\\1/p' network.yml)\n"
+                    "mkdir -p log && echo run >> log/log.log\n"
+                    "r=0; while [ $r -lt $n ]; do echo \"sys[$r] finished, 1000 cycles, exposed communication 1 "
+                    "cycles.\"; r=$((r+1)); done\n")
+    fake.chmod(0o755)
+    work = folder / simulate.WORK_DIR_NAME
+    for ranks in (4, 8, None):
+        simulate_run(folder, ranks=ranks, bandwidth_gbs=1.0, binary=fake, communication_cpu_bound=False)
+        kept = sorted(p.name for p in work.iterdir() if p.name.startswith("scaled_"))
+        assert kept == ([f"scaled_{ranks}"] if ranks else [])  # the last simulation's set only
+        assert (work / "log" / "log.log").read_text() == "run\n"  # this simulation's log only
+
+
+def test_two_sets_of_a_folder_scale_one_after_the_other_to_the_same_ranks(converted, tmp_path):
+    pytest.importorskip("trace_tools.scale")
+    folder = tmp_path / "gpt2_tiny_2r"
+    shutil.copytree(converted, folder, ignore=shutil.ignore_patterns("astra-sim", "SIMULATION.md"))
+    for path in scaled(converted, tmp_path / "slow", 2, name="straggler", slow={1: 3.0}).parent.glob("*.et"):
+        shutil.copy(path, folder)
+    fake = finishing_astra_sim(tmp_path, 4)
+    for prefix, name in ((folder / "straggler", "straggler_4npus"), (folder / "gpt2_tiny_2r", "gpt2_tiny_2r_4npus")):
+        result = simulate_run(prefix, ranks=4, bandwidth_gbs=1.0, binary=fake, work_dir=tmp_path / "w",
+                              communication_cpu_bound=False)
+        assert result.workload.name == name
+        written = sorted(p.name for p in (tmp_path / "w" / "scaled_4").glob("*.et"))
+        assert written == [f"{name}.{r}.et" for r in range(4)]  # this set alone, not beside the other one
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--bandwidth", "10Gbit/s", "--latency", "1e30"], "error: --latency 1e+30: a collective of 900,352 bytes over 2 "
+                                                       "NPUs would take at least 1e+30 ns"),
+    (["--bandwidth", "10Gbit/s", "--latency", "1e16"], "error: --latency 1e+16: "),
+    (["--bandwidth", "1e-300"], "error: --bandwidth 1e-300: a collective of 900,352 bytes over 2 NPUs would take"),
+    (["--bandwidth", "1e-11"], "error: --bandwidth 1e-11: "),
+])
+def test_a_network_whose_collectives_outlast_astra_sims_clock_is_refused_before_it_runs(converted, tmp_path, flags,
+                                                                                         says):
+    # ASTRA-sim took --latency 1e30 and --bandwidth 1e-300 as free collectives (a 245 ms step, as at infinite
+    # bandwidth); at 1e16 and 1e-11 its ranks stopped unfinished
+    folder = tmp_path / "run"
+    shutil.copytree(converted, folder, ignore=shutil.ignore_patterns("astra-sim", "SIMULATION.md"))
+    proc = run_cli(folder, *flags, "--no-cpu-bound", "--astra-sim", finishing_astra_sim(tmp_path, 2))
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stderr.startswith(says) and "beyond the 2^53 ns (104 days) ASTRA-sim's clock counts" in proc.stderr
+    assert not (folder / "SIMULATION.md").exists() and not (folder / "astra-sim" / "workload.txt").exists()
+
+
+def test_the_longest_collectives_astra_sims_clock_counts_are_simulated(converted, tmp_path):
+    simulate.check_clock_range(Network(2, 1e-10, 500.0), 900_352)  # 4.2e15 ns: ASTRA-sim simulated it (8.4e15 ns)
+    simulate.check_clock_range(Network(2, 1.0, 1e15), 900_352)
+    simulate.check_clock_range(Network(2, 1e-300, 1e300), 0)  # no collective over the network: nothing to time
+
+
+def with_open_files_limit(soft: int, hard: int | None = None):
+    """preexec_fn for a child whose limit of open files is soft (and hard, when given)."""
+    import resource
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard or resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+    return limit
+
+
+def simulate_cli_with_limit(args, soft: int, hard: int | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "simulate.py", *map(str, args)], cwd=REPO, capture_output=True, text=True,
+                          timeout=300, preexec_fn=with_open_files_limit(soft, hard))
+
+
+def test_more_npus_than_the_hard_limit_of_open_files_are_refused_in_one_line(converted, tmp_path):
+    pytest.importorskip("resource")
+    folder = tmp_path / "run"
+    shutil.copytree(converted, folder, ignore=shutil.ignore_patterns("astra-sim", "SIMULATION.md"))
+    fake = finishing_astra_sim(tmp_path, 64)
+    proc = simulate_cli_with_limit([folder, "--ranks", "64", "--bandwidth", "1Gbit/s", "--astra-sim", fake], 40, 40)
+    assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stderr.startswith(f"error: {fake}: 64 NPUs need 69 open files (ASTRA-sim keeps each NPU's .et open), "
+                                  "but this shell allows 40 (ulimit -Hn)"), proc.stderr
+    assert not (folder / "SIMULATION.md").exists()
+
+
+@needs_astra_sim
+def test_a_soft_limit_of_open_files_below_the_npus_is_raised_for_astra_sim(converted, tmp_path):
+    # Below 16 + 5 open files ASTRA-sim exits 1 printing only its topology lines.
+    folder = tmp_path / "run"
+    shutil.copytree(converted, folder, ignore=shutil.ignore_patterns("astra-sim", "SIMULATION.md"))
+    proc = simulate_cli_with_limit([folder, "--ranks", "16", "--bandwidth", "10Gbit/s", "--no-cpu-bound"], 16)
+    assert proc.returncode == 0, proc.stderr
+    assert "predicted step" in proc.stdout and (folder / "SIMULATION.md").is_file()
+
+
 def test_a_second_simulation_in_the_same_work_folder_is_refused(converted, tmp_path):
     fcntl = pytest.importorskip("fcntl")
     work = tmp_path / "w"

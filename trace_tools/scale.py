@@ -14,6 +14,7 @@ import logging
 import math
 import os
 import re
+import shlex
 import shutil
 import signal
 import tempfile
@@ -21,6 +22,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterable
 
 import orjson
 from chakra.schema.protobuf.et_def_pb2 import (
@@ -33,7 +35,7 @@ from .atomic import folder_held, write_text_atomic
 from .layout import ET_FILE_RE, RUN_INFO, et_name, et_sets
 from .link import COMM_TYPE_NAMES, COMMUNICATION_CPU_ATTR
 from .pipeline import FALLBACK_OUTPUT_ROOT, _writable
-from .summary import converted_from, format_bytes, unrecorded_et_file
+from .summary import converted_from, et_fingerprint, format_bytes, unrecorded_et_file
 from .validate import (EtFormatError, SerializedMessage, collectives_agree, iter_et_messages, read_et_metadata,
                        validate_et)
 
@@ -42,6 +44,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_NAME = "{name}_{ranks}npus"
 NAME_CHARACTERS = "A-Za-z0-9_.+-"  # what a scaled set's name may hold (a regular expression's character class)
 SUMMARY_NAME = "SCALE_SUMMARY.md"
+_SCALE_STATUS_RE = re.compile(r"<!-- trace_tools-scale-status\n(.*?)\n-->", re.S)
 # ASTRA-sim runs a collective whose pg_name is "" or "0" over every NPU (Workload::extract_comm_group), with no
 # --comm-group-configuration; "0" is also PyTorch's name for the default (world) process group.
 WORLD_GROUP = "0"
@@ -115,11 +118,72 @@ def _complete_set(folder: Path, name: str) -> SourceSet:
 
 
 def check_against_conversion(source: SourceSet) -> None:
-    """Refuse .et files that are not those the folder's CONVERSION_SUMMARY.md recorded (summary.unrecorded_et_file):
-    one cut short at a node boundary still decodes and validates, and would be scaled to N ranks as it is."""
-    problem = unrecorded_et_file(source.folder, source.name, range(source.ranks))
+    """Refuse .et files that are not those the folder's CONVERSION_SUMMARY.md (summary.unrecorded_et_file) or
+    SCALE_SUMMARY.md (unscaled_et_file) recorded: one cut short at a node boundary still decodes and validates, and
+    would be scaled to N ranks as it is."""
+    problem = unrecorded_et_file(source.folder, source.name, range(source.ranks)) or \
+        unscaled_et_file(source.folder, source.name, range(source.ranks))
     if problem:
         raise ScaleError(*problem)
+
+
+def read_scale_status(folder: Path) -> dict | None:
+    """The status SCALE_SUMMARY.md in folder records (name, ranks, source, files...), or None when there is none."""
+    try:
+        match = _SCALE_STATUS_RE.search((Path(folder) / SUMMARY_NAME).read_text(encoding="utf-8"))
+        status = json.loads(match.group(1)) if match else None
+    except (OSError, ValueError):
+        return None
+    return status if isinstance(status, dict) else None
+
+
+def scale_again_command(folder: Path, status: dict) -> str:
+    """The scale_et.py command that writes the set SCALE_SUMMARY.md describes again, into the same folder."""
+    words = ["scale_et.py", str(status.get("source")), "--ranks", str(status.get("ranks")), "--output-dir",
+             str(folder), "--name", str(status.get("name"))]
+    for rank, factor in sorted((status.get("slow") or {}).items(), key=lambda item: int(item[0])):
+        words += ["--slow", f"{rank}:{factor:g}"]
+    return shlex.join(words)
+
+
+def unscaled_et_file(folder: Path, name: str, ranks: Iterable[int], *,
+                     every_recorded_rank: bool = True) -> tuple[Path, str] | None:
+    """The first .et of the set `name` in folder, among those of `ranks`, that is not the file scale_et.py wrote
+    there as SCALE_SUMMARY.md records it (size and SHA-256 per rank), and why: a rank re-written by hand or by
+    another scale run, or cut short. every_recorded_rank: a recorded rank that `ranks` lacks, or a rank beyond
+    those recorded, is a problem too. None when every file is as recorded, or when the summary records no
+    fingerprints of this set (another set, a summary written before they were recorded).
+
+    Ranks that share a file (hard links) are hashed once: 1024 ranks of two files cost two hashes."""
+    status = read_scale_status(folder)
+    if not status or status.get("name") != name or not isinstance(status.get("files"), list):
+        return None
+    expected: dict[int, dict] = {}
+    for fingerprint in status["files"]:
+        for rank in fingerprint.get("ranks") or []:
+            expected[rank] = {"size": fingerprint.get("size"), "sha256": fingerprint.get("sha256")}
+    summary, again = folder / SUMMARY_NAME, scale_again_command(folder, status)
+    present = set(ranks)
+    hashed: dict[tuple[int, int], dict] = {}
+    for rank in sorted(present | set(expected) if every_recorded_rank else present):
+        path = folder / et_name(name, rank)
+        if rank not in expected:
+            return path, (f"{summary} records ranks 0-{status.get('ranks', 0) - 1} of {name}, not this one: the file "
+                          f"was added since scale_et.py wrote the set ({again} writes it again)")
+        if rank not in present:
+            return path, f"missing, though {summary} records it written ({again} writes the set again)"
+        try:
+            stat = path.stat()
+            key = (stat.st_dev, stat.st_ino)
+            if key not in hashed:
+                hashed[key] = et_fingerprint(path) if stat.st_size == expected[rank]["size"] else {}
+        except OSError as e:
+            return path, f"cannot read it ({e.strerror or e})"
+        found = hashed[key]
+        if (found.get("size"), found.get("sha256")) != (expected[rank]["size"], expected[rank]["sha256"]):
+            return path, (f"not the file {summary} recorded for rank {rank} (re-written by hand or by another scale "
+                          f"run, or cut short, since scale_et.py wrote it); {again} writes the set again")
+    return None
 
 
 @dataclass
@@ -407,6 +471,10 @@ class ScaleResult:
     new_bytes: int = 0
     collectives: list[tuple[str, str, int]] = field(default_factory=list)
     critical_path_us: dict[int, float] = field(default_factory=dict)  # per distinct file, by its first rank
+    # size and SHA-256 of each distinct content (by the first rank that has it), and the content of every rank:
+    # SCALE_SUMMARY.md records them, so a rank changed since is refused (unscaled_et_file)
+    fingerprints: dict[int, dict] = field(default_factory=dict)
+    content_of_rank: list[int] = field(default_factory=list)
     seconds: float = 0.0
     warnings: list[str] = field(default_factory=list)
     note: str = ""
@@ -491,6 +559,15 @@ def scale_set(source: str | Path, ranks: int, *, output_dir: str | Path | None =
         # set the folder is (and a set of the source's name would overwrite it).
         raise ScaleError("--output-dir", f"{out_dir} is the run folder itself; a scaled set goes in a folder of its "
                          "own (default: one beside the run)")
+    others = sorted(other for other in et_sets(out_dir) if other != name) if out_dir.is_dir() else []
+    if others:
+        # SCALE_SUMMARY.md describes one set: a second one beside it would leave the first without its summary (and
+        # unchecked), and the folder without one set for simulate.py or a later scale to take.
+        holds = f"the scaled set {others[0]}" if (read_scale_status(out_dir) or {}).get("name") == others[0] \
+            and len(others) == 1 else f"the .et set{'s' if len(others) > 1 else ''} {', '.join(others)}"
+        raise ScaleError("--output-dir" if output_dir is not None else out_dir,
+                         f"{out_dir} already holds {holds}; a scaled set goes in a folder of its own (give "
+                         "another --output-dir, or remove those files first)")
     check_against_conversion(source_set)
 
     # Ranks sharing one file (a scaled set as source) are read once; output rank r replays file r mod k.
@@ -554,18 +631,22 @@ def _write_set(result: ScaleResult, sources: list[SourceEt], file_of_rank: list[
     every other rank's name as a hard link to its traced rank's file."""
     ranks, k = result.ranks, result.source.ranks
     base: dict[int, Path] = {}  # source file index -> its scaled file in staging
+    base_rank: dict[int, int] = {}  # source file index -> the output rank whose file it is
     distinct: dict[int, Path] = {}  # first output rank of each distinct file -> the file
+    result.content_of_rank = []
     for r in range(ranks):
         source_rank = result.source_of_rank[r]
         index = file_of_rank[source_rank]
         if r not in result.slow and index in base:
+            result.content_of_rank.append(base_rank[index])
             continue
         path = staging / et_name(result.name, r)
         write_scaled_et(sources[index], path, ranks=ranks, traced_ranks=k, source_rank=source_rank,
                         compute_scale=result.slow.get(r, 1.0))
         distinct[r] = path
+        result.content_of_rank.append(r)
         if r not in result.slow:
-            base[index] = path
+            base[index], base_rank[index] = path, r
     reports = {}
     for r, path in distinct.items():
         report = validate_et(path)
@@ -573,6 +654,7 @@ def _write_set(result: ScaleResult, sources: list[SourceEt], file_of_rank: list[
             raise ScaleError(result.output_dir / path.name,
                              "the scaled .et failed validation: " + "; ".join(report.problems[:3]))
         reports[r] = report
+        result.fingerprints[r] = et_fingerprint(path)
         result.new_bytes += path.stat().st_blocks * 512
         result.written.append(path.name)
     problems = collectives_agree({r: report.collectives for r, report in reports.items()})
@@ -677,13 +759,16 @@ def render_scale_summary(result: ScaleResult) -> str:
         f"- Files: {files}.",
         "- Every distinct file was decoded after writing (dependencies resolve, no cycle, only node types ASTRA-sim "
         "accepts) and the collectives agree across them (same types and sizes in the same order).",
+        "- The size and SHA-256 of every rank's file are recorded below: simulate.py and scale_et.py refuse a rank "
+        "changed, replaced or removed since (scale again instead).",
         "",
         "## What the simulator needs",
         "",
         f"- One file per NPU named `{result.name}.<rank>.et`: ASTRA-sim opens `<prefix>.<sys id>.et` for each NPU and "
         "reads nothing rank-specific inside it, so ranks that replay the same traced rank share one file (hard links; "
         "the file system copies where it has none).",
-        f"- {ranks} open files at once (each NPU's feeder keeps its file open): `ulimit -n` above {ranks}.",
+        f"- {ranks} open files at once (each NPU's feeder keeps its file open): `ulimit -n` above {ranks} "
+        "(simulate.py raises the soft limit up to the hard one itself).",
         "- Files it may open for writing: Chakra's feeder opens each .et in read+append mode (it writes nothing), so "
         "a read-only .et fails with `Failed to open file`; do not make the set read-only. A hard-linked file changed "
         "through one name changes every rank that shares it: regenerate with scale_et.py instead of editing.",
@@ -699,6 +784,9 @@ def render_scale_summary(result: ScaleResult) -> str:
     status = {"name": result.name, "ranks": ranks, "source": str(source.prefix), "traced_ranks": k,
               "source_of_rank": "r mod traced_ranks", "slow": {str(r): f for r, f in result.slow.items()},
               "parallelism": result.parallelism, "files_written": len(result.written), "links": result.links,
-              "copies": result.copies, "new_bytes": result.new_bytes, "seconds": round(result.seconds, 3)}
+              "copies": result.copies, "new_bytes": result.new_bytes, "seconds": round(result.seconds, 3),
+              "files": [{"name": fingerprint["name"], "size": fingerprint["size"], "sha256": fingerprint["sha256"],
+                         "ranks": [r for r, content in enumerate(result.content_of_rank) if content == first]}
+                        for first, fingerprint in sorted(result.fingerprints.items())]}
     lines += ["", "<!-- trace_tools-scale-status", json.dumps(status, sort_keys=True), "-->", ""]
     return "\n".join(lines)

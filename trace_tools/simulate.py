@@ -13,8 +13,10 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterator
 
 from .atomic import atomic_output, folder_held, write_text_atomic
 from .command_line import ArgumentParser, StopSignal
@@ -29,6 +31,9 @@ WORK_DIR_NAME = "astra-sim"  # inside the run folder: the configuration files, A
 NETWORK_FILE, SYSTEM_FILE, MEMORY_FILE, COMM_GROUP_FILE = "network.yml", "system.json", "remote_memory.json", \
     "comm_groups.json"
 OUTPUT_FILE = "astra-sim.out"
+LOG_DIR = "log"  # ASTRA-sim's --logging-folder in the work folder: it appends, so each run starts it anew
+SCALED_DIR = "scaled_{ranks}"  # in the work folder: the set scaled from the traced one for --ranks N
+SCALED_DIR_RE = re.compile(r"scaled_\d+")
 WITHOUT_COMMUNICATION_CPU_DIR = "without_communication_cpu"  # in the work folder: the .et copies and their simulation
 
 TOPOLOGIES = ("Ring", "FullyConnected", "Switch")  # the analytical backend's building blocks
@@ -53,6 +58,15 @@ SYSTEM_DEFAULTS = {
 GIB = 1 << 30  # ASTRA-sim analytical's "GB" (NetworkFunction.cpp: bw * (1 << 30) / 1e9 bytes per ns)
 # "sys[0] finished, 239530000 cycles, exposed communication 1000 cycles." (Workload::report); 1 cycle = 1 ns
 FINISHED_RE = re.compile(r"sys\[(\d+)\] finished, (\d+) cycles, exposed communication (\d+) cycles")
+# ASTRA-sim counts simulated time in nanoseconds as a double (timespec_t) and a 64-bit integer (Tick): a message whose
+# time does not fit wraps to 0 (the collective is simulated as free), and past 2^53 ns (104 days) the double no longer
+# counts every nanosecond and ranks stop unfinished. Measured on the 2-rank GPT-2 tiny: a step of 8.4e15 ns simulates,
+# one of 8.4e16 ns does not.
+CLOCK_LIMIT_NS = 2 ** 53
+# Files ASTRA-sim holds open besides one .et per NPU (its feeders keep them open from the start): stdin, stdout,
+# stderr and its two log files. Measured: 16 NPUs need 21 open files, 128 need 133; one fewer and it exits 1 saying
+# nothing about why.
+ASTRA_SIM_OTHER_FILES = 5
 
 
 class SimulationError(Exception):
@@ -89,7 +103,9 @@ def parse_bandwidth(text: str) -> float:
         bits = unit.lower().startswith("bit") or unit == "b"
         bytes_per_s = value * _PREFIX[prefix.lower()] / (8 if bits else 1)
         gbs = bytes_per_s / GIB
-    if not math.isfinite(gbs) or gbs <= 0:
+    if not math.isfinite(gbs):
+        raise SimulationError(f"--bandwidth {text!r}: too large to be a number")
+    if gbs <= 0:
         raise SimulationError(f"--bandwidth {text!r}: must be more than 0")
     return gbs
 
@@ -97,6 +113,8 @@ def parse_bandwidth(text: str) -> float:
 def format_bandwidth(gbs: float) -> str:
     """A bandwidth in ASTRA-sim's GB/s, with the same rate in bit/s as networks are quoted."""
     bits = gbs * GIB * 8
+    if not math.isfinite(bits):
+        return f"{gbs:.6g} GB/s of 2^30 bytes"
     for unit, size in (("Tbit/s", 1e12), ("Gbit/s", 1e9), ("Mbit/s", 1e6), ("kbit/s", 1e3)):
         if bits >= size:
             return f"{bits / size:.4g} {unit} ({gbs:.6g} GB/s of 2^30 bytes)"
@@ -347,6 +365,84 @@ def _failure_line(output: str) -> str:
     return lines[-1][-300:] if lines else "no output"
 
 
+@contextmanager
+def open_files_for(npus: int, binary: Path) -> Iterator[None]:
+    """Let ASTRA-sim open a file per NPU: raise this process's soft limit of open files (which the simulator
+    inherits) up to the hard one while it runs, or refuse in one line when the hard limit is too low. Below the limit
+    ASTRA-sim exits 1 with nothing in its output that says why."""
+    try:
+        import resource
+    except ImportError:  # Windows: no such limit to read
+        yield
+        return
+    needed = npus + ASTRA_SIM_OTHER_FILES
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= needed:
+        yield
+        return
+    if hard != resource.RLIM_INFINITY and hard < needed:
+        raise SimulationError(f"{binary}: {npus} NPUs need {needed} open files (ASTRA-sim keeps each NPU's .et "
+                              f"open), but this shell allows {hard} (ulimit -Hn); raise the hard limit "
+                              "(/etc/security/limits.conf, or ulimit -n as root) or simulate fewer ranks")
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (needed, hard))
+    except (ValueError, OSError) as e:  # macOS caps the soft limit below an unlimited hard one (OPEN_MAX)
+        raise SimulationError(f"{binary}: {npus} NPUs need {needed} open files (ASTRA-sim keeps each NPU's .et "
+                              f"open), but the limit of {soft} (ulimit -n) cannot be raised ({e}); simulate fewer "
+                              "ranks") from None
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def largest_network_collective(path: Path) -> int:
+    """The bytes of the largest collective in the .et that ASTRA-sim runs over the network (all-reduce, all-gather,
+    reduce-scatter, all-to-all; a broadcast replays its traced duration); 0 when there is none."""
+    from chakra.schema.protobuf.et_def_pb2 import (ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, COMM_COLL_NODE,
+                                                   REDUCE_SCATTER, Node)
+
+    from .validate import EtFormatError, iter_et_messages
+
+    networked = {ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, ALL_TO_ALL}
+    largest, node = 0, Node()
+    try:
+        messages = iter_et_messages(path)
+        next(messages, None)  # the metadata
+        for blob in messages:
+            node.Clear()
+            node.ParseFromString(blob)
+            if node.type != COMM_COLL_NODE:
+                continue
+            attrs = {a.name: getattr(a, a.WhichOneof("value")) for a in node.attr if a.WhichOneof("value")}
+            if attrs.get("comm_type") in networked:
+                largest = max(largest, int(attrs.get("comm_size") or 0))
+    except (EtFormatError, OSError) as e:
+        raise SimulationError(f"{path}: cannot read the .et ({e})") from None
+    except Exception as e:  # protobuf decode errors
+        raise SimulationError(f"{path}: not a Chakra .et ({e})") from None
+    return largest
+
+
+def check_clock_range(network: Network, collective_bytes: int) -> None:
+    """Refuse a --latency or --bandwidth with which one collective alone outlasts ASTRA-sim's clock (CLOCK_LIMIT_NS):
+    it would be simulated as free, or the ranks would stop unfinished. However the algorithm splits a collective of
+    B bytes over N NPUs, each NPU receives at least B/N bytes through one link after at least one link's latency."""
+    if not collective_bytes:
+        return
+    bytes_per_ns = network.bandwidth_gbs * GIB / 1e9
+    transfer_ns = collective_bytes / network.npus / bytes_per_ns
+    floor_ns = network.latency_ns + transfer_ns
+    if floor_ns < CLOCK_LIMIT_NS:
+        return
+    flag = (f"--latency {network.latency_ns:g}" if network.latency_ns >= transfer_ns
+            else f"--bandwidth {network.bandwidth_gbs:g}")
+    raise SimulationError(f"{flag}: a collective of {collective_bytes:,} bytes over {network.npus} NPUs would take "
+                          f"at least {floor_ns:.3g} ns on this network, beyond the 2^53 ns (104 days) ASTRA-sim's "
+                          "clock counts (it would simulate the collective as free, or stop); give a network of "
+                          "real-world latency and bandwidth")
+
+
 def simulate_workload(workload_prefix: Path, ranks: int, *, bandwidth_gbs: float,
                       latency_ns: float = DEFAULT_LATENCY_NS, topology: str = "Ring", collective: str = "ring",
                       binary: Path | None = None, work_dir: Path | None = None,
@@ -366,12 +462,15 @@ def simulate_workload(workload_prefix: Path, ranks: int, *, bandwidth_gbs: float
     if missing:
         raise SimulationError(f"{missing[0]}: missing ({len(missing)} of the {ranks} ranks' .et files are)")
     binary = find_astra_sim(binary) if binary is not None else find_astra_sim()
+    check_clock_range(network, largest_network_collective(paths[0]))
     work_dir = Path(work_dir) if work_dir is not None else Path(tempfile.mkdtemp(prefix="astra-sim-"))
     flags = write_configs(work_dir, network, process_groups(workload, ranks))
-    command = [str(binary), f"--workload-configuration={workload}", *flags, "--logging-folder=log"]
+    command = [str(binary), f"--workload-configuration={workload}", *flags, f"--logging-folder={LOG_DIR}"]
+    shutil.rmtree(work_dir / LOG_DIR, ignore_errors=True)  # ASTRA-sim appends: the log would hold every earlier run
     try:
-        proc = subprocess.run(command, cwd=work_dir, capture_output=True, text=True, errors="replace",
-                              timeout=timeout_s)
+        with open_files_for(ranks, binary):
+            proc = subprocess.run(command, cwd=work_dir, capture_output=True, text=True, errors="replace",
+                                  timeout=timeout_s)
     except subprocess.TimeoutExpired as e:
         raise SimulationError(f"{binary}: still running after {timeout_s:g} s; stopped") from e
     output = proc.stdout + proc.stderr
@@ -488,8 +587,18 @@ def measured_steps(folder: Path) -> tuple[dict[int, float], str]:
 
 def check_against_summary(workload: Path, ranks: int) -> None:
     """Refuse a set whose .et files are not those the folder's CONVERSION_SUMMARY.md recorded as converted
-    (summary.unrecorded_et_file): ASTRA-sim would simulate another run's rank, or what is left of a file cut short."""
+    (summary.unrecorded_et_file), or, for a scaled set, those its SCALE_SUMMARY.md recorded as written
+    (scale.unscaled_et_file): ASTRA-sim would simulate another run's rank, a rank re-written since, or what is left
+    of a file cut short."""
     problem = unrecorded_et_file(workload.parent, workload.name, range(ranks))
+    if problem is None:
+        try:
+            from .scale import unscaled_et_file
+        except ImportError:  # a checkout without the scaler: no scaled set of its own to check
+            unscaled_et_file = None
+        # ranks missing from the top are refused by process_groups, which names the world size the files record
+        if unscaled_et_file is not None:
+            problem = unscaled_et_file(workload.parent, workload.name, range(ranks), every_recorded_rank=False)
     if problem:
         raise SimulationError(f"{problem[0]}: {problem[1]}")
 
@@ -529,12 +638,16 @@ def _simulate_run(workload: Path, traced: int, ranks: int, work_dir: Path, commu
         except ImportError as e:
             raise SimulationError(f"--ranks {ranks}: more ranks than the {traced} traced needs trace_tools.scale, "
                                   f"which this checkout does not have: scaling is unavailable ({e})") from e
+        scaled_dir = work_dir / SCALED_DIR.format(ranks=ranks)
+        # Scaled anew from the set as it is now: an earlier simulation's set may be of another set of the folder.
+        shutil.rmtree(scaled_dir, ignore_errors=True)
         try:
             # The prefix, not the folder: a folder of several sets would otherwise scale the one named after it.
-            workload = Path(scale_run(workload, ranks, output_dir=work_dir / f"scaled_{ranks}"))
+            workload = Path(scale_run(workload, ranks, output_dir=scaled_dir))
         except ScaleError as e:
             raise SimulationError(f"--ranks {ranks}: {e}") from e
     result = simulate_workload(workload, ranks, work_dir=work_dir, **network)
+    remove_other_scaled_sets(work_dir, keep=workload)
     # A scaled set simulated as it is was still traced on fewer ranks: SIMULATION.md says so.
     result.traced_ranks, result.run_folder = traced_world_size(workload) or traced, folder
     bound_dir = work_dir / WITHOUT_COMMUNICATION_CPU_DIR
@@ -549,6 +662,20 @@ def _simulate_run(workload: Path, traced: int, ranks: int, work_dir: Path, commu
     result.critical_path_ms = {rank: s["critical_path_us"] / 1e3 for rank, s in status.items()
                                if s["critical_path_us"]}
     return result
+
+
+def remove_other_scaled_sets(work_dir: Path, keep: Path) -> None:
+    """Remove the sets earlier simulations scaled to other rank counts (scaled_<N>/): the work folder holds the
+    inputs of the last simulation, which SIMULATION.md describes, not one set per --ranks ever given."""
+    try:
+        entries = list(os.scandir(work_dir))
+    except OSError:
+        return
+    for entry in entries:
+        path = Path(entry.path)
+        if SCALED_DIR_RE.fullmatch(entry.name) and entry.is_dir(follow_symlinks=False) \
+                and path.resolve() != keep.parent.resolve():
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def _ms(value: float | None) -> str:
