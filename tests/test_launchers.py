@@ -206,6 +206,19 @@ def test_a_signal_to_the_whole_process_group_is_passed_to_torchrun_once(tmp_path
     assert capsys.readouterr().out.count("🛑 Stopping: SIGTERM to torchrun") == 1
 
 
+def test_a_stopped_run_names_only_the_checkpoints_it_wrote(tmp_path):
+    """A run stopped before its first checkpoint was said to have left "checkpoints in" its --save-dir."""
+    from utils.launch.run import written_since
+    started = time.time()
+    (tmp_path / "checkpoint-4").mkdir()  # an earlier run's, written an hour before
+    os.utime(tmp_path / "checkpoint-4", (started - 3600, started - 3600))
+    (tmp_path / ".previous").mkdir()
+    assert written_since(tmp_path, started) == [] and written_since(tmp_path / "none", started) == []
+    (tmp_path / "checkpoint-6").mkdir()
+    (tmp_path / "final_model").mkdir()
+    assert written_since(tmp_path, started) == ["checkpoint-6", "final_model"]
+
+
 def test_quick_scripts_take_no_positional_arguments():
     result = launch("run_gpt2_quick.sh", "2")
     assert result.returncode == 2
@@ -627,6 +640,8 @@ def test_kill_stops_a_background_run_and_its_workers(tmp_path):
     text = console.read_text()
     assert "🛑 Stopping: SIGTERM to torchrun" in text
     assert re.search(r"gpt2_1cpu\s+stopped", text) and "🛑 Stopped by a signal" in text
+    assert re.search(r"🛑 gpt2_1cpu stopped by a signal after \d+s \(exit \d+\); checkpoints in \S+ \(this run wrote "
+                     r".*checkpoint-\d+", text), text[-3000:]
     # the trainer saved where it stopped, as the launcher promised ("kill PID: stop it, a checkpoint is saved")
     assert list((tmp_path / "ck" / "gpt2_1cpu").glob("checkpoint-*")), text[-3000:]
 

@@ -48,6 +48,16 @@ class Foreground:
             self.child = None
 
 
+def written_since(folder: Path, started: float) -> list:
+    """The checkpoint folders (checkpoint-N, final_model, ...) in a run's --save-dir written since `started`: what a
+    run stopped by a signal left, which is nothing when it stopped before its first checkpoint."""
+    try:
+        entries = [e for e in os.scandir(folder) if e.is_dir() and not e.name.startswith(".")]
+        return sorted(e.name for e in entries if e.stat().st_mtime >= started - 1)  # coarse file-system clocks
+    except OSError:
+        return []
+
+
 def check_traces(plan: Plan, run: Run, started: float) -> bool:
     """Every rank of this node wrote its host and device trace during this run (and rank 0 run.json)."""
     folder_text = f"{plan.opts.output_dir}/{run.name}"
@@ -205,7 +215,10 @@ def run_plan(plan: Plan) -> int:
             rc = 1
         took = f"{round(time.time() - started)}s"
         if runner.stopped:
-            print(f"🛑 {run.name} stopped by a signal after {took} (exit {rc}); checkpoints in {opts.save_dir}/{run.name}/")
+            saved = written_since(ROOT / opts.save_dir / run.name, started)
+            kept = f"checkpoints in {opts.save_dir}/{run.name}/ (this run wrote {', '.join(saved)})" if saved else \
+                f"this run wrote no checkpoint in {opts.save_dir}/{run.name}/"
+            print(f"🛑 {run.name} stopped by a signal after {took} (exit {rc}); {kept}")
             results.append((run.name, "stopped", took, f"{opts.save_dir}/{run.name}/"))
         elif rc == 0:
             print(f"✅ {run.name} finished in {took}")
