@@ -423,6 +423,24 @@ def test_sets_scaled_by_earlier_simulations_and_their_logs_do_not_pile_up(conver
         assert (work / "log" / "log.log").read_text() == "run\n"  # this simulation's log only
 
 
+def test_more_ranks_of_a_run_without_run_json_take_the_flag_the_refusal_names(converted, tmp_path):
+    """The refusal said "--assume-data-parallel scales it anyway", a flag only scale_et.py took."""
+    pytest.importorskip("trace_tools.scale")
+    folder = tmp_path / "run"
+    shutil.copytree(BUNDLED, folder, ignore=shutil.ignore_patterns("run.json"))  # traced by another tool
+    proc = subprocess.run([sys.executable, "convert_to_et.py", str(folder), "--jobs", "1", "--no-progress"], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    fake = finishing_astra_sim(tmp_path, 4)
+    args = [folder, "--ranks", "4", "--bandwidth", "1Gbit/s", "--astra-sim", fake, "--no-cpu-bound"]
+    refused = run_cli(*args)
+    assert refused.returncode == 2 and "--assume-data-parallel scales it anyway" in refused.stderr
+    assert len(refused.stderr.splitlines()) == 1
+    proc = run_cli(*args, "--assume-data-parallel")
+    assert proc.returncode == 0, proc.stderr
+    assert "predicted step: 1.0 ms" in proc.stdout and (folder / "SIMULATION.md").is_file()
+
+
 def test_two_sets_of_a_folder_scale_one_after_the_other_to_the_same_ranks(converted, tmp_path):
     pytest.importorskip("trace_tools.scale")
     folder = tmp_path / "gpt2_tiny_2r"

@@ -604,9 +604,11 @@ def check_against_summary(workload: Path, ranks: int) -> None:
 
 
 def simulate_run(run_dir: Path, *, ranks: int | None = None, work_dir: Path | None = None,
-                 communication_cpu_bound: bool = True, **network) -> SimulationResult:
+                 communication_cpu_bound: bool = True, assume_data_parallel: bool = False,
+                 **network) -> SimulationResult:
     """Simulate a converted run (its <name>.<rank>.et set) on the given network, with `ranks` NPUs (default: as
-    many as were traced; more are made by trace_tools.scale.scale_run first). The result carries the measured step
+    many as were traced; more are made by trace_tools.scale.scale_run first, which assume_data_parallel lets scale
+    a run that has no run.json saying it is data-parallel). The result carries the measured step
     per rank and the critical path of each rank's .et when the run folder records them, and (communication_cpu_bound,
     on a CPU run) the step simulated again without the communication threads' CPU time (without_communication_cpu)."""
     run_dir = Path(run_dir)
@@ -626,11 +628,12 @@ def simulate_run(run_dir: Path, *, ranks: int | None = None, work_dir: Path | No
     # first one's ASTRA-sim reads them (a result for the other's network).
     with folder_held(work_dir, lambda: SimulationError(f"{work_dir}: another simulation of this run is running there "
                                                        "now; wait for it to end")):
-        return _simulate_run(workload, traced, ranks, work_dir, communication_cpu_bound, network)
+        return _simulate_run(workload, traced, ranks, work_dir, communication_cpu_bound, network,
+                             assume_data_parallel=assume_data_parallel)
 
 
 def _simulate_run(workload: Path, traced: int, ranks: int, work_dir: Path, communication_cpu_bound: bool,
-                  network: dict) -> SimulationResult:
+                  network: dict, *, assume_data_parallel: bool = False) -> SimulationResult:
     folder, traced_name = workload.parent, workload.name
     if ranks > traced:
         try:
@@ -643,7 +646,8 @@ def _simulate_run(workload: Path, traced: int, ranks: int, work_dir: Path, commu
         shutil.rmtree(scaled_dir, ignore_errors=True)
         try:
             # The prefix, not the folder: a folder of several sets would otherwise scale the one named after it.
-            workload = Path(scale_run(workload, ranks, output_dir=scaled_dir))
+            workload = Path(scale_run(workload, ranks, output_dir=scaled_dir,
+                                      assume_data_parallel=assume_data_parallel))
         except ScaleError as e:
             raise SimulationError(f"--ranks {ranks}: {e}") from e
     result = simulate_workload(workload, ranks, work_dir=work_dir, **network)
@@ -765,6 +769,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"collective algorithm: {', '.join(COLLECTIVES)} (default ring)")
     parser.add_argument("--ranks", type=int, default=None, metavar="N",
                         help="NPUs to simulate (default: the traced ranks; more are scaled from the traced ones)")
+    parser.add_argument("--assume-data-parallel", action="store_true",
+                        help="with --ranks above the traced ranks: scale a run that has no run.json, or whose "
+                        "collectives do not look data-parallel, anyway (as scale_et.py does)")
     parser.add_argument("--astra-sim", default=None, metavar="PATH",
                         help=f"the {BINARY_NAME} binary (default: ${ASTRA_SIM_ENV})")
     parser.add_argument("--no-cpu-bound", action="store_true",
@@ -792,7 +799,8 @@ def _main(args: argparse.Namespace, invocation: str) -> int:
         binary = find_astra_sim(args.astra_sim)
         result = simulate_run(Path(args.run), ranks=args.ranks, bandwidth_gbs=bandwidth, latency_ns=args.latency,
                               topology=args.topology, collective=args.collective, binary=binary,
-                              communication_cpu_bound=not args.no_cpu_bound)
+                              communication_cpu_bound=not args.no_cpu_bound,
+                              assume_data_parallel=args.assume_data_parallel)
         path = write_simulation(result, result.run_folder, invocation)
     except SimulationError as e:
         print(f"error: {e}", file=sys.stderr)
