@@ -441,6 +441,25 @@ def test_more_ranks_of_a_run_without_run_json_take_the_flag_the_refusal_names(co
     assert "predicted step: 1.0 ms" in proc.stdout and (folder / "SIMULATION.md").is_file()
 
 
+def test_a_scaled_set_prints_one_line_per_distinct_row_and_records_every_rank(converted, tmp_path):
+    """A simulation at 1024 ranks printed 1024 lines of two alternating rows."""
+    pytest.importorskip("trace_tools.scale")
+    folder = tmp_path / "run"
+    shutil.copytree(converted, folder, ignore=shutil.ignore_patterns("astra-sim", "SIMULATION.md"))
+    fake = tmp_path / "astra"  # even ranks finish at 1 ms, odd ones at 2 ms, as two traced ranks replayed
+    fake.write_text("#!/bin/sh\nr=0; while [ $r -lt 32 ]; do echo \"sys[$r] finished, $((1000000 + r % 2 * 1000000)) "
+                    "cycles, exposed communication 1 cycles.\"; r=$((r+1)); done\n")
+    fake.chmod(0o755)
+    proc = run_cli(folder, "--ranks", "32", "--bandwidth", "1Gbit/s", "--astra-sim", fake, "--no-cpu-bound")
+    assert proc.returncode == 0, proc.stderr
+    table = [re.split(r"\s{2,}", line) for line in proc.stdout.splitlines() if re.match(r"\d", line)]
+    # the traced ranks have a measured step of their own; the ranks scaled from them share a line per traced rank
+    assert [row[:2] for row in table] == [["0", "1.0"], ["1", "2.0"], ["2-30 step 2 (15 ranks)", "1.0"],
+                                          ["3-31 step 2 (15 ranks)", "2.0"]]
+    recorded = [line for line in (folder / "SIMULATION.md").read_text().splitlines() if re.match(r"\| \d+ \|", line)]
+    assert len(recorded) == 32
+
+
 def test_two_sets_of_a_folder_scale_one_after_the_other_to_the_same_ranks(converted, tmp_path):
     pytest.importorskip("trace_tools.scale")
     folder = tmp_path / "gpt2_tiny_2r"

@@ -695,14 +695,34 @@ def result_rows(result: SimulationResult) -> list[tuple[str, ...]]:
     return rows
 
 
+TABLE_RANKS = 16  # above this many ranks the printed table gives ranks with the same numbers one line
+
+
 def render_table(result: SimulationResult) -> str:
-    """The plain-text table printed after a simulation: one line per rank."""
+    """The plain-text table printed after a simulation: one line per rank, or, above TABLE_RANKS ranks (a set scaled
+    to 1024 replays a few traced ranks), one line per distinct row with the ranks it stands for; SIMULATION.md keeps
+    every rank."""
     rows = result_rows(result)
+    if len(rows) - 1 > TABLE_RANKS:
+        groups: dict[tuple[str, ...], list[int]] = {}
+        for row in rows[1:]:
+            groups.setdefault(row[1:], []).append(int(row[0]))
+        rows = [rows[0]] + [(rank_list(ranks), *cells) for cells, ranks in groups.items()]
     widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]
     lines = ["  ".join(cell.rjust(widths[c]) if c else cell.ljust(widths[c]) for c, cell in enumerate(row))
              for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+def rank_list(ranks: list[int]) -> str:
+    """Ascending ranks in few characters: '3', '0-1023', '0-1022 step 2 (512 ranks)', or the first ones and a count."""
+    if len(ranks) == 1:
+        return str(ranks[0])
+    step = ranks[1] - ranks[0]
+    if all(b - a == step for a, b in zip(ranks, ranks[1:])):
+        return f"{ranks[0]}-{ranks[-1]}" + ("" if step == 1 else f" step {step} ({len(ranks)} ranks)")
+    return f"{', '.join(map(str, ranks[:3]))}, ... ({len(ranks)} ranks)"
 
 
 def render_simulation(result: SimulationResult, invocation: str) -> str:
