@@ -54,12 +54,18 @@ def read_squad_json(path: Path) -> List[TextExample]:
     if not path.is_file():
         raise DataError(f"{path}: file not found" if not path.exists() else f"{path}: not a file")
     try:
-        with open(path, encoding="utf-8") as handle:
+        with open(path, encoding="utf-8-sig") as handle:  # -sig: a byte order mark (Windows editors) is no error
             document = json.load(handle)
     except UnicodeDecodeError as exc:
         raise DataError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     except json.JSONDecodeError as exc:
-        raise DataError(f"{path}: not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})") from None
+        if exc.msg == "Extra data" and _first_line_is_a_text_record(path):
+            raise DataError(f"{path}: a JSONL corpus (one {{\"text\": ...}} object per line), not SQuAD JSON; "
+                            "pass it with --dataset-path") from None
+        raise DataError(f"{path}: {json_problem(exc)}") from None
+    if isinstance(document, dict) and isinstance(document.get("text"), str) and "data" not in document:
+        raise DataError(f"{path}: a JSONL corpus (one {{\"text\": ...}} object per line), not SQuAD JSON; "
+                        "pass it with --dataset-path")
     if not isinstance(document, dict) or not isinstance(document.get("data"), list):
         raise DataError(f"{path}: not SQuAD v1.1/v2.0 JSON (expected an object with a \"data\" list)")
     examples = []
@@ -83,9 +89,40 @@ def read_squad_json(path: Path) -> List[TextExample]:
     return examples
 
 
+def json_problem(exc: json.JSONDecodeError) -> str:
+    """What is wrong with a JSON file, for an error line: where it breaks, or that it ends early (cut short)."""
+    if not exc.doc.strip():
+        return "an empty file, not JSON"
+    # The decoder stops at the end of the text, or reports a string that the end of the text left open.
+    if not exc.doc[exc.pos:].strip() or exc.msg.startswith("Unterminated string"):
+        line, column = exc.doc.count("\n") + 1, len(exc.doc) - exc.doc.rfind("\n")
+        return f"not valid JSON: it ends at line {line}, column {column} before the JSON does (cut short?)"
+    return f"not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})"
+
+
+def _first_line_is_a_text_record(path: Path) -> bool:
+    """Whether the file's first line alone is a {"text": ...} object: the mark of a JSONL corpus."""
+    try:
+        with open(path, encoding="utf-8-sig") as handle:
+            record = json.loads(handle.readline())
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return False
+    return isinstance(record, dict) and isinstance(record.get("text"), str)
+
+
+def _is_one_squad_document(path: Path) -> bool:
+    """Whether the whole file is one SQuAD JSON document (read only once a JSONL reading of it has failed)."""
+    try:
+        with open(path, encoding="utf-8-sig") as handle:
+            document = json.load(handle)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return False
+    return isinstance(document, dict) and isinstance(document.get("data"), list)
+
+
 def _jsonl_files(path: Path) -> List[Path]:
     if path.is_dir():
-        files = sorted(path.glob("*.jsonl"))
+        files = sorted(file for file in path.glob("*.jsonl") if file.is_file())
         if not files:
             raise DataError(f"{path}: directory has no *.jsonl files")
         return files
@@ -99,9 +136,10 @@ def read_jsonl_corpus(path: Path) -> List[TextExample]:
     examples = []
     for file in _jsonl_files(Path(path)):
         with open(file, "rb") as handle:
+            first_record = True
             for number, raw in enumerate(handle, start=1):
                 try:
-                    line = raw.decode("utf-8")
+                    line = raw.decode("utf-8-sig" if number == 1 else "utf-8")  # a byte order mark is no error
                 except UnicodeDecodeError as exc:
                     raise DataError(f"{file}:{number}: not UTF-8 ({exc.reason} at byte {exc.start} of the line)") from None
                 if not line.strip():
@@ -109,9 +147,17 @@ def read_jsonl_corpus(path: Path) -> List[TextExample]:
                 try:
                     record = json.loads(line)
                 except json.JSONDecodeError as exc:
-                    raise DataError(f"{file}:{number}: not valid JSON ({exc.msg} at column {exc.colno})") from None
-                if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-                    raise DataError(f"{file}:{number}: expected an object with a \"text\" string")
+                    problem = f"not valid JSON ({exc.msg} at column {exc.colno})"
+                else:
+                    is_text_record = isinstance(record, dict) and isinstance(record.get("text"), str)
+                    problem = None if is_text_record else "expected an object with a \"text\" string"
+                if problem:
+                    # A SQuAD file given as a corpus fails on its first line: say what it is, not where it broke.
+                    if first_record and _is_one_squad_document(file):
+                        raise DataError(f"{file}: a SQuAD JSON file, not a JSONL corpus of {{\"text\": ...}} lines; "
+                                        "pass it with --squad-file")
+                    raise DataError(f"{file}:{number}: {problem}")
+                first_record = False
                 if record["text"].strip():
                     examples.append(TextExample(record["text"].strip()))
     if not examples:
@@ -177,6 +223,9 @@ def check_data_flags(squad_file: Optional[str], dataset_path: Optional[str]) -> 
     """Fail before any process group or model exists when a named data file is missing."""
     if squad_file and dataset_path:
         raise DataError("--squad-file and --dataset-path are alternatives; pass one")
+    if squad_file and Path(squad_file).is_dir():
+        raise DataError(f"{squad_file}: a directory, not a SQuAD JSON file (--squad-file; a directory of *.jsonl "
+                        "files goes to --dataset-path)")
     if squad_file and not Path(squad_file).is_file():
         raise DataError(f"{squad_file}: file not found (--squad-file)")
     if dataset_path and not Path(dataset_path).exists():

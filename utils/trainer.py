@@ -538,8 +538,10 @@ class Trainer:
 
         train = tokenize_examples(encode, self.splits.train)
         val = tokenize_examples(encode, self.splits.validation)
-        if len(val) == 0:
-            raise UsageError(f"{self.splits.source}: the validation split is empty after tokenization")
+        if len(val) == 0:  # GPT-2 packs text into full blocks: too little text fills none
+            raise UsageError(f"{self.splits.source}: the validation split ({len(self.splits.validation)} example(s)) "
+                             f"fills no sequence of --max-seq-length {max_len} tokens; use more data, a larger "
+                             "--validation-fraction or a smaller --max-seq-length")
         return train, val
 
     def _build_optimizer(self) -> torch.optim.Optimizer:
