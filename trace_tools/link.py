@@ -794,10 +794,21 @@ def _add_gpu_work(linked: LinkedTrace, cpu_lane: list[int], lanes: dict[tuple, i
     for r, corr in enumerate(dev.rt_corr):
         if corr >= 0:
             rt_of_corr.setdefault(corr, r)
-    added = 0
+    # CUPTI gives every GPU activity the correlation id of the runtime call that launched it, counting up: work
+    # whose id is below the first call's was launched before the profiler started; work whose call is missing
+    # otherwise cannot be attached to the CPU op that launched it (lost runtime events, or ids the loader could not
+    # read) and is counted apart from the work launched outside the step.
+    first_call = min(rt_of_corr, default=None)
+    added = before_trace = without_launch = 0
     for g in range(len(dev.gpu_names)):
         r = rt_of_corr.get(dev.gpu_corr[g], -1)
-        launcher = launcher_of_rt.get(r, -1) if r >= 0 else -1
+        if r < 0:
+            if first_call is not None and 0 <= dev.gpu_corr[g] < first_call:
+                before_trace += 1
+            else:
+                without_launch += 1
+            continue
+        launcher = launcher_of_rt.get(r, -1)
         if launcher < 0:
             continue
         g_start, g_end = dev.gpu_ts[g], dev.gpu_ts[g] + dev.gpu_dur[g]
@@ -823,8 +834,21 @@ def _add_gpu_work(linked: LinkedTrace, cpu_lane: list[int], lanes: dict[tuple, i
         linked.step_dur = max(linked.step_dur, gpu_end - linked.step_start)
     linked.stats["gpu_ops"] = added
     linked.stats["gpu_ops_in_device_trace"] = len(dev.gpu_names)
-    linked.stats["gpu_ops_outside_step"] = len(dev.gpu_names) - added
+    linked.stats["gpu_ops_outside_step"] = len(dev.gpu_names) - added - without_launch
+    linked.stats["gpu_ops_launched_before_trace"] = before_trace
+    linked.stats["gpu_ops_without_launch"] = without_launch
+    # The other way round: a kernel launch in the step whose kernel the trace lacks (CUPTI's activity records lost)
+    gpu_corrs = set(dev.gpu_corr)
+    linked.stats["kernel_launches_without_kernel"] = sum(
+        1 for r in launcher_of_rt if is_kernel_launch(dev.rt_names[r]) and dev.rt_corr[r] not in gpu_corrs)
+    linked.stats["kernel_launches"] = sum(1 for r in launcher_of_rt if is_kernel_launch(dev.rt_names[r]))
     return syncs
+
+
+def is_kernel_launch(name: str) -> bool:
+    """cudaLaunchKernel, cuLaunchKernel, cudaLaunchCooperativeKernel, hipLaunchKernel, hipModuleLaunchKernel...: calls
+    that run one kernel each (not cudaLaunchHostFunc, which runs none, nor cudaGraphLaunch)."""
+    return "Launch" in name and "Kernel" in name
 
 
 def _time_main_thread_node(host: HostTrace, dev: DeviceTrace, match: list[int], matched: list[int],

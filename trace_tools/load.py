@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import gzip
+import math
 import re
 import zlib
 from dataclasses import dataclass, field
@@ -24,6 +25,7 @@ CPU_CATEGORIES = ("cpu_op", "user_annotation")
 RUNTIME_CATEGORIES = ("cuda_runtime", "cuda_driver", "hip_runtime", "hip_driver")
 # Kineto's CUDA synchronisation events (torch.profiler._ExperimentalConfig(enable_cuda_sync_events=True)).
 SYNC_CATEGORY = "cuda_sync"
+USED_CATEGORIES = frozenset((*GPU_CATEGORIES, *CPU_CATEGORIES, *RUNTIME_CATEGORIES, SYNC_CATEGORY))
 # Host operators whose tensors describe a collective (sizes, process group); kept whole for the converter.
 COMM_NAME_PREFIXES = ("nccl:", "gloo:", "c10d::", "record_param_comms", "mpi:", "ucc:", "xccl:")
 
@@ -309,7 +311,7 @@ def load_host_trace(path: str | Path, data: bytes | None = None, chunk_bytes: in
     family = schema_family(schema)
     if family is None:
         raise TraceError(path, f"unsupported host trace schema {schema!r} (supported: 1.0.x and 1.1.x)")
-    trace = HostTrace(path=str(path), schema=str(schema), layout="", pid=header.get("pid"),
+    trace = HostTrace(path=str(path), schema=str(schema), layout="", pid=_pid(header.get("pid")),
                       time=str(header.get("time", "")), start_ts=_as_int(header.get("start_ts")),
                       finish_ts=_as_int(header.get("finish_ts")))
     try:
@@ -356,6 +358,10 @@ def _as_int(value: Any, default: int = 0) -> int:
     return default
 
 
+def _as_dict(value: Any) -> dict:
+    return value if isinstance(value, dict) else {}
+
+
 _EMPTY_LIST = b"[]"
 
 
@@ -376,18 +382,27 @@ def _append_host_nodes(trace: HostTrace, nodes: list) -> None:
     for node in nodes:
         if not isinstance(node, dict) or "id" not in node or "name" not in node:
             raise TraceError(trace.path, f"node without id/name: {str(node)[:80]}")
+        index = len(ids)
+        node_id = node["id"]
+        if type(node_id) is not int:  # ids are what parents and tensors refer to: nothing to guess them from
+            raise TraceError(trace.path, f"node {index} has no integer 'id' ({str(node_id)[:40]!r}); not an "
+                                         "ExecutionTraceObserver host trace")
         if not trace.layout:
             trace.layout = "chakra" if "attrs" in node or "ctrl_deps" in node else "legacy"
+        # Fields of another type than the observer writes are read as missing (a name as text)
         name = node["name"]
+        if not isinstance(name, str):
+            name = "" if name is None else str(name)
         name = interned.setdefault(name, name)
-        index = len(ids)
-        ids.append(node["id"])
+        ids.append(node_id)
         names.append(name)
         if trace.layout == "chakra":
             parents.append(_as_int(node.get("ctrl_deps"), -1))
-            attrs = {a.get("name"): a.get("value") for a in node.get("attrs") or ()}
-            inputs = node.get("inputs") or {}
-            outputs = node.get("outputs") or {}
+            attr_list = node.get("attrs")
+            attrs = {a.get("name"): a.get("value") for a in attr_list if isinstance(a, dict)} \
+                if isinstance(attr_list, list) else {}
+            inputs = _as_dict(node.get("inputs"))
+            outputs = _as_dict(node.get("outputs"))
             values, types = inputs.get("values"), inputs.get("types")
             output_values = outputs.get("values")
             io = Node(inputs=IOInfo(values=dump(values), shapes=dump(inputs.get("shapes")), types=dump(types)),
@@ -528,6 +543,9 @@ class DeviceTrace:
     # cudaStreamWaitEvent call, correlation id of the cudaEventRecord it waits for)
     stream_waits: list[tuple[int, int, int, int, int]] = field(default_factory=list)
     thread_names: dict = field(default_factory=dict)
+    # Complete events of the categories above left out for want of a usable "ts" or "dur" (missing, not a number,
+    # or a negative duration), by category
+    unusable_events: dict[str, int] = field(default_factory=dict)
 
     @property
     def has_record_function_ids(self) -> bool:
@@ -562,8 +580,43 @@ def load_device_trace(path: str | Path, data: bytes | None = None, chunk_bytes: 
         trace = fresh
         _append_events(trace, restart.remaining)
     if not trace.cpu_names:
+        unusable = sum(trace.unusable_events.get(cat, 0) for cat in CPU_CATEGORIES)
+        if unusable:
+            raise TraceError(path, f"none of its {unusable} CPU operator events (cpu_op/user_annotation) has a "
+                                   f"usable time: {UNUSABLE_TIME}")
         raise TraceError(path, "Kineto trace has no CPU operators (cpu_op/user_annotation events)")
     return trace
+
+
+UNUSABLE_TIME = '"ts" or "dur" missing, not a number, or a negative duration'
+
+
+def _time(value: Any) -> float | None:
+    """A Kineto time field as a number: int, float, or a number written as a string (some tools quote them)."""
+    if type(value) is int or type(value) is float:
+        return value
+    if isinstance(value, str):
+        try:
+            number = float(value)
+        except ValueError:
+            return None
+        return number if math.isfinite(number) else None
+    return None
+
+
+def _pid(value: Any) -> int | None:
+    """A process id as an int (also when written as text), None when there is none."""
+    number = _event_id(value)
+    return number if number >= 0 else None
+
+
+def _event_id(value: Any) -> int:
+    """An id of Kineto's args (External id, Record function id, correlation) as an int, -1 when there is none."""
+    if type(value) is int:
+        return value
+    if isinstance(value, str) and value.isascii() and value.isdigit():
+        return int(value)
+    return -1
 
 
 def _append_events(trace: DeviceTrace, events: list) -> None:
@@ -574,55 +627,59 @@ def _append_events(trace: DeviceTrace, events: list) -> None:
         if not isinstance(event, dict):
             continue
         ph = event.get("ph")
+        args = event.get("args")
+        if not isinstance(args, dict):  # missing, or not the object Kineto writes: no arguments to read
+            args = {}
         if ph != "X":
             if ph == "M" and event.get("name") == "thread_name":
-                trace.thread_names[event.get("tid")] = (event.get("args") or {}).get("name", "")
+                trace.thread_names[event.get("tid")] = args.get("name", "")
             continue
         cat = event.get("cat")
-        ts = event.get("ts")
-        if not isinstance(ts, (int, float)):
+        if cat not in USED_CATEGORIES:
             continue
-        dur = event.get("dur", 0)
-        if not isinstance(dur, (int, float)):
-            dur = 0
-        args = event.get("args") or {}
+        # A complete event without a start and a duration cannot be placed in time: it is left out and counted
+        # (Kineto always writes both, as numbers; a duration of 0 is valid, a negative one is not a measurement).
+        ts, dur = _time(event.get("ts")), _time(event.get("dur", 0 if cat == SYNC_CATEGORY else None))
+        if ts is None or dur is None or dur < 0:
+            trace.unusable_events[cat] = trace.unusable_events.get(cat, 0) + 1
+            continue
+        name = event.get("name", "")
+        if not isinstance(name, str):
+            name = "" if name is None else str(name)
         if cat in CPU_CATEGORIES:
-            cpu_names.append(event.get("name", ""))
+            cpu_names.append(name)
             cpu_ts.append(ts)
             cpu_dur.append(dur)
             cpu_tid.append(event.get("tid"))
-            ext = args.get("External id")
-            cpu_ext.append(ext if isinstance(ext, int) else -1)
-            rf = args.get("Record function id")
-            cpu_rf.append(rf if isinstance(rf, int) else -1)
-            seq = args.get("Sequence number")
-            cpu_seq.append(seq if isinstance(seq, int) else -1)
+            cpu_ext.append(_event_id(args.get("External id")))
+            cpu_rf.append(_event_id(args.get("Record function id")))
+            cpu_seq.append(_event_id(args.get("Sequence number")))
             cpu_ann.append(cat == "user_annotation")
-            pids.add(event.get("pid"))
+            pid = _pid(event.get("pid"))
+            if pid is not None:
+                pids.add(pid)
         elif cat in GPU_CATEGORIES:
             index = len(trace.gpu_names)
-            trace.gpu_names.append(event.get("name", ""))
+            trace.gpu_names.append(name)
             trace.gpu_cat.append(cat)
             trace.gpu_ts.append(ts)
             trace.gpu_dur.append(dur)
             trace.gpu_device.append(_as_int(args.get("device", event.get("pid")), 0))
             trace.gpu_stream.append(_as_int(args.get("stream", event.get("tid")), 0))
-            corr = args.get("correlation", args.get("External id"))
-            trace.gpu_corr.append(corr if isinstance(corr, int) else -1)
+            trace.gpu_corr.append(_event_id(args.get("correlation", args.get("External id"))))
             trace.gpu_bytes.append(_as_int(args.get("bytes"), 0))
             pg = args.get("Process Group Name")
             if isinstance(pg, str) and pg:
                 trace.gpu_pg_name[index] = pg
         elif cat == SYNC_CATEGORY:
-            if event.get("name") == "Stream Wait Event":
+            if name == "Stream Wait Event":
                 trace.stream_waits.append((
                     _as_int(args.get("device", event.get("pid")), 0), _as_int(args.get("stream", event.get("tid")), 0),
                     _as_int(args.get("wait_on_stream"), -1), _as_int(args.get("correlation"), -1),
                     _as_int(args.get("wait_on_cuda_event_record_corr_id"), -1)))
         elif cat in RUNTIME_CATEGORIES:
-            corr = args.get("correlation")
-            trace.rt_names.append(event.get("name", ""))
+            trace.rt_names.append(name)
             trace.rt_ts.append(ts)
             trace.rt_dur.append(dur)
             trace.rt_tid.append(event.get("tid"))
-            trace.rt_corr.append(corr if isinstance(corr, int) else -1)
+            trace.rt_corr.append(_event_id(args.get("correlation")))

@@ -26,7 +26,7 @@ from .discover import Run
 from .identity import device_header_identity, host_device_time_problem, one_run_problems, rank_identity
 from .layout import CONVERSION_SUMMARY, PG_INIT_NODE, RUN_INFO, STEP_PREFIX, et_name, et_sets, made_from_et_files
 from .link import GPU_OP, link_host_and_device, remove_recording_overhead
-from .load import TraceError, is_structural, load_device_trace, load_host_trace, read_trace_bytes
+from .load import UNUSABLE_TIME, TraceError, is_structural, load_device_trace, load_host_trace, read_trace_bytes
 from .repair import NO_OPERATORS_PROBLEM
 from .step_timing import STEP_SPREAD_BOUND, StepTimes, read_step_times
 from .summary import RankResult, RunResult, et_fingerprint, write_run_summary
@@ -186,6 +186,7 @@ def _convert_rank(host_path, device_path, out_path, rank, merged_path, validate,
     started = time.perf_counter()
     device_data = read_trace_checked(device_path, result.warnings)
     device = load_device_checked(device_path, result.warnings, device_data)
+    _note_unusable_events(device, result)
     header = device_header_identity(device_data)
     del device_data
     timings["load_device_s"] = time.perf_counter() - started
@@ -343,6 +344,14 @@ def _note_run_queue_wait(times: StepTimes, result: RankResult, corrected: bool) 
             "communication's own CPU work moves with its rate), is off by up to that much")
 
 
+def _note_unusable_events(device, result: RankResult) -> None:
+    """Events the device trace holds but the loader had to leave out: the .et lacks their time."""
+    if device.unusable_events:
+        total = sum(device.unusable_events.values())
+        kinds = ", ".join(f"{count} {cat}" for cat, count in sorted(device.unusable_events.items()))
+        result.warnings.append(f"{device.path}: {total} event(s) left out ({kinds}): {UNUSABLE_TIME}")
+
+
 def _check_steps(host, device, result: RankResult) -> None:
     """Warn when the host trace holds steps the device trace has not (their operators have no timing)."""
     host_steps = _step_names(host.names)
@@ -412,6 +421,17 @@ def _note_link(result: RankResult, linked) -> None:
     result.stale_host_parents = stats["stale_host_parents"]
     result.gpu_ops = stats["gpu_ops"]
     result.gpu_ops_left_out = stats["gpu_ops_outside_step"]
+    result.gpu_ops_without_launch = stats["gpu_ops_without_launch"]
+    if result.gpu_ops_without_launch:
+        result.warnings.append(
+            f"{linked.device.path}: {result.gpu_ops_without_launch} of its {stats['gpu_ops_in_device_trace']} GPU "
+            "ops (kernels, copies, memsets) have no runtime call with their correlation id, so nothing says which "
+            "operator launched them: they are left out of the .et")
+    if stats.get("kernel_launches_without_kernel"):
+        result.warnings.append(
+            f"{linked.device.path}: {stats['kernel_launches_without_kernel']} of the step's "
+            f"{stats['kernel_launches']} kernel launch calls have no GPU kernel in the trace (the profiler lost "
+            "the GPU's records): the .et lacks that GPU work")
     result.wait_us = stats.get("wait_us", 0.0)
     result.match_detail = describe_match(stats["match"])
 

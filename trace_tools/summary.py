@@ -45,6 +45,7 @@ class RankResult:
     stale_host_parents: int = 0            # host parents that ended before the op began (link._link_callers)
     gpu_ops: int = 0
     gpu_ops_left_out: int = 0
+    gpu_ops_without_launch: int = 0        # GPU ops whose launching runtime call is not in the device trace
     wait_us: float = 0.0
     untraced_step_us: float = 0.0          # measured before the profiler's window (run.json); 0 when unknown
     # median time the training thread waited for a core in a traced / an untraced step (run.json); 0 when unknown
@@ -245,7 +246,9 @@ def render_run_summary(result: RunResult) -> str:
         for r in done:
             timings = ", ".join(f"{k[:-2].replace('_', ' ')} {v:.2f}" for k, v in r.timings.items())
             lines.append(f"- rank {r.rank}: traced step {r.traced_step}; matching: {r.match_detail}; "
-                         f"{r.gpu_ops} GPU ops linked ({r.gpu_ops_left_out} of the device trace outside the step); "
+                         f"{r.gpu_ops} GPU ops linked ({r.gpu_ops_left_out} of the device trace outside the step"
+                         + (f", {r.gpu_ops_without_launch} without their launching runtime call"
+                            if r.gpu_ops_without_launch else "") + "); "
                          f"{r.kineto_only_ops} Kineto-only CPU ops added; {r.stale_host_parents} ops whose host parent "
                          f"had ended before they began placed under the op around them in time instead; "
                          f"{r.wait_us / 1000:.1f} ms of blocked time "
