@@ -627,35 +627,42 @@ def _append_events(trace: DeviceTrace, events: list) -> None:
         if not isinstance(event, dict):
             continue
         ph = event.get("ph")
-        args = event.get("args")
-        if not isinstance(args, dict):  # missing, or not the object Kineto writes: no arguments to read
-            args = {}
         if ph != "X":
             if ph == "M" and event.get("name") == "thread_name":
-                trace.thread_names[event.get("tid")] = args.get("name", "")
+                args = event.get("args")
+                trace.thread_names[event.get("tid")] = args.get("name", "") if type(args) is dict else ""
             continue
         cat = event.get("cat")
         if cat not in USED_CATEGORIES:
             continue
         # A complete event without a start and a duration cannot be placed in time: it is left out and counted
         # (Kineto always writes both, as numbers; a duration of 0 is valid, a negative one is not a measurement).
-        ts, dur = _time(event.get("ts")), _time(event.get("dur", 0 if cat == SYNC_CATEGORY else None))
+        ts, dur = event.get("ts"), event.get("dur", 0 if cat == SYNC_CATEGORY else None)
+        if type(ts) is not int and type(ts) is not float:  # the usual numbers skip the call: this loop is hot
+            ts = _time(ts)
+        if type(dur) is not int and type(dur) is not float:
+            dur = _time(dur)
         if ts is None or dur is None or dur < 0:
             trace.unusable_events[cat] = trace.unusable_events.get(cat, 0) + 1
             continue
+        args = event.get("args")
+        if type(args) is not dict:  # missing, or not the object Kineto writes: no arguments to read
+            args = {}
         name = event.get("name", "")
-        if not isinstance(name, str):
+        if type(name) is not str:
             name = "" if name is None else str(name)
         if cat in CPU_CATEGORIES:
             cpu_names.append(name)
             cpu_ts.append(ts)
             cpu_dur.append(dur)
             cpu_tid.append(event.get("tid"))
-            cpu_ext.append(_event_id(args.get("External id")))
-            cpu_rf.append(_event_id(args.get("Record function id")))
-            cpu_seq.append(_event_id(args.get("Sequence number")))
+            ext, rf, seq = args.get("External id"), args.get("Record function id"), args.get("Sequence number")
+            cpu_ext.append(ext if type(ext) is int else _event_id(ext))
+            cpu_rf.append(rf if type(rf) is int else _event_id(rf))
+            cpu_seq.append(seq if type(seq) is int else _event_id(seq))
             cpu_ann.append(cat == "user_annotation")
-            pid = _pid(event.get("pid"))
+            pid = event.get("pid")
+            pid = pid if type(pid) is int and pid >= 0 else _pid(pid)
             if pid is not None:
                 pids.add(pid)
         elif cat in GPU_CATEGORIES:
@@ -666,7 +673,8 @@ def _append_events(trace: DeviceTrace, events: list) -> None:
             trace.gpu_dur.append(dur)
             trace.gpu_device.append(_as_int(args.get("device", event.get("pid")), 0))
             trace.gpu_stream.append(_as_int(args.get("stream", event.get("tid")), 0))
-            trace.gpu_corr.append(_event_id(args.get("correlation", args.get("External id"))))
+            corr = args.get("correlation", args.get("External id"))
+            trace.gpu_corr.append(corr if type(corr) is int else _event_id(corr))
             trace.gpu_bytes.append(_as_int(args.get("bytes"), 0))
             pg = args.get("Process Group Name")
             if isinstance(pg, str) and pg:
@@ -682,4 +690,5 @@ def _append_events(trace: DeviceTrace, events: list) -> None:
             trace.rt_ts.append(ts)
             trace.rt_dur.append(dur)
             trace.rt_tid.append(event.get("tid"))
-            trace.rt_corr.append(_event_id(args.get("correlation")))
+            corr = args.get("correlation")
+            trace.rt_corr.append(corr if type(corr) is int else _event_id(corr))
