@@ -535,9 +535,12 @@ def test_ctrl_c_while_checking_the_environment_is_one_line_not_a_traceback(tmp_p
     slow_python.write_text("#!/bin/sh\nsleep 30\n")
     slow_python.chmod(0o755)
     env = {key: value for key, value in os.environ.items() if key not in ("PYTHON", "LC_PROBED")}
+    # SIGINT as a terminal's shell leaves it, also when the tests run as a background job (`./run_tests.sh &`
+    # starts them with SIGINT ignored, which every child would inherit)
     launcher = subprocess.Popen([str(REPO / "run_gpt2.sh"), "1", "--dry-run"], cwd=REPO,
                                 env={**env, "VIRTUAL_ENV": str(tmp_path / "venv")}, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+                                stderr=subprocess.PIPE, text=True, start_new_session=True,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     time.sleep(3)
     os.killpg(launcher.pid, signal.SIGINT)  # as Ctrl-C in a terminal: to the whole foreground process group
     out, err = launcher.communicate(timeout=30)

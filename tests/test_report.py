@@ -587,7 +587,10 @@ def test_interrupted_report_says_so_in_one_line_and_keeps_the_earlier_one(tmp_pa
     write_report(tmp_path, use_hta=False)
     before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
     # the signal arrives while a figure is drawn, as a Ctrl-C or a job scheduler's kill would
+    # SIGINT handled as Python does when it starts in a terminal, also when the tests run as a background job
+    # (`./run_tests.sh &` starts them with SIGINT ignored)
     done = _run(["-c", "import os, signal, sys, trace_report, trace_tools.report as r\n"
+                       "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
                        f"r.plot_top = lambda *a: os.kill(os.getpid(), signal.{signal_name})\n"
                        f"sys.exit(trace_report.main([{str(tmp_path)!r}]))"])
     assert done.returncode == code
