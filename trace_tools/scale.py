@@ -35,7 +35,8 @@ from .atomic import folder_held, write_text_atomic
 from .layout import ET_FILE_RE, RUN_INFO, et_name, et_sets
 from .link import COMM_TYPE_NAMES, COMMUNICATION_CPU_ATTR
 from .pipeline import FALLBACK_OUTPUT_ROOT, _writable
-from .summary import converted_from, et_fingerprint, format_bytes, unrecorded_et_file
+from .summary import (converted_from, et_fingerprint, format_bytes, read_status_comment, status_comment,
+                      unrecorded_et_file)
 from .validate import (EtFormatError, SerializedMessage, collectives_agree, iter_et_messages, read_et_metadata,
                        validate_et)
 
@@ -44,7 +45,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_NAME = "{name}_{ranks}npus"
 NAME_CHARACTERS = "A-Za-z0-9_.+-"  # what a scaled set's name may hold (a regular expression's character class)
 SUMMARY_NAME = "SCALE_SUMMARY.md"
-_SCALE_STATUS_RE = re.compile(r"<!-- trace_tools-scale-status\n(.*?)\n-->", re.S)
+STATUS_MARKER = "trace_tools-scale-status"  # SCALE_SUMMARY.md's machine-readable block (summary.status_comment)
 # ASTRA-sim runs a collective whose pg_name is "" or "0" over every NPU (Workload::extract_comm_group), with no
 # --comm-group-configuration; "0" is also PyTorch's name for the default (world) process group.
 WORLD_GROUP = "0"
@@ -129,11 +130,7 @@ def check_against_conversion(source: SourceSet) -> None:
 
 def read_scale_status(folder: Path) -> dict | None:
     """The status SCALE_SUMMARY.md in folder records (name, ranks, source, files...), or None when there is none."""
-    try:
-        match = _SCALE_STATUS_RE.search((Path(folder) / SUMMARY_NAME).read_text(encoding="utf-8"))
-        status = json.loads(match.group(1)) if match else None
-    except (OSError, ValueError):
-        return None
+    status = read_status_comment(Path(folder) / SUMMARY_NAME, STATUS_MARKER)
     return status if isinstance(status, dict) else None
 
 
@@ -788,5 +785,5 @@ def render_scale_summary(result: ScaleResult) -> str:
               "files": [{"name": fingerprint["name"], "size": fingerprint["size"], "sha256": fingerprint["sha256"],
                          "ranks": [r for r, content in enumerate(result.content_of_rank) if content == first]}
                         for first, fingerprint in sorted(result.fingerprints.items())]}
-    lines += ["", "<!-- trace_tools-scale-status", json.dumps(status, sort_keys=True), "-->", ""]
+    lines += status_comment(STATUS_MARKER, status)
     return "\n".join(lines)

@@ -14,7 +14,7 @@ from .atomic import write_text_atomic
 from .discover import FLAT_FILE, Run
 from .layout import CONVERSION_SUMMARY, STEP_PREFIX, TRACE_FILE_RE, et_name
 
-_STATUS_RE = re.compile(r"<!-- trace_tools-status\n(.*?)\n-->", re.S)
+STATUS_MARKER = "trace_tools-status"  # CONVERSION_SUMMARY.md's machine-readable block (status_comment)
 
 
 @dataclass
@@ -284,8 +284,24 @@ def render_run_summary(result: RunResult) -> str:
     if result.note:
         lines.append(f"- {result.note}")
     status = {str(r.rank): {k: v for k, v in asdict(r).items() if k in _KEPT_FIELDS} for r in result.ranks}
-    lines += ["", "<!-- trace_tools-status", json.dumps(status, sort_keys=True), "-->", ""]
+    lines += status_comment(STATUS_MARKER, status)
     return "\n".join(lines)
+
+
+def status_comment(marker: str, status: Any) -> list[str]:
+    """The lines that end a summary with what a later run reads back (read_status_comment): `status` as JSON in an
+    HTML comment, which Markdown does not show."""
+    return ["", f"<!-- {marker}", json.dumps(status, sort_keys=True), "-->", ""]
+
+
+def read_status_comment(path: Path, marker: str) -> Any:
+    """The JSON status_comment wrote into the summary at `path` under `marker`; None when the file, the comment or
+    valid JSON in it is missing."""
+    try:
+        match = re.search(rf"<!-- {re.escape(marker)}\n(.*?)\n-->", Path(path).read_text(encoding="utf-8"), re.S)
+        return json.loads(match.group(1)) if match else None
+    except (OSError, ValueError):
+        return None
 
 
 def write_run_summary(result: RunResult) -> Path:
@@ -294,16 +310,8 @@ def write_run_summary(result: RunResult) -> Path:
 
 def read_previous_results(output_dir: Path) -> dict[int, RankResult] | None:
     """Per-rank results recorded in an earlier CONVERSION_SUMMARY.md (None when there is none)."""
-    path = output_dir / CONVERSION_SUMMARY
-    try:
-        match = _STATUS_RE.search(path.read_text(encoding="utf-8"))
-    except OSError:
-        return None
-    if not match:
-        return None
-    try:
-        status = json.loads(match.group(1))
-    except ValueError:
+    status = read_status_comment(output_dir / CONVERSION_SUMMARY, STATUS_MARKER)
+    if status is None:
         return None
     return {int(rank): rank_result_from_dict(data) for rank, data in status.items()}
 
