@@ -58,6 +58,11 @@ def every_seventh_event(document, categories=("cpu_op", "user_annotation")):
     return events[::7]
 
 
+def middle_event(document, category):
+    events = [e for e in document["traceEvents"] if e.get("ph") == "X" and e.get("cat") == category]
+    return events[len(events) // 2]
+
+
 def every_seventh_operator(document):
     return [n for n in document["nodes"] if not n["name"].startswith("[pytorch|")][::7]
 
@@ -126,6 +131,34 @@ def test_events_with_a_negative_or_missing_duration_are_left_out_and_counted(tmp
     report = validate_et(et_of(folder))
     # a negative duration read as one made the critical path 1.36 times the step it came from
     assert report.critical_path_us == pytest.approx(report.traced_step_us, rel=0.01)
+
+
+@pytest.mark.parametrize("category", ["cpu_op", "user_annotation"])
+def test_an_event_ending_after_the_profilers_window_is_left_out_and_named(tmp_path, capsys, original, category):
+    # Kineto keeps no activity that ends after its "Record Window End": a duration that runs past it (here 1e15 µs,
+    # 31 years) is not a measurement. Taken as it was, it became a step of 31 years.
+    folder = copy_run(GPT2, tmp_path / "run")
+    mutate(folder, "device", lambda d: middle_event(d, category).update(dur=1e15))
+    code, _, errors, warnings = convert(folder, capsys)
+    assert code == 0, errors
+    assert any("device.0.json: 1 event(s) left out (1 CPU operator)" in w and "Record Window End" in w
+               for w in warnings), warnings
+    report = validate_et(et_of(folder))
+    assert report.critical_path_us == pytest.approx(original.critical_path_us, rel=0.05)
+
+
+def test_gpu_activity_ending_after_the_profilers_window_is_left_out_and_named(tmp_path, capsys):
+    if not GPU_ADD.is_dir():
+        pytest.skip(f"{GPU_ADD} not found: the reference traces live beside the team's clones")
+    folder = copy_run(GPU_ADD, tmp_path / "run")
+
+    def stretch_first_kernel(document):
+        next(e for e in document["traceEvents"] if e.get("cat") == "kernel")["dur"] = 1e15
+    mutate(folder, "device", stretch_first_kernel)
+    code, _, errors, warnings = convert(folder, capsys)
+    assert code == 0, errors
+    assert any("1 event(s) left out (1 GPU activity)" in w and "Record Window End" in w for w in warnings), warnings
+    assert validate_et(et_of(folder)).critical_path_us < 1e9
 
 
 def test_a_device_trace_whose_events_have_no_duration_is_refused_in_one_line(tmp_path, capsys):

@@ -5,7 +5,7 @@ import gzip
 import math
 import re
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -546,6 +546,10 @@ class DeviceTrace:
     # Complete events of the categories above left out for want of a usable "ts" or "dur" (missing, not a number,
     # or a negative duration), by category
     unusable_events: dict[str, int] = field(default_factory=dict)
+    # Kineto's "Record Window End" (µs): the profiler keeps no activity that ends after it (its outOfRange filter),
+    # so an event that does holds a time no profiler measured. Such events are left out and counted, by table.
+    window_end_us: float | None = None
+    past_window_end: dict[str, int] = field(default_factory=dict)
 
     @property
     def has_record_function_ids(self) -> bool:
@@ -579,6 +583,7 @@ def load_device_trace(path: str | Path, data: bytes | None = None, chunk_bytes: 
                             trace_name=trace.trace_name)
         trace = fresh
         _append_events(trace, restart.remaining)
+    _leave_out_events_past_window_end(trace)
     if not trace.cpu_names:
         unusable = sum(trace.unusable_events.get(cat, 0) for cat in CPU_CATEGORIES)
         if unusable:
@@ -589,6 +594,34 @@ def load_device_trace(path: str | Path, data: bytes | None = None, chunk_bytes: 
 
 
 UNUSABLE_TIME = '"ts" or "dur" missing, not a number, or a negative duration'
+PAST_WINDOW_END = ("they end after the trace's own \"Record Window End\", where the profiler stopped and kept "
+                   "nothing that ended later: times no profiler measured")
+# Kineto writes times in µs with three decimals (whole ns); a start plus a duration can overshoot the window end
+# by a rounding error, never by a microsecond.
+WINDOW_END_ROUNDING_US = 1.0
+# The device trace's tables, by the prefix of their columns, and what one row of each is called.
+DEVICE_TABLES = {"cpu_": "CPU operator", "rt_": "runtime call", "gpu_": "GPU activity"}
+
+
+def _leave_out_events_past_window_end(trace: DeviceTrace) -> None:
+    """Drop the rows of every table whose event ends after the trace's Record Window End (see PAST_WINDOW_END)."""
+    if trace.window_end_us is None:
+        return
+    last_end = trace.window_end_us + WINDOW_END_ROUNDING_US
+    for prefix, row_name in DEVICE_TABLES.items():
+        starts, durations = getattr(trace, prefix + "ts"), getattr(trace, prefix + "dur")
+        keep = [start + duration <= last_end for start, duration in zip(starts, durations)]
+        dropped = len(keep) - sum(keep)
+        if not dropped:
+            continue
+        trace.past_window_end[row_name] = dropped
+        for column in fields(trace):
+            if column.name.startswith(prefix) and isinstance(getattr(trace, column.name), list):
+                values = getattr(trace, column.name)
+                setattr(trace, column.name, [value for value, kept in zip(values, keep) if kept])
+        if prefix == "gpu_":  # the process-group names are keyed by row: renumber them
+            new_index = {old: new for new, old in enumerate(i for i, kept in enumerate(keep) if kept)}
+            trace.gpu_pg_name = {new_index[i]: name for i, name in trace.gpu_pg_name.items() if i in new_index}
 
 
 def _time(value: Any) -> float | None:
@@ -631,6 +664,8 @@ def _append_events(trace: DeviceTrace, events: list) -> None:
             if ph == "M" and event.get("name") == "thread_name":
                 args = event.get("args")
                 trace.thread_names[event.get("tid")] = args.get("name", "") if type(args) is dict else ""
+            elif ph == "i" and event.get("name") == "Record Window End":
+                trace.window_end_us = _time(event.get("ts"))
             continue
         cat = event.get("cat")
         if cat not in USED_CATEGORIES:

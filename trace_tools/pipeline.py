@@ -26,7 +26,7 @@ from .discover import Run
 from .identity import device_header_identity, host_device_time_problem, one_run_problems, rank_identity
 from .layout import CONVERSION_SUMMARY, PG_INIT_NODE, RUN_INFO, STEP_PREFIX, et_name, et_sets, made_from_et_files
 from .link import GPU_OP, link_host_and_device, remove_recording_overhead
-from .load import UNUSABLE_TIME, TraceError, is_structural, load_device_trace, load_host_trace, read_trace_bytes
+from .load import PAST_WINDOW_END, UNUSABLE_TIME, TraceError, is_structural, load_device_trace, load_host_trace, read_trace_bytes
 from .repair import NO_OPERATORS_PROBLEM
 from .step_timing import STEP_SPREAD_BOUND, StepTimes, read_step_times
 from .summary import RankResult, RunResult, et_fingerprint, write_run_summary
@@ -350,6 +350,10 @@ def _note_unusable_events(device, result: RankResult) -> None:
         total = sum(device.unusable_events.values())
         kinds = ", ".join(f"{count} {cat}" for cat, count in sorted(device.unusable_events.items()))
         result.warnings.append(f"{device.path}: {total} event(s) left out ({kinds}): {UNUSABLE_TIME}")
+    if device.past_window_end:
+        total = sum(device.past_window_end.values())
+        kinds = ", ".join(f"{count} {table}" for table, count in sorted(device.past_window_end.items()))
+        result.warnings.append(f"{device.path}: {total} event(s) left out ({kinds}): {PAST_WINDOW_END}")
 
 
 def _check_steps(host, device, result: RankResult) -> None:
