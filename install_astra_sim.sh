@@ -188,13 +188,19 @@ copy_sources() {
 
 # The tree being built, to recognise an install that is already done: the pinned commit, or a --source tree with a
 # checksum of its files (what copy_sources copies), so a tree edited since the last build (a patch applied, a
-# submodule updated, uncommitted or not in git at all) is built again instead of reused.
+# submodule updated, uncommitted or not in git at all) is built again instead of reused. A --yaml-cpp tree outside
+# the --source tree is compiled into the binary too, so its checksum is part of the description.
 describe_source() {
+    local described
     if [ -z "$SOURCE" ]; then
-        echo "$REPO_URL@$PINNED_COMMIT"
+        described="$REPO_URL@$PINNED_COMMIT"
     else
-        echo "$SOURCE (files checksum $(tree_checksum "$SOURCE"))"
+        described="$SOURCE (files checksum $(tree_checksum "$SOURCE"))"
     fi
+    if [ -n "$YAML_CPP" ] && { [ -z "$SOURCE" ] || ! is_within "$YAML_CPP" "$SOURCE"; }; then
+        described="$described with yaml-cpp $YAML_CPP (files checksum $(tree_checksum "$YAML_CPP"))"
+    fi
+    echo "$described"
 }
 
 tree_checksum() {

@@ -493,3 +493,23 @@ def test_astra_source_tree_edited_since_its_build_is_built_again_not_reused(tmp_
     patched = run([ASTRA, "--source", astra_tree, "--prefix", prefix, "--dry-run"], env=no_build_tools)
     assert patched.returncode == 0 and "Reusing" not in patched.stdout
     assert patched.stdout.splitlines()[0] != dry.stdout.splitlines()[0]
+
+
+def test_a_yaml_cpp_tree_edited_since_the_build_is_built_again_not_reused(tmp_path, astra_tree, no_build_tools):
+    """yaml-cpp is compiled into the simulator: a --yaml-cpp tree patched since the build was "reused" (the
+    description held only the --source tree's checksum)."""
+    yaml_cpp = tmp_path / "yaml-cpp"
+    (yaml_cpp / "src").mkdir(parents=True)
+    (yaml_cpp / "CMakeLists.txt").write_text("project(YAML_CPP)\n")
+    prefix = tmp_path / "install"
+    command = [ASTRA, "--source", astra_tree, "--yaml-cpp", yaml_cpp, "--prefix", prefix]
+    [described] = re.findall(r"would build (.+)\)$", run([*command, "--dry-run"], env=no_build_tools).stdout.splitlines()[0])
+    assert f"with yaml-cpp {yaml_cpp} (files checksum " in described
+    (prefix / "bin").mkdir(parents=True)  # as a build from these files leaves it
+    (prefix / "bin" / "AstraSim_Analytical_Congestion_Unaware").write_text("#!/bin/sh\n")
+    (prefix / "bin" / "AstraSim_Analytical_Congestion_Unaware").chmod(0o755)
+    (prefix / ".mosim-astra-sim-source").write_text(described + "\n")
+    assert run(command, env=no_build_tools).stdout.startswith(f"==> Reusing {prefix}/bin/")
+    (yaml_cpp / "src" / "parse.cpp").write_text("// patched\n")
+    patched = run([*command, "--dry-run"], env=no_build_tools)
+    assert patched.returncode == 0 and "Reusing" not in patched.stdout and "would build" in patched.stdout
