@@ -68,7 +68,18 @@ def scaled_trace(host_doc: dict, device_doc: dict, copies: int, host_copies: lis
             out_events.append(f)
     host = dict(host_doc, nodes=out_nodes)
     device = dict(device_doc, traceEvents=out_events)
+    close_window(device)
     return host, device
+
+
+def close_window(device_doc: dict) -> None:
+    """Move the device trace's "Record Window End" to the end of its last event, as Kineto writes it: a trace made
+    or stretched here ends later than the one it came from, and the loader leaves out events past that mark."""
+    ends = [e["ts"] + e.get("dur", 0) for e in device_doc["traceEvents"]
+            if e.get("ph") == "X" and isinstance(e.get("ts"), (int, float))]
+    for i, event in enumerate(device_doc["traceEvents"]):
+        if event.get("ph") == "i" and event.get("name") == "Record Window End":
+            device_doc["traceEvents"][i] = dict(event, ts=max(ends))
 
 
 def write_scaled_run(folder: Path, source: Path, ranks: list[int], copies: int, compress: bool = False) -> Path:

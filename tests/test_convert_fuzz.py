@@ -213,3 +213,20 @@ def test_kernel_launches_whose_kernels_the_trace_lost_are_named(tmp_path, capsys
     code, _, errors, warnings = convert(folder, capsys)
     assert code == 0, errors
     assert any("kernel launch calls have no GPU kernel in the trace" in w for w in warnings), warnings
+
+
+def test_a_device_trace_whose_window_end_comes_before_most_of_it_names_that(tmp_path, capsys):
+    # a device trace joined or edited by hand, whose "Record Window End" no longer closes it: its events past the
+    # mark are left out, and the host trace's operators are then among them; the error says so, not "another run"
+    folder = copy_run(GPT2, tmp_path / "run")
+
+    def end_early(document):
+        starts = sorted(e["ts"] for e in document["traceEvents"] if e.get("ph") == "X")
+        marker = next(e for e in document["traceEvents"] if e.get("name") == "Record Window End")
+        marker["ts"] = starts[len(starts) // 10]
+    mutate(folder, "device", end_early)
+    code, output, errors, _ = convert(folder, capsys)
+    assert code == 1 and "internal error" not in output
+    assert len(errors) == 1 and "device.0.json" in errors[0] and "Record Window End" in errors[0], errors
+    assert "different runs" not in errors[0]
+    assert not list((folder / "out").glob("*.et"))

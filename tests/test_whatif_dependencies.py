@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from chakra.schema.protobuf.et_def_pb2 import COMM_COLL_NODE, COMP_NODE
-from conversion_helpers import CPU_FIXTURES, read_et_with_protolib, read_json, scaled_trace, write_json
+from conversion_helpers import CPU_FIXTURES, close_window, read_et_with_protolib, read_json, scaled_trace, write_json
 from trace_tools.graph import children_of, descendants as descendants_of
 from trace_tools.link import GPU_OP, link_host_and_device, remove_recording_overhead
 from trace_tools.load import load_device_trace, load_host_trace, tensor_storages
@@ -151,6 +151,7 @@ def _three_steps_one_slow(tmp_path: Path, slow_factor: float) -> Path:
         if e["ts"] >= last_start:
             e["ts"] = origin + (e["ts"] - origin) * slow_factor
             e["dur"] = e["dur"] * slow_factor
+    close_window(device)
     folder = tmp_path / "run"
     folder.mkdir()
     write_json(folder / "host.0.json", host)
@@ -199,6 +200,7 @@ def _steps_stretched(tmp_path: Path, name: str, windows: list, factor: float = 2
         end = moved(e["ts"] + e["dur"])
         e["ts"] = moved(e["ts"])
         e["dur"] = end - e["ts"]
+    close_window(device)
     folder = tmp_path / name
     folder.mkdir()
     write_json(folder / "host.0.json", host)

@@ -455,6 +455,11 @@ def link_host_and_device(host: HostTrace, dev: DeviceTrace, rank: int = 0,
                              "structural_nodes_dropped": sum(structural)}
     if len(matched) < MIN_MATCH_RATE * len(candidates):
         found = f"{len(matched)} of {len(candidates)} host operators match" if matched else "no host operator matches"
+        if dev.past_window_end:  # the operators the host trace holds may be among those left out
+            left_out = sum(dev.past_window_end.values())
+            raise TraceError(host.path, f"{found} an operator of {dev.path} (by {match_info['mode']}), which "
+                                        f"ends at its \"Record Window End\" before {left_out} of its events: the "
+                                        "device trace was cut, joined or edited since the profiler wrote it")
         raise TraceError(host.path, f"{found} an operator of {dev.path} (by {match_info['mode']}): the traces "
                                     "come from different runs or cover different steps")
 
