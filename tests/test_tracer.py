@@ -779,10 +779,10 @@ from utils.chakra_tracer import ChakraTracer
 
 dist.init_process_group("gloo")
 rank = dist.get_rank()
-if rank == 0:  # this rank's tracer takes 0.6 s longer over its own work: the heap reserved, the traces exported
+if rank == 0:  # this rank's tracer takes 1 s longer over its own work: the heap reserved, the traces exported
     reserve, finalize = chakra_tracer.reserve_heap_for_profiler, ChakraTracer._finalize_capture
-    chakra_tracer.reserve_heap_for_profiler = lambda: (time.sleep(0.6), reserve())[1]
-    ChakraTracer._finalize_capture = lambda self: (time.sleep(0.6) if not self._finalized else None, finalize(self))[1]
+    chakra_tracer.reserve_heap_for_profiler = lambda: (time.sleep(1.0), reserve())[1]
+    ChakraTracer._finalize_capture = lambda self: (time.sleep(1.0) if not self._finalized else None, finalize(self))[1]
 tracer = ChakraTracer(sys.argv[1], "slow_rank", wait_steps=2, warmup_steps=0, active_steps=1, after_steps=1,
                       rank=rank, world_size=2, run_info={"model": "m"})
 with tracer:
@@ -808,5 +808,5 @@ def test_every_rank_starts_the_step_after_the_tracers_own_work_together(tmp_path
     info = load(tmp_path / "slow_rank" / "run.json")
     assert info["traced_steps"] == [2] and info["untraced_steps"] == [0, 1, 3]
     for rank in info["ranks"]:  # rank 1 too: its traced step and the step after the window hold no wait for rank 0
-        assert max(rank["step_wall_time_s"]) < 0.3, rank
-        assert rank["untraced_step_wall_time_s"][-1] < 0.3, rank
+        assert max(rank["step_wall_time_s"]) < 0.5, rank
+        assert rank["untraced_step_wall_time_s"][-1] < 0.5, rank
