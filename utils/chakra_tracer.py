@@ -91,7 +91,13 @@ class NullTracer:
     def __exit__(self, exc_type, exc_val, exc_tb) -> bool:
         return False
 
-    def step(self) -> tuple[float, float]:
+    def start_step(self, after_own_work: bool = False) -> None:
+        pass
+
+    def inside_traced_steps(self) -> bool:
+        return False
+
+    def step(self, micro_batches: int | None = None) -> tuple[float, float]:
         return 0.0, 0.0
 
 
@@ -223,16 +229,40 @@ class ChakraTracer:
             self._discard_traces()
             raise
 
-    def step(self) -> tuple[float, float]:
-        """Mark the end of one optimizer step; call exactly once per optimizer step on every rank. Returns the wall
-        and CPU seconds this call spent on the tracer's own preparation (the heap reserved before the window; 0
-        otherwise): not the training's, for a caller that reports its pace."""
+    def start_step(self, after_own_work: bool = False) -> None:
+        """The coming optimizer step begins now: restart its clocks, which step() started when the last step ended.
+        A caller that does work of its own between two steps (a loss read, a log line, an evaluation, a checkpoint)
+        calls this after it, so that work is in no timed step: a checkpoint saved after step 2 took the next
+        untraced step from 17 to 102 ms in a 2-rank GPT-2 tiny run. It does not take that work out of a traced
+        step's trace: the profiler records whatever runs between two traced steps (inside_traced_steps()).
+
+        Args:
+            after_own_work: the caller did such work since step(). Rank 0's share of it (the log line, the metric
+                sinks) is its own, so the ranks then meet before an untraced step's clocks start, as they do after
+                the tracer's own work; not before a traced step, whose trace would record the barrier.
+        """
+        if self._step_clocks is None:
+            return
+        if after_own_work and not self.inside_traced_steps():
+            self._start_next_step_together()
+        self._step_clocks = StepClocks.read(self._now(sync=True))
+
+    def inside_traced_steps(self) -> bool:
+        """Whether the profiler records what runs now, between two steps: after step() ended the warm-up step or a
+        traced step that is not the last, the host and device traces take it as part of the next traced step."""
+        return self.first_traced_step <= self._step <= self.traced_steps[-1]
+
+    def step(self, micro_batches: int | None = None) -> tuple[float, float]:
+        """Mark the end of one optimizer step; call exactly once per optimizer step on every rank, with the
+        micro-batches it took when the caller knows them. Returns the wall and CPU seconds this call spent on the
+        tracer's own preparation (the heap reserved before the window; 0 otherwise): not the training's, for a
+        caller that reports its pace."""
         step = self._step
         timed = step <= self.last_timed_step
         if step in self.traced_steps:
-            self._record_step(step, self.traced)
+            self._record_step(step, self.traced, micro_batches)
         elif step < self.wait_steps or self.traced_steps[-1] < step <= self.last_timed_step:
-            self._record_step(step, self.untraced)
+            self._record_step(step, self.untraced, micro_batches)
         self._step += 1
         preparation = 0.0, 0.0
         if self._step == self._reserve_heap_after and self._step <= self.first_traced_step:
@@ -263,10 +293,24 @@ class ChakraTracer:
         if self.world_size > 1 and dist.is_available() and dist.is_initialized():
             dist.barrier(device_ids=[self.device.index] if self.use_cuda and self.device.index is not None else None)
 
-    def _record_step(self, step: int, measures: StepMeasures) -> None:
-        """What the step that just ended took on each clock read when it began."""
+    def _record_step(self, step: int, measures: StepMeasures, micro_batches: int | None) -> None:
+        """What the step that just ended took on each clock read when it began, and how many micro-batches."""
         if self._step_clocks is not None:
             measures.add(step, self._step_clocks, StepClocks.read(self._now(sync=True)))
+            if micro_batches is not None:
+                measures.micro_batches[step] = micro_batches
+
+    def _warn_of_unequal_steps(self) -> None:
+        """The timed steps are compared with one another (the untraced pace with the traced steps'): say so when
+        they did not all take the same micro-batches."""
+        taken = {**self.untraced.micro_batches, **self.traced.micro_batches}
+        if len(set(taken.values())) > 1:
+            most = max(taken.values())
+            fewer = ", ".join(f"{step} ({n})" for step, n in sorted(taken.items()) if n < most)
+            logger.warning("rank %d: --gradient-accumulation-steps %d: the timed steps %s took fewer micro-batches, "
+                           "as an epoch's last step takes the batches left: run.json's times compare unequal steps "
+                           "(step_micro_batches); choose a --gradient-accumulation-steps that divides the batches of "
+                           "an epoch", self.rank, most, fewer)
 
     def _note_machine_load(self) -> None:
         """What else ran on the machine during the traced steps (run.json); a warning when it was busy."""
@@ -285,6 +329,7 @@ class ChakraTracer:
         """Publish a whole window's files and write run.json, or say why nothing was written; False, so that an
         exception of the run goes on."""
         self._finalize_capture()
+        self._warn_of_unequal_steps()
         traced = [s for s in self.traced_steps if s in self.traced.wall_time_s]
         completed: list[int] = []
         errors: list[str] = []
@@ -638,6 +683,9 @@ class StepMeasures:
     the machine does not provide (not Linux, no gloo threads) leaves its field empty."""
 
     wall_time_s: dict[int, float] = field(default_factory=dict)
+    # Micro-batches the step took (--gradient-accumulation-steps, fewer in an epoch's last step), where the caller
+    # said
+    micro_batches: dict[int, int] = field(default_factory=dict)
     # CPU time of the whole process: what recording costs, whatever the network made it wait
     cpu_time_s: dict[int, float] = field(default_factory=dict)
     # CPU time of the training thread alone (the one calling step()): the rest of the process's is its other

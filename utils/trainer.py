@@ -692,15 +692,13 @@ class Trainer:
         wait, warmup, active = self.config.trace_window
         return wait <= coming < wait + warmup + active
 
-    def _sync_due(self) -> bool:
+    def _sync_due(self, evaluation_or_checkpoint: bool) -> bool:
         """Whether this step reads the loss and agrees on it with the other ranks (torchtitan's way: on logging
-        steps, not every step): logging steps outside the trace window, evaluation and checkpoint steps (which
-        sync anyway, and must not save non-finite weights), the last step, and in a one-process run a stop
-        request at once. Ranks decide from the step number alone, so they meet in the all-reduce together; a
-        stop request or a non-finite loss is therefore acted on at the next sync step."""
-        a, step = self.config.checkpoint, self.step
-        if step == self.max_steps or (a.eval_steps and step % a.eval_steps == 0) \
-                or (a.save_steps and step % a.save_steps == 0):
+        steps, not every step): logging steps outside the trace window, a step followed by an evaluation or a
+        checkpoint (which sync anyway, and must not save non-finite weights), the last step, and in a one-process
+        run a stop request at once. Ranks decide from the step number alone, so they meet in the all-reduce
+        together; a stop request or a non-finite loss is therefore acted on at the next sync step."""
+        if self.step == self.max_steps or evaluation_or_checkpoint:
             return True
         if not self.ctx.is_distributed and self.stop_signal is not None:
             return True
@@ -845,21 +843,35 @@ class Trainer:
         with build_tracer(self.config, rank=ctx.rank, world_size=ctx.world_size, local_rank=ctx.local_rank,
                           device=self.device, run_info=self._run_info()) as tracer, \
                 around_bar:
+            evaluation_due = checkpoint_due = own_work = False  # own_work: the loop's own, since the last step
             try:
                 while self.step < self.max_steps:
                     micro_batches = self._micro_batches_due()  # read before the step takes them
+                    # The step's clocks start here, so what the loop did since the last step (below) is in none
+                    tracer.start_step(after_own_work=own_work)
                     loss, grad_norm = self._optimizer_step(micro_batches)
                     # the tracer's own preparation for its window is left out of the pace the log reports
-                    preparation_s, preparation_cpu_s = tracer.step()
+                    preparation_s, preparation_cpu_s = tracer.step(micro_batches)
                     window_start += preparation_s
                     cpu_start += preparation_cpu_s
                     self.step += 1
                     self.tokens_seen += self.tokens_per_micro_batch * micro_batches
                     window_steps += 1
                     progress.update(1)
-                    stop = False
-                    if self._sync_due():
+                    stop = own_work = False
+                    new_evaluation = bool(every.eval_steps) and self.step % every.eval_steps == 0
+                    new_checkpoint = bool(every.save_steps) and self.step % every.save_steps == 0
+                    evaluation_due, checkpoint_due = evaluation_due or new_evaluation, checkpoint_due or new_checkpoint
+                    # Between two traced steps the profiler records whatever runs: an evaluation or a checkpoint
+                    # due there waits until the window has closed, so the traces hold training alone
+                    held = (evaluation_due or checkpoint_due) and tracer.inside_traced_steps()
+                    if held and (new_evaluation or new_checkpoint):
+                        logger.info("step %d: %s due, held until the trace window closes", self.step,
+                                    " and ".join(w for w, due in (("evaluation", evaluation_due),
+                                                                  ("checkpoint", checkpoint_due)) if due))
+                    if self._sync_due(evaluation_or_checkpoint=(evaluation_due or checkpoint_due) and not held):
                         self.last_loss, stop = self._agree_on_loss_and_stop(loss)
+                        own_work = True
                         progress.set_postfix(loss=f"{self.last_loss:.4f}", refresh=False)
                         if self._is_logging_step() or stop:
                             now, cpu_now = time.perf_counter(), time.process_time()
@@ -870,10 +882,13 @@ class Trainer:
                         now, cpu_now = time.perf_counter(), time.process_time()
                         self._log_step_time(window_steps, now - window_start, cpu_now - cpu_start)
                         window_start, window_steps, cpu_start = now, 0, cpu_now
-                    if every.eval_steps and self.step % every.eval_steps == 0:
+                        own_work = True
+                    if evaluation_due and not held:
                         self._evaluate_and_keep_best()
-                    if every.save_steps and self.step % every.save_steps == 0:
+                        evaluation_due, own_work = False, True
+                    if checkpoint_due and not held:
                         self.save(checkpoint_name(self.step), kind="checkpoint")
+                        checkpoint_due, own_work = False, True
                     if stop:
                         return True
             finally:
