@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import json
 import statistics
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from .layout import RUN_INFO
 
@@ -146,9 +148,10 @@ def _mean_per_step(untraced: list[float] | None, traced: list[float] | None) -> 
 
 def read_step_times(run_dir: str | Path, rank: int) -> StepTimes | None:
     """The rank's step times from run.json beside its traces, or None when the run did not measure them (foreign
-    traces, runs of older versions, a window without timed untraced steps). The run's first step (step 0) holds
-    one-time start-up costs (allocation, DDP's bucket rebuild) and is left out; the untraced steps after the window
-    (run.json's untraced_steps numbers them all) sample the run once its first steps are past."""
+    traces, runs of older versions, a window without timed untraced steps). The run's first step and the steps
+    that took other micro-batches than the traced ones are left out (_comparable_untraced_steps); the untraced
+    steps after the window (run.json's untraced_steps numbers them all) sample the run once its first steps are
+    past."""
     path = Path(run_dir) / RUN_INFO
     try:
         info = json.loads(path.read_text(encoding="utf-8"))
@@ -166,11 +169,10 @@ def step_times_of(info, rank: int) -> StepTimes | None:
     def micros(key: str) -> list[float]:
         return [float(t) * 1e6 for t in entries[0].get(key) or [] if isinstance(t, (int, float))]
 
-    numbers = info.get("untraced_steps")
-    first_steps = 1 if not isinstance(numbers, list) or 0 in numbers else 0  # older run.json: its first is step 0
+    kept = _comparable_untraced_steps(info, entries[0])
 
     def untraced_micros(key: str) -> list[float]:
-        return micros(key)[first_steps:]
+        return [value for i, value in enumerate(micros(key)) if kept(i)]
 
     traced, untraced = micros("step_wall_time_s"), untraced_micros("untraced_step_wall_time_s")
     if not traced or not untraced:
@@ -201,7 +203,7 @@ def step_times_of(info, rank: int) -> StepTimes | None:
                      collective_start_wait_us=(float(start_wait) * 1e6 if isinstance(start_wait, (int, float))
                                                and start_wait >= 0 else None),
                      traced_page_faults=counts("step_page_faults"),
-                     untraced_page_faults=counts("untraced_step_page_faults")[first_steps:],
+                     untraced_page_faults=[n for i, n in enumerate(counts("untraced_step_page_faults")) if kept(i)],
                      intra_op_threads=threads if isinstance(threads, int) and threads > 0 else None,
                      traced_interrupt_cpu_us=micros("step_interrupt_cpu_time_s"),
                      untraced_interrupt_cpu_us=untraced_micros("untraced_step_interrupt_cpu_time_s"),
@@ -211,10 +213,28 @@ def step_times_of(info, rank: int) -> StepTimes | None:
                                                 and not isinstance(others, bool) and others >= 0 else None),
                      machine_busy=busy if isinstance(busy, bool) else None,
                      usable_cpus=cpus if isinstance(cpus, int) and not isinstance(cpus, bool) and cpus > 0 else None,
-                     slowest_rank_scale=_slowest_rank_scale(info, first_steps))
+                     slowest_rank_scale=_slowest_rank_scale(info))
 
 
-def _slowest_rank_scale(info: dict, first_steps: int) -> float:
+def _comparable_untraced_steps(info: dict, entry: dict) -> Callable[[int], bool]:
+    """Which of a rank's untraced steps (by their index in run.json's lists) are samples of the traced steps' work.
+    The run's first step (step 0) holds one-time start-up costs (allocation, DDP's bucket rebuild) and is left out.
+    So is a step that took another number of micro-batches than the traced steps (run.json's step_micro_batches:
+    with --gradient-accumulation-steps, an epoch's last step takes the batches left, 3 of 4 in a GPT-2 tiny run, and
+    took 353 ms against 465-477): it did other work. Nothing is left out for that when it would leave no sample."""
+    numbers = info.get("untraced_steps")
+    first = 0 if not isinstance(numbers, list) or 0 in numbers else None  # older run.json: its first is step 0
+    traced, untraced = entry.get("step_micro_batches"), entry.get("untraced_step_micro_batches")
+    other_work: set[int] = set()
+    if isinstance(traced, list) and isinstance(untraced, list) and traced:
+        usual = Counter(traced).most_common(1)[0][0]
+        other_work = {i for i, n in enumerate(untraced) if n != usual}
+        if not set(range(len(untraced))) - other_work - {first}:
+            other_work = set()
+    return lambda i: i != first and i not in other_work
+
+
+def _slowest_rank_scale(info: dict) -> float:
     """How much longer a step's slowest rank computes than the slowest rank's median: the median over the untraced
     steps of the ranks' largest training-thread CPU time, over the largest of the ranks' medians. Every rank's ops
     are scaled by it; 1.0 unless run.json holds the same number of such steps for every rank of a multi-rank run.
@@ -234,7 +254,8 @@ def _slowest_rank_scale(info: dict, first_steps: int) -> float:
         times = entry.get("untraced_step_thread_cpu_time_s")
         if not isinstance(times, list) or not all(isinstance(t, (int, float)) and t >= 0 for t in times):
             return 1.0
-        series.append(times[first_steps:])
+        kept = _comparable_untraced_steps(info, entry)
+        series.append([t for i, t in enumerate(times) if kept(i)])
     slowest_median = max((statistics.median(times) for times in series if times), default=0.0)
     if slowest_median <= 0 or any(len(times) != len(series[0]) for times in series):
         return 1.0
