@@ -790,6 +790,7 @@ with tracer:
         gradient = torch.ones(1000)
         dist.all_reduce(gradient)  # where a rank done first waits for the other
         tracer.step()
+dist.barrier()  # as the trainer ends (utils/distributed.py): a rank that tears gloo down alone aborts at times
 dist.destroy_process_group()
 '''
 
