@@ -103,6 +103,7 @@ def main() -> None:
         if rank == 0:
             print(json.dumps({"bytes": tensor.numel() * 4, "seconds": times,
                               "after_compute_ms": args.after_compute_ms}), flush=True)
+    dist.barrier()  # the ranks tear gloo down together: one alone aborts at exit at times
     dist.destroy_process_group()
 
 

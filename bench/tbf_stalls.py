@@ -69,6 +69,7 @@ def worker(args) -> None:
             log.write(f"{now} rank 0/2 INFO tbf_stalls: step {step}/{args.steps} | all-reduce | "
                       f"{1000 * (time.perf_counter() - began):.1f} ms/step\n")
             log.flush()
+    dist.barrier()  # the ranks tear gloo down together: one alone aborts at exit at times
     dist.destroy_process_group()
 
 
