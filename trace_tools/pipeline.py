@@ -26,7 +26,8 @@ from .discover import Run
 from .identity import device_header_identity, host_device_time_problem, one_run_problems, rank_identity
 from .layout import CONVERSION_SUMMARY, PG_INIT_NODE, RUN_INFO, STEP_PREFIX, et_name, et_sets, made_from_et_files
 from .link import GPU_OP, link_host_and_device, remove_recording_overhead
-from .load import PAST_WINDOW_END, UNUSABLE_TIME, TraceError, is_structural, load_device_trace, load_host_trace, read_trace_bytes
+from .load import (PAST_WINDOW_END, UNUSABLE_TIME, TraceError, is_structural, load_device_trace, load_host_trace,
+                   read_trace_bytes)
 from .repair import NO_OPERATORS_PROBLEM
 from .step_timing import STEP_SPREAD_BOUND, StepTimes, read_step_times
 from .summary import RankResult, RunResult, et_fingerprint, write_run_summary
@@ -346,14 +347,10 @@ def _note_run_queue_wait(times: StepTimes, result: RankResult, corrected: bool) 
 
 def _note_unusable_events(device, result: RankResult) -> None:
     """Events the device trace holds but the loader had to leave out: the .et lacks their time."""
-    if device.unusable_events:
-        total = sum(device.unusable_events.values())
-        kinds = ", ".join(f"{count} {cat}" for cat, count in sorted(device.unusable_events.items()))
-        result.warnings.append(f"{device.path}: {total} event(s) left out ({kinds}): {UNUSABLE_TIME}")
-    if device.past_window_end:
-        total = sum(device.past_window_end.values())
-        kinds = ", ".join(f"{count} {table}" for table, count in sorted(device.past_window_end.items()))
-        result.warnings.append(f"{device.path}: {total} event(s) left out ({kinds}): {PAST_WINDOW_END}")
+    for left_out, why in ((device.unusable_events, UNUSABLE_TIME), (device.past_window_end, PAST_WINDOW_END)):
+        if left_out:
+            kinds = ", ".join(f"{count} {kind}" for kind, count in sorted(left_out.items()))
+            result.warnings.append(f"{device.path}: {sum(left_out.values())} event(s) left out ({kinds}): {why}")
 
 
 def _check_steps(host, device, result: RankResult) -> None:
