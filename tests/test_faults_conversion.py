@@ -313,6 +313,40 @@ def test_a_broken_run_json_fails_every_rank_naming_it(tmp_path, capsys, damage, 
     assert (folder / "CONVERSION_SUMMARY.md").read_text().count("❌ failed") == 2
 
 
+GPT2_TIMED = CPU_FIXTURES / "gpt2_2x128_2r_buckets"  # a run.json with untraced step times
+
+
+def _set_untraced(values):
+    def damage(info):
+        info["ranks"][0]["untraced_step_wall_time_s"] = values
+    return damage
+
+
+@pytest.mark.parametrize("damage, says", [
+    (_set_untraced([-0.1, -0.1, -0.1]), "ranks[0].untraced_step_wall_time_s[0] is -0.1, not a time in seconds above 0"),
+    (_set_untraced([float("nan")] * 3), "ranks[0].untraced_step_wall_time_s[0] is NaN, not a time in seconds above 0"),
+    (_set_untraced([True] * 3), "ranks[0].untraced_step_wall_time_s[0] is true, not a time in seconds above 0"),
+    (_set_untraced(["0.1"] * 3), 'ranks[0].untraced_step_wall_time_s[0] is "0.1", not a time in seconds above 0'),
+    (_set_untraced(0.1), "ranks[0].untraced_step_wall_time_s is 0.1, not a list with a value a step"),
+    (lambda info: info.update(ranks=None), "ranks is null, not a list of the ranks' measurements"),
+    (lambda info: info["ranks"][1].pop("rank"), "ranks[1] is {"),
+    (lambda info: info.update(untraced_steps=[0, -1, 2]), "untraced_steps is [0, -1, 2], not a list of step numbers"),
+])
+def test_run_json_with_a_measurement_no_tracer_writes_fails_every_rank_naming_it(tmp_path, capsys, damage, says):
+    """A run.json that parses but holds a time no tracer writes (negative, NaN, a string, a boolean) is a damaged
+    copy: its times scale the .et durations, so converting with it gave a wrong .et and exit 0 (a step of -100 ms)
+    or a traceback (NaN, "ranks": null)."""
+    folder = corpus.copy_run(GPT2_TIMED, tmp_path / "run")
+    run_json = folder / "run.json"
+    info = json.loads((GPT2_TIMED / "run.json").read_text())
+    damage(info)
+    run_json.write_text(json.dumps(info))
+    code, output = convert(folder, capsys)
+    assert code == 1 and et_names(folder) == [] and "Traceback" not in output
+    assert f"{run_json}: {says}" in output and "a damaged copy of the tracer's file, which never holds" in output
+    assert (folder / "CONVERSION_SUMMARY.md").read_text().count("❌ failed") == 2
+
+
 def test_convert_remaining_redoes_the_ranks_when_run_json_changes(tmp_path, capsys):
     folder = corpus.copy_run(GPT2_2R, tmp_path / "run")
     (folder / "run.json").write_text((GPT2_2R / "run.json").read_text())

@@ -215,6 +215,23 @@ def test_without_run_json_the_traced_step_of_the_summary_is_the_measurement(conv
     assert set(steps) == {0, 1} and 200 < steps[0] < 300 and "CONVERSION_SUMMARY.md" in source
 
 
+def test_a_damaged_run_json_is_passed_over_for_the_measured_step_and_named(converted, tmp_path):
+    """A run.json whose step times no tracer writes (here NaN, which json reads) is no measurement: the summary's
+    traced step stands in, and the source names the file and the value."""
+    folder = tmp_path / "damaged"
+    folder.mkdir()
+    shutil.copy(converted / "CONVERSION_SUMMARY.md", folder)
+    text = (folder / "CONVERSION_SUMMARY.md").read_text().replace(str(converted), str(tmp_path / "gone"))
+    (folder / "CONVERSION_SUMMARY.md").write_text(text)
+    info = json.loads((BUNDLED / "run.json").read_text())
+    info["ranks"][0]["step_wall_time_s"] = [float("nan")]
+    (folder / "run.json").write_text(json.dumps(info))
+    steps, source = measured_steps(folder)
+    assert set(steps) == {0, 1} and 200 < steps[0] < 300
+    assert source.startswith(f"traced step (CONVERSION_SUMMARY.md in {folder}); passed over {folder / 'run.json'}: "
+                             "ranks[0].step_wall_time_s[0] is NaN, not a time in seconds above 0")
+
+
 # --- errors ---------------------------------------------------------------------------------------------------
 
 def test_no_binary_says_how_to_get_one(monkeypatch):

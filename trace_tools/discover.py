@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -109,7 +110,73 @@ def read_run_info(path: Path) -> tuple[dict | None, str | None]:
                       "copy it again from the run, or remove it to convert without the run's step times")
     if not isinstance(facts, dict):
         return None, f"{path}: not a run description (a JSON {type(facts).__name__}, not an object)"
+    problem = _measurement_problem(facts)
+    if problem:
+        return None, (f"{path}: {problem}: a damaged copy of the tracer's file, which never holds such a value; "
+                      "copy it again from the run, or remove it to convert without the run's step times")
     return facts, None
+
+
+def _measurement_problem(facts: dict) -> str | None:
+    """The first value of run.json's measurements that no tracer writes (None when all can be): the .et durations
+    are scaled to these times, so a negative, non-finite or non-numeric one would give a wrong .et, not an error.
+    Each rank's step lists (step_* and untraced_step_*, StepMeasures.report) hold non-negative finite numbers, wall
+    times and micro-batch counts above zero; the step numbers are non-negative integers."""
+    for key in ("world_size", "ranks_gathered"):
+        if key in facts and not _is_count(facts[key], minimum=1):
+            return f"{key} is {facts[key]!r}, not a positive whole number"
+    for key in ("traced_steps", "untraced_steps"):
+        if key in facts and not (isinstance(facts[key], list) and all(_is_count(n) for n in facts[key])):
+            return f"{key} is {_shown(facts[key])}, not a list of step numbers"
+    problem = _times_problem("step_wall_time_s_max", facts.get("step_wall_time_s_max"))
+    if problem:
+        return problem
+    ranks = facts.get("ranks", [])
+    if not isinstance(ranks, list):
+        return f"ranks is {_shown(ranks)}, not a list of the ranks' measurements"
+    for index, entry in enumerate(ranks):
+        if not isinstance(entry, dict) or not _is_count(entry.get("rank")):
+            return f"ranks[{index}] is {_shown(entry)}, not a rank's measurements with its rank number"
+        for key, value in entry.items():
+            if key.startswith(("step_", "untraced_step_")):
+                problem = _times_problem(f"ranks[{index}].{key}", value)
+            elif key in ("recording_cost_per_op_us", "collective_start_wait_s") and value is not None:
+                problem = None if _is_amount(value) else f"ranks[{index}].{key} is {_shown(value)}, not a number >= 0"
+            else:
+                continue
+            if problem:
+                return problem
+    return None
+
+
+def _times_problem(where: str, values) -> str | None:
+    """Why a step list of run.json is not one the tracer writes (None: it is one, or it is absent)."""
+    if values is None:
+        return None
+    if not isinstance(values, list):
+        return f"{where} is {_shown(values)}, not a list with a value a step"
+    counts = where.endswith(("micro_batches", "page_faults"))
+    positive = where.endswith(("wall_time_s", "wall_time_s_max", "micro_batches"))
+    for i, value in enumerate(values):
+        if counts and not _is_count(value, minimum=1 if positive else 0):
+            return f"{where}[{i}] is {_shown(value)}, not a whole number{' above 0' if positive else ' >= 0'}"
+        if not counts and not (_is_amount(value) and (value > 0 or not positive)):
+            return f"{where}[{i}] is {_shown(value)}, not a time in seconds{' above 0' if positive else ' >= 0'}"
+    return None
+
+
+def _is_count(value, minimum: int = 0) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+
+
+def _is_amount(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
+
+
+def _shown(value) -> str:
+    """A JSON value as the file holds it, cut to one short line."""
+    text = json.dumps(value, allow_nan=True)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def find_runs(paths: list[str | Path]) -> list[Run]:

@@ -20,6 +20,7 @@ from typing import Iterator
 
 from .atomic import atomic_output, folder_held, write_text_atomic
 from .command_line import ArgumentParser, StopSignal
+from .discover import read_run_info
 from .layout import CONVERSION_SUMMARY, RUN_INFO, SIMULATION_FILE, et_name, et_sets
 from .step_timing import step_times_of
 from .summary import unrecorded_et_file
@@ -557,18 +558,19 @@ def _median_seconds(value) -> float | None:
 def measured_steps(folder: Path) -> tuple[dict[int, float], str]:
     """Measured step per rank in ms, and where it comes from: run.json's untraced steps (what the .et durations
     estimate: the run's first step, its start-up, left out as the conversion leaves it out, trace_tools.step_timing),
-    else its traced steps, else the traced step in CONVERSION_SUMMARY.md."""
+    else its traced steps, else the traced step in CONVERSION_SUMMARY.md. A damaged run.json is passed over, and
+    the source says so."""
     from .summary import converted_from
 
+    passed_over = ""
     for candidate in (folder, converted_from(folder)):
         if candidate is None or not (candidate / RUN_INFO).is_file():
             continue
-        try:
-            info = json.loads((candidate / RUN_INFO).read_text(encoding="utf-8"))
-        except (OSError, ValueError):
+        info, problem = read_run_info(candidate / RUN_INFO)
+        if problem:
+            passed_over = f"; passed over {problem}"
             continue
-        entries = [entry for entry in info.get("ranks") or []
-                   if isinstance(entry, dict) and isinstance(entry.get("rank"), int)] if isinstance(info, dict) else []
+        entries = info.get("ranks") or []
         untraced = {entry["rank"]: times.untraced_median_us / 1e3 for entry in entries
                     if (times := step_times_of(info, entry["rank"])) is not None}
         if untraced:
@@ -581,8 +583,8 @@ def measured_steps(folder: Path) -> tuple[dict[int, float], str]:
     status = _summary_status(folder)
     steps = {rank: s["traced_step_us"] / 1e3 for rank, s in status.items() if s["traced_step_us"]}
     if steps:
-        return steps, f"traced step (CONVERSION_SUMMARY.md in {folder})"
-    return {}, "none found (no run.json, no CONVERSION_SUMMARY.md)"
+        return steps, f"traced step (CONVERSION_SUMMARY.md in {folder}){passed_over}"
+    return {}, f"none found (no usable run.json, no CONVERSION_SUMMARY.md){passed_over}"
 
 
 def check_against_summary(workload: Path, ranks: int) -> None:
