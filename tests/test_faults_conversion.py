@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -526,6 +527,32 @@ def test_output_dir_that_cannot_take_the_et_is_one_line(tmp_path, capsys, make, 
         if target.is_dir():
             target.chmod(0o755)
     assert code == 2 and output.strip() == f"error: --output-dir {target}: {problem}"
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="finds the workers in Linux's /proc")
+def test_workers_end_with_a_conversion_killed_outright_and_leave_the_folder_free(tmp_path, capsys):
+    """kill -9 of the converter (the OOM killer) used to leave its workers running: they held the folder's lock, so
+    convert_remaining.py refused the folder ("another conversion ... is using this folder now") until they were found
+    and killed by hand, and went on renaming .et files into it."""
+    folder = corpus.copy_run(BERT, tmp_path / "bert")
+    proc = subprocess.Popen([sys.executable, str(REPO / "convert_to_et.py"), str(folder), "--no-progress",
+                             "--jobs", "2"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO)
+    children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children")
+    workers: list[int] = []
+    deadline = time.monotonic() + 120
+    while proc.poll() is None and time.monotonic() < deadline and not (workers and any(folder.glob(".*unvalidated*"))):
+        workers = [int(pid) for pid in children.read_text().split()] if children.exists() else []
+        time.sleep(0.01)
+    assert proc.poll() is None and workers, "the conversion ended before its workers could be seen"
+    proc.kill()
+    proc.wait()
+    deadline = time.monotonic() + 10
+    while any(Path(f"/proc/{pid}").exists() for pid in workers) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [pid for pid in workers if Path(f"/proc/{pid}").exists()], "a worker outlived the killed conversion"
+    code, output = convert(folder, capsys, remaining=True)
+    assert code == 0, output
+    assert et_names(folder) == ["bert.0.et", "bert.1.et"]
 
 
 def test_ctrl_c_stops_parallel_workers_with_one_line_and_no_partial_file(tmp_path):

@@ -1,6 +1,7 @@
 """Convert runs: each rank's host + device trace to a validated .et, ranks in parallel, with a summary per run."""
 from __future__ import annotations
 
+import ctypes
 import gc
 import glob
 import logging
@@ -12,6 +13,7 @@ import signal
 import stat
 import statistics
 import sys
+import threading
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from contextlib import ExitStack
@@ -493,9 +495,34 @@ def _convert_rank_task(args: tuple) -> dict:
     return asdict(result)
 
 
-def _worker_setup() -> None:
-    """Ranks converted in worker processes leave Ctrl-C to the parent, which stops them and cleans up."""
+def _worker_setup(parent: int) -> None:
+    """Ranks converted in worker processes leave Ctrl-C to the parent, which stops them and cleans up, and end with
+    the parent: killed outright (kill -9, the OOM killer), it cannot stop them, and workers left running would hold
+    the folder's lock (folder_held; they inherit its descriptor) against every later conversion, and rename .et files
+    into a folder whose summary calls their ranks interrupted."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if not _die_with_parent():
+        threading.Thread(target=_exit_when_orphaned, args=(parent,), name="parent-watch", daemon=True).start()
+    if os.getppid() != parent:  # the parent died before the worker could ask to die with it
+        os._exit(1)
+
+
+def _die_with_parent() -> bool:
+    """Ask Linux to SIGKILL this process when its parent ends (prctl PR_SET_PDEATHSIG); False where it cannot."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(1, signal.SIGKILL, 0, 0, 0) == 0  # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return False
+
+
+def _exit_when_orphaned(parent: int) -> None:
+    """Elsewhere: end this worker within half a second of its parent (its parent pid changes when it is orphaned)."""
+    while os.getppid() == parent:
+        time.sleep(0.5)
+    os._exit(1)
 
 
 def _writable(folder: Path) -> bool:
@@ -680,7 +707,7 @@ def _convert_runs(runs, output_dir, jobs, emit_merged, progress, only, previous)
 
 
 def _convert_in_pool(tasks: list, jobs: int, done: Callable[[str, RankResult], None], bar) -> None:
-    pool = ProcessPoolExecutor(max_workers=jobs, initializer=_worker_setup)
+    pool = ProcessPoolExecutor(max_workers=jobs, initializer=_worker_setup, initargs=(os.getpid(),))
     try:
         futures = {pool.submit(_convert_rank_task, args): key_dir for key_dir, args in tasks}
         for future in as_completed(futures):
