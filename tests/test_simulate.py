@@ -313,6 +313,50 @@ def test_et_files_that_are_not_those_the_summary_recorded_are_refused(converted,
     assert not (tmp_path / "w").exists()
 
 
+@pytest.mark.parametrize("damage, says", [
+    ("cut", "x.1.et: truncated message at byte"),
+    ("empty", "x.1.et: empty .et"),
+    ("not an .et", "x.1.et: not a Chakra .et"),
+    ("another run's rank", ": the ranks of x do not run the same collectives (process group '0': rank 1 has"),
+])
+def test_et_files_no_summary_records_are_checked_before_astra_sim_runs(converted, tmp_path, damage, says):
+    """.et files copied out of their run folder (no CONVERSION_SUMMARY.md to hold them to) were passed to ASTRA-sim
+    as they were: one cut short or empty gave a simulation and a SIMULATION.md with exit 0, a gzip file named .et a
+    traceback, ranks of two runs a simulation that hangs or ends early."""
+    folder = tmp_path / "copied"
+    folder.mkdir()
+    for rank in (0, 1):
+        shutil.copy(converted / f"gpt2_tiny_2r.{rank}.et", folder / f"x.{rank}.et")
+    rank1 = folder / "x.1.et"
+    if damage == "cut":
+        rank1.write_bytes(rank1.read_bytes()[:-100])
+    elif damage == "empty":
+        rank1.write_bytes(b"")
+    elif damage == "not an .et":
+        rank1.write_bytes((BUNDLED / "host.1.json.gz").read_bytes())
+    else:  # rank 1 of the bundled BERT run, whose gradients are other buckets
+        bert = tmp_path / "bert"
+        shutil.copytree(BUNDLED.parent / "bert_tiny_2r", bert)
+        proc = subprocess.run([sys.executable, "convert_to_et.py", str(bert), "--jobs", "1", "--no-progress"],
+                              cwd=REPO, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        shutil.copy(bert / "bert.1.et", rank1)
+    with pytest.raises(SimulationError) as error:
+        simulate_run(folder, bandwidth_gbs=1.0, binary=tmp_path / "never run", work_dir=tmp_path / "w")
+    assert says in str(error.value) and "\n" not in str(error.value), str(error.value)
+    assert not (tmp_path / "w").exists()
+    for rank in (0, 1):  # the set as converted, copied out, passes
+        shutil.copy(converted / f"gpt2_tiny_2r.{rank}.et", folder / f"x.{rank}.et")
+    simulate_run(folder, bandwidth_gbs=1.0, binary=finishing_astra_sim(tmp_path, 2), work_dir=tmp_path / "w",
+                 communication_cpu_bound=False)
+
+
+def test_a_set_without_its_rank_0_is_named_as_such(converted, tmp_path):
+    shutil.copy(converted / "gpt2_tiny_2r.1.et", tmp_path / "x.1.et")
+    with pytest.raises(SimulationError, match=r"x\.0\.et: missing \(the set has ranks 1; every rank from 0 up"):
+        find_workload(tmp_path)
+
+
 def test_a_simulator_that_fails_is_reported_with_its_own_message(converted, tmp_path):
     fake = tmp_path / "astra"
     fake.write_text("#!/bin/sh\necho '[2026-01-01] [C] <workload>: communicator group 3 not found'\nexit 1\n")

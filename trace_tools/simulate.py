@@ -23,7 +23,8 @@ from .command_line import ArgumentParser, StopSignal
 from .discover import read_run_info
 from .layout import CONVERSION_SUMMARY, RUN_INFO, SIMULATION_FILE, et_name, et_sets
 from .step_timing import step_times_of
-from .summary import unrecorded_et_file
+from .summary import read_previous_results, unrecorded_et_file
+from .validate import collectives_agree, validate_et
 
 ASTRA_SIM_ENV = "ASTRA_SIM"
 INSTALLER = "install_astra_sim.sh"
@@ -217,7 +218,13 @@ def find_workload(run: Path) -> tuple[Path, int]:
         if 0 in ranks:
             return run, _contiguous_ranks(run.parent, run.name, ranks)
         raise SimulationError(f"{run}: no such folder (nor a workload prefix with {run.name}.0.et beside it)")
-    sets = {name: ranks for name, ranks in et_sets(run).items() if 0 in ranks}
+    every_set = et_sets(run)
+    sets = {name: ranks for name, ranks in every_set.items() if 0 in ranks}
+    if not sets and every_set:
+        name, ranks = sorted(every_set.items())[0]
+        present = ", ".join(map(str, sorted(ranks)))
+        raise SimulationError(f"{run / et_name(name, 0)}: missing (the set has ranks {present}; every rank from 0 up "
+                              "is needed)")
     if not sets:
         raise SimulationError(f"{run}: no <name>.<rank>.et files; convert the run first (python3 convert_to_et.py "
                               f"{run})")
@@ -250,38 +257,35 @@ def process_groups(workload: Path, ranks: int) -> dict[str, list[int]]:
 
     ASTRA-sim takes pg_name "" or "0" as every rank and any other name as the integer id of a group that the
     --comm-group-configuration file must list; it cannot take a name that is not a number (torch's hashed names)."""
-    from chakra.schema.protobuf.et_def_pb2 import GlobalMetadata
-    from chakra.src.third_party.utils.protolib import decodeMessage, openFileRd
-
     groups: dict[str, list[int]] = {}
     for rank in range(ranks):
         path = workload.parent / et_name(workload.name, rank)
-        handle = openFileRd(str(path))
-        try:
-            metadata = GlobalMetadata()
-            decodeMessage(handle, metadata)
-        finally:
-            handle.close()
+        metadata = et_metadata(path)
         world = _int_attr(metadata, "world_size")
         if world and world != ranks:  # ranks deleted from the top of the set, or a set of another run mixed in
             raise SimulationError(f"{path}: recorded in a world of {world} ranks, but the set has {ranks} .et files "
                                   f"({et_name(workload.name, 0)} to {et_name(workload.name, ranks - 1)}); simulate "
                                   "a complete set")
-        raw = next((a.string_val for a in metadata.attr if a.name == "process_groups"), "")
-        try:
-            listed = json.loads(raw) if raw else []
-        except ValueError:
-            continue
-        for group in listed if isinstance(listed, list) else []:
-            name = str(group.get("pg_name", "")) if isinstance(group, dict) else ""
+        for name, members in listed_groups(metadata, ranks).items():
             if name in ("", "0") or not name.isdigit():
                 continue  # a name that is not a number cannot be listed; a collective in it stops ASTRA-sim
-            members = [int(r) for r in group.get("ranks") or range(ranks)]
             if name in groups and groups[name] != members:
                 raise SimulationError(f"{path}: process group {name} has ranks {members}, another rank's .et "
                                       f"says {groups[name]}")
             groups[name] = members
     return groups
+
+
+def listed_groups(metadata, ranks: int) -> dict[str, list[int]]:
+    """The process groups an .et's metadata lists (`process_groups`, as the converter writes it): name -> ranks
+    (every rank when the group names none); empty when it lists none or the list does not parse."""
+    raw = next((a.string_val for a in metadata.attr if a.name == "process_groups"), "")
+    try:
+        listed = json.loads(raw) if raw else []
+    except ValueError:
+        return {}
+    return {str(group.get("pg_name", "")): [int(r) for r in group.get("ranks") or range(ranks)]
+            for group in (listed if isinstance(listed, list) else []) if isinstance(group, dict)}
 
 
 def _int_attr(metadata, name: str) -> int:
@@ -290,16 +294,21 @@ def _int_attr(metadata, name: str) -> int:
 
 def traced_world_size(workload: Path) -> int:
     """The ranks the set was traced on: a scaled set's `traced_world_size` (scale_et.py), else 0."""
+    return _int_attr(et_metadata(workload.parent / et_name(workload.name, 0)), "traced_world_size")
+
+
+def et_metadata(path: Path):
+    """The global metadata of a .et (its first message)."""
     from chakra.schema.protobuf.et_def_pb2 import GlobalMetadata
     from chakra.src.third_party.utils.protolib import decodeMessage, openFileRd
 
-    handle = openFileRd(str(workload.parent / et_name(workload.name, 0)))
+    handle = openFileRd(str(path))
     try:
         metadata = GlobalMetadata()
         decodeMessage(handle, metadata)
     finally:
         handle.close()
-    return _int_attr(metadata, "traced_world_size")
+    return metadata
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -603,6 +612,41 @@ def check_against_summary(workload: Path, ranks: int) -> None:
             problem = unscaled_et_file(workload.parent, workload.name, range(ranks), every_recorded_rank=False)
     if problem:
         raise SimulationError(f"{problem[0]}: {problem[1]}")
+    if not _recorded_by_a_summary(workload.parent, workload.name):
+        check_unrecorded_set(workload, ranks)
+
+
+def _recorded_by_a_summary(folder: Path, name: str) -> bool:
+    """Whether the folder's CONVERSION_SUMMARY.md or SCALE_SUMMARY.md records the set `name` (whose files
+    check_against_summary then holds to the fingerprints recorded)."""
+    if any(result.run == name for result in (read_previous_results(folder) or {}).values()):
+        return True
+    try:
+        from .scale import read_scale_status
+    except ImportError:
+        return False
+    return (read_scale_status(folder) or {}).get("name") == name
+
+
+def check_unrecorded_set(workload: Path, ranks: int) -> None:
+    """Refuse .et files that no summary vouches for (copied from elsewhere) when ASTRA-sim could not run them as one
+    run: a file that does not decode whole (cut short, empty, not a .et) or fails validation, or ranks whose
+    collectives disagree (ranks of different runs), which would hang the simulation or end it early."""
+    reports, members = {}, {}
+    for rank in range(ranks):
+        path = workload.parent / et_name(workload.name, rank)
+        report = validate_et(path)
+        if not report.ok:
+            problem = report.problems[0]
+            problem = problem[len(str(path)) + 2:] if problem.startswith(f"{path}: ") else problem
+            raise SimulationError(f"{path}: {problem}; ASTRA-sim cannot run it (convert the run again)")
+        reports[rank] = report
+        members.update(listed_groups(et_metadata(path), ranks))
+    process_groups(workload, ranks)  # a world size other than the set's, or groups the ranks disagree on
+    disagreement = collectives_agree({rank: report.collectives for rank, report in reports.items()}, members)
+    if disagreement:
+        raise SimulationError(f"{workload.parent}: the ranks of {workload.name} do not run the same collectives "
+                              f"({disagreement[0]}): .et files of different runs, which ASTRA-sim cannot run together")
 
 
 def simulate_run(run_dir: Path, *, ranks: int | None = None, work_dir: Path | None = None,
