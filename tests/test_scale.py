@@ -267,6 +267,9 @@ def collective_nodes_of(nodes: list[Node]) -> list[Node]:
     (["{run}", "--ranks", "4", "--slow", "4:2"], "--slow: rank 4 is not one of the 4 output ranks (0-3)"),
     (["{run}", "--ranks", "4", "--slow", "1:fast"], "--slow 1:fast: expected RANK:FACTOR"),
     (["{run}", "--ranks", "4", "--slow", "1:0"], "--slow: factor 0.0 of rank 1 must be a positive number"),
+    # A step past what ASTRA-sim's clock counts (2^53 ns): 1e300 was a traceback, 1e12 a set written with exit 0
+    (["{run}", "--ranks", "4", "--slow", "1:1e300"], "--slow 1:1e+300: makes rank 1's step"),
+    (["{run}", "--ranks", "4", "--slow", "1:1e12"], "--slow 1:1e+12: makes rank 1's step"),
     (["{run}", "--ranks", "4", "--output-dir", "{run}", "--name", GPT2_2R],
      "--output-dir: {run} is the run folder itself; a scaled set goes in a folder of its own"),
     # Another name would put a second set beside the converted one: simulate.py could no longer tell them apart.

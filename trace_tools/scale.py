@@ -37,8 +37,8 @@ from .link import COMM_TYPE_NAMES, COMMUNICATION_CPU_ATTR
 from .pipeline import FALLBACK_OUTPUT_ROOT, _writable
 from .summary import (converted_from, et_fingerprint, format_bytes, read_status_comment, status_comment,
                       unrecorded_et_file)
-from .validate import (EtFormatError, SerializedMessage, collectives_agree, iter_et_messages, read_et_metadata,
-                       validate_et)
+from .validate import (CLOCK_LIMIT_NS, EtFormatError, SerializedMessage, collectives_agree, iter_et_messages,
+                       read_et_metadata, validate_et)
 
 logger = logging.getLogger(__name__)
 
@@ -410,10 +410,11 @@ def _in_world_group(blob: bytes) -> bytes:
 
 
 def with_duration_scaled(blob: bytes, factor: float) -> bytes:
-    """A serialized node with its duration times factor."""
+    """A serialized node with its duration times factor (at most what the .et's 64-bit field holds; scale_set
+    refuses a step past ASTRA-sim's clock, far below that)."""
     node = Node()
     node.ParseFromString(blob)
-    node.duration_micros = round(node.duration_micros * factor)
+    node.duration_micros = min(round(node.duration_micros * factor), 2 ** 64 - 1)
     return node.SerializeToString()
 
 
@@ -650,6 +651,10 @@ def _write_set(result: ScaleResult, sources: list[SourceEt], file_of_rank: list[
         if not report.ok:
             raise ScaleError(result.output_dir / path.name,
                              "the scaled .et failed validation: " + "; ".join(report.problems[:3]))
+        if r in result.slow and report.critical_path_us * 1000 >= CLOCK_LIMIT_NS:
+            raise ScaleError(f"--slow {r}:{result.slow[r]:g}", f"makes rank {r}'s step "
+                             f"{report.critical_path_us / 86_400e6:,.0f} days, past what ASTRA-sim's clock counts "
+                             f"(2^53 ns, {CLOCK_LIMIT_NS / 86_400e9:.0f} days); give a smaller factor")
         reports[r] = report
         result.fingerprints[r] = et_fingerprint(path)
         result.new_bytes += path.stat().st_blocks * 512

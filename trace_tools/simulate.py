@@ -24,7 +24,7 @@ from .discover import read_run_info
 from .layout import CONVERSION_SUMMARY, RUN_INFO, SIMULATION_FILE, et_name, et_sets
 from .step_timing import step_times_of
 from .summary import read_previous_results, unrecorded_et_file
-from .validate import collectives_agree, validate_et
+from .validate import CLOCK_LIMIT_NS, collectives_agree, validate_et
 
 ASTRA_SIM_ENV = "ASTRA_SIM"
 INSTALLER = "install_astra_sim.sh"
@@ -60,11 +60,6 @@ SYSTEM_DEFAULTS = {
 GIB = 1 << 30  # ASTRA-sim analytical's "GB" (NetworkFunction.cpp: bw * (1 << 30) / 1e9 bytes per ns)
 # "sys[0] finished, 239530000 cycles, exposed communication 1000 cycles." (Workload::report); 1 cycle = 1 ns
 FINISHED_RE = re.compile(r"sys\[(\d+)\] finished, (\d+) cycles, exposed communication (\d+) cycles")
-# ASTRA-sim counts simulated time in nanoseconds as a double (timespec_t) and a 64-bit integer (Tick): a message whose
-# time does not fit wraps to 0 (the collective is simulated as free), and past 2^53 ns (104 days) the double no longer
-# counts every nanosecond and ranks stop unfinished. Measured on the 2-rank GPT-2 tiny: a step of 8.4e15 ns simulates,
-# one of 8.4e16 ns does not.
-CLOCK_LIMIT_NS = 2 ** 53
 # Files ASTRA-sim holds open besides one .et per NPU (its feeders keep them open from the start): stdin, stdout,
 # stderr and its two log files. Measured: 16 NPUs need 21 open files, 128 need 133; one fewer and it exits 1 saying
 # nothing about why.
