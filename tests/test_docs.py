@@ -345,8 +345,8 @@ RUN: dict[str, Run] = {
     "chakra-venv/bin/python convert_to_et.py outputs/bert_tiny_2r --emit-merged":
         Run([files("outputs/bert_tiny_2r/bert_tiny_2r.0.merged.json", "outputs/bert_tiny_2r/bert_tiny_2r.1.et")]),
     "chakra-venv/bin/chakra_converter PyTorch --input outputs/bert_tiny_2r/bert_tiny_2r.0.merged.json "
-    "--output outputs/bert_tiny_2r/chakra_official.0.et":
-        Run([files("outputs/bert_tiny_2r/chakra_official.0.et")], setup=[converted_with_merged_json]),
+    "--output outputs/chakra_official.0.et":
+        Run([files("outputs/chakra_official.0.et")], setup=[converted_with_merged_json]),
     "mkdir -p astra-configs": Run([files("astra-configs")]),
     "cat > astra-configs/system.json <<'EOF'": Run([files("astra-configs/system.json")],
                                                    setup=[lambda root: (root / "astra-configs").mkdir()]),

@@ -271,6 +271,31 @@ def test_two_runs_of_flat_files_in_one_folder_go_to_folders_of_their_own(tmp_pat
     assert "rank(s) 1 have no host and device trace here" in (tmp_path / "out" / "b" / "CONVERSION_SUMMARY.md").read_text()
 
 
+def test_a_run_folder_renamed_since_its_conversion_keeps_one_set(tmp_path, capsys):
+    """Converted, renamed, converted again: the set of the old name was left beside the new one, undescribed, and
+    trace_report.py then refused the folder ("several runs")."""
+    folder = corpus.copy_run(GPT2_2R, tmp_path / "run_a")
+    assert convert(folder, capsys)[0] == 0
+    renamed = folder.rename(tmp_path / "run_b")
+    code, output = convert(renamed, capsys)
+    assert code == 0, output
+    assert et_names(renamed) == ["run_b.0.et", "run_b.1.et"]
+
+
+def test_a_conversion_into_a_folder_that_holds_another_runs_conversion_is_refused(tmp_path, capsys):
+    """Two runs converted into one --output-dir: the second replaced the summary and left the first run's set
+    beside its own, described by nothing."""
+    out = tmp_path / "out"
+    assert convert(corpus.copy_run(GPT2_2R, tmp_path / "gpt2"), capsys, "--output-dir", str(out))[0] == 0
+    before = {path.name: path.read_bytes() for path in out.iterdir()}
+    code, output = convert(corpus.copy_run(BERT, tmp_path / "bert"), capsys, "--output-dir", str(out))
+    assert code == 1 and errors(output) == [
+        f"error: {out}: holds gpt2.<rank>.et, the conversion of another run that its CONVERSION_SUMMARY.md "
+        "describes; converting bert here would leave them beside it undescribed: give it another --output-dir, or "
+        "remove them first"]
+    assert {path.name: path.read_bytes() for path in out.iterdir()} == before
+
+
 def test_sigterm_stops_a_conversion_like_ctrl_c_and_leaves_no_et_of_the_earlier_conversion(tmp_path, capsys):
     folder = corpus.copy_run(BERT, tmp_path / "run")
     assert convert(folder, capsys)[0] == 0

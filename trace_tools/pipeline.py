@@ -32,7 +32,7 @@ from .load import (PAST_WINDOW_END, UNUSABLE_TIME, TraceError, is_structural, lo
                    read_trace_bytes)
 from .repair import NO_OPERATORS_PROBLEM
 from .step_timing import STEP_SPREAD_BOUND, StepTimes, read_step_times
-from .summary import RankResult, RunResult, et_fingerprint, write_run_summary
+from .summary import RankResult, RunResult, et_fingerprint, read_previous_results, write_run_summary
 from .validate import collectives_agree, validate_et
 
 logger = logging.getLogger(__name__)
@@ -604,6 +604,36 @@ def output_dir_clash(runs: list[Run], output_dir: str | Path | None) -> str | No
     return None
 
 
+def _earlier_sets_of_these_traces(run: Run, out_dir: Path) -> list[str]:
+    """Other .et sets in out_dir that its CONVERSION_SUMMARY.md records, which this conversion's summary replaces:
+    those made from these very traces (the same files, by name, size and time: a run folder renamed since) are
+    returned, to be removed with it; another run's set stops the conversion (OutputError), since one summary
+    describes one run and the set left beside it would go undescribed (trace_report.py refuses such a folder,
+    simulate.py would pick one set by name). Sets no summary records (copied in) are left alone."""
+    recorded: dict[str, dict[int, RankResult]] = {}
+    for rank, result in (read_previous_results(out_dir) or {}).items():
+        recorded.setdefault(result.run, {})[rank] = result
+    present = et_sets(out_dir)
+    earlier = []
+    for name, results in sorted(recorded.items()):
+        if name == run.name or name not in present:
+            continue
+        if not all(_made_from(result, run, rank) for rank, result in results.items()):
+            raise OutputError(out_dir, f"holds {name}.<rank>.et, the conversion of another run that its "
+                                       f"{CONVERSION_SUMMARY} describes; converting {run.name} here would leave them "
+                                       "beside it undescribed: give it another --output-dir, or remove them first")
+        earlier.append(name)
+    return earlier
+
+
+def _made_from(result: RankResult, run: Run, rank: int) -> bool:
+    """Whether the recorded result was made from this run's traces of the rank (the same files, unchanged)."""
+    if rank not in run.hosts or rank not in run.devices or not result.inputs:
+        return False
+    now = input_fingerprints(run.hosts[rank], run.devices[rank])
+    return all(result.inputs.get(kind) == now[kind] for kind in ("host", "device"))
+
+
 def only_conversion_in(folder: Path):
     """Hold the folder for one conversion: a second one into it at the same time (each removing the other's
     partial files), or a report reading it, stops with an OutputError instead."""
@@ -645,6 +675,10 @@ def _convert_runs(runs, output_dir, jobs, emit_merged, progress, only, previous)
         stale_ranks = set(et_sets(out_dir).get(run.name, ())) - set(run.ranks)
         for stale in stale_ranks:
             _remove_outputs(out_dir, run.name, stale)
+        earlier_sets = _earlier_sets_of_these_traces(run, out_dir)
+        for earlier in earlier_sets:
+            for rank in et_sets(out_dir)[earlier]:
+                _remove_outputs(out_dir, earlier, rank)
         ranks: list[RankResult] = []
         kept: list[RankResult] = []  # ranks whose earlier .et stays
         for rank in run.ranks:
@@ -668,7 +702,7 @@ def _convert_runs(runs, output_dir, jobs, emit_merged, progress, only, previous)
             tasks.append((str(out_dir), (run.name, rank, str(run.hosts[rank]), str(run.devices[rank]),
                                          str(et_path), str(merged) if merged else None)))
         by_dir[str(out_dir)] = RunResult(run=run, output_dir=out_dir, ranks=ranks, note=note)
-        if stale_ranks or len(kept) < len(ranks):  # the set of .et files changes
+        if stale_ranks or earlier_sets or len(kept) < len(ranks):  # the set of .et files changes
             _remove_descriptions_of_et_files(out_dir)
     for run_result in by_dir.values():  # the summary says from now on which ranks are still to come
         _save_summary(run_result)
