@@ -134,6 +134,10 @@ def test_unknown_option_is_one_line_pointing_at_the_help_and_exits_2(script):
     (["1", "2", "3"], "too many arguments"),
     (["eight"], "NUM_GPUS: 'eight' is not a positive integer"),
     (["--models", "gpt2,llama"], "--models: 'gpt2,llama' is not a list of registered model families (known: gpt2, bert"),
+    # a value twice planned one run twice, whose second start found the first's lock: "already being run by another
+    # launcher (PID <its own>)"
+    (["--num-gpus", "1,2,1"], "--num-gpus: '1,2,1' names 1 more than once"),
+    (["--models", "gpt2,bert,gpt2"], "--models: 'gpt2,bert,gpt2' names gpt2 more than once"),
 ])
 def test_bad_values_give_a_one_line_error_and_exit_2(args, message):
     result = launch("run_gpt2.sh", *args)
@@ -173,6 +177,21 @@ def test_a_folder_that_cannot_be_made_is_named_before_anything_runs(tmp_path, fl
     assert result.returncode == 1
     assert f"❌ {flag_name} {blocker}/sub cannot be made: {blocker} is a file, not a folder" in result.stdout
     assert "Traceback" not in result.stdout + result.stderr and "$ env" not in result.stdout
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_a_folder_that_is_a_dangling_link_is_named_before_anything_runs(tmp_path, background):
+    """A link to a missing folder passed the check (its parent is writable), then the logs folder's mkdir raised
+    FileExistsError as a traceback, in the foreground and in the background start."""
+    dangling = tmp_path / "logs"
+    dangling.symlink_to(tmp_path / "gone" / "logs")
+    mode = ["--background", "--dry-run"] if background else []
+    result = launch("run_gpt2_quick.sh", "--num-gpus", "1", *mode, "--logs-dir", str(dangling),
+                    "--output-dir", str(tmp_path / "out"), "--save-dir", str(tmp_path / "ck"), env=machine())
+    assert result.returncode == 1
+    assert (f"❌ --logs-dir {dangling} cannot be made: {dangling} is a link to {tmp_path / 'gone' / 'logs'}, which "
+            "does not exist") in result.stdout
+    assert "Traceback" not in result.stdout + result.stderr and not (tmp_path / "out").exists()
 
 
 def test_an_unresolvable_master_address_is_one_line_not_minutes_of_torchrun_retries(tmp_path):
@@ -560,7 +579,7 @@ def trace_files(folder: Path) -> set[str]:
 def test_quick_run_on_the_cpu_leaves_a_trace_folder(tmp_path):
     """Through the launcher as a user runs it: bundled data, tiny model, tracing on, two ranks."""
     out, logs, ckpt = tmp_path / "outputs", tmp_path / "logs", tmp_path / "checkpoints"
-    result = launch("run_gpt2_quick.sh", "--cpu", "--num-gpus", "2", "--max-steps", "3", "--output-dir", str(out),
+    result = launch("run_gpt2_quick.sh", "--cpu", "--num-gpus", "2", "--max-steps", "4", "--output-dir", str(out),
                     "--logs-dir", str(logs), "--save-dir", str(ckpt), env=this_machine(), timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     folder = out / "gpt2_2cpu_quick_trace"
@@ -577,7 +596,7 @@ def test_quick_run_on_the_cpu_leaves_a_trace_folder(tmp_path):
 def test_run_all_profiling_traces_both_models_and_converts_them(tmp_path):
     """The README's main command, one rank per model to keep it short: traces, then .et files and summaries."""
     out = tmp_path / "outputs"
-    result = launch("run_all_profiling.sh", "--num-gpus", "1", "--max-steps", "3", "--output-dir", str(out),
+    result = launch("run_all_profiling.sh", "--num-gpus", "1", "--max-steps", "4", "--output-dir", str(out),
                     "--logs-dir", str(tmp_path / "logs"), "--save-dir", str(tmp_path / "ck"), env=this_machine(),
                     timeout=600)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-3000:]
@@ -606,7 +625,7 @@ def test_two_nodes_on_one_machine_share_one_trace_folder(tmp_path):
     """--nnodes/--node-rank/--master-addr/--master-port, with both 'nodes' on this machine."""
     port = free_port()
     out = tmp_path / "outputs"
-    common = ["--cpu", "--num-gpus", "1", "--max-steps", "3", "--nnodes", "2", "--master-addr", "127.0.0.1",
+    common = ["--cpu", "--num-gpus", "1", "--max-steps", "4", "--nnodes", "2", "--master-addr", "127.0.0.1",
               "--master-port", str(port), "--output-dir", str(out), "--save-dir", str(tmp_path / "ck")]
     env = dict(os.environ, OMP_NUM_THREADS="1", **this_machine())
     nodes = [subprocess.Popen([str(REPO / "run_bert_quick.sh"), *common, "--node-rank", str(rank),

@@ -173,7 +173,17 @@ def _port(text: str) -> int:
 def _families(text: str) -> tuple:
     if any(name not in FAMILIES for name in text.split(",")):
         raise ValueError(f"is not a list of registered model families (known: {', '.join(FAMILIES)})")
-    return tuple(text.split(","))
+    return _once_each(tuple(text.split(",")))
+
+
+def _once_each(values: tuple) -> tuple:
+    """A list flag's values, each at most once: a value twice would plan the same run twice, into the same folders
+    (the launcher then found its own lock on the run and refused it as "already being run by another launcher")."""
+    repeated = sorted({str(v) for v in values if values.count(v) > 1})
+    if repeated:
+        raise ValueError(f"names {', '.join(repeated)} more than once (each run would be made twice, into the same "
+                         "folders)")
+    return values
 
 
 def _path(text: str) -> str:
@@ -198,7 +208,7 @@ VALUE_OPTIONS = {
     "--save-steps": ("save_steps", _matching("[0-9]+", "is not a non-negative integer (0: no checkpoints)")),
     "--precision": ("precision", _matching("bf16|fp16|fp32", "is not one of bf16, fp16, fp32", str)),
     "--num-gpus": ("num_gpus", _matching(r"[1-9][0-9]*(,[1-9][0-9]*)*", "is not a positive integer or a list like 1,2,4",
-                                         lambda text: tuple(map(int, text.split(","))))),
+                                         lambda text: _once_each(tuple(map(int, text.split(",")))))),
     "--nnodes": ("nnodes", _positive),
     "--node-rank": ("node_rank", _matching("[0-9]+", "is not a non-negative integer")),
     "--master-addr": ("master_addr", str),

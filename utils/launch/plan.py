@@ -121,7 +121,7 @@ def dataset_arguments(path: Optional[str], device: str) -> list:
         raise LaunchError(f"❌ Dataset: {path} not found (--dataset-path)")
     if not os.access(path, os.R_OK):
         raise LaunchError(f"❌ Dataset: {path} is not readable (--dataset-path)")
-    squad = path.endswith(".json")
+    squad = path.lower().endswith(".json")
     print(f"✅ Dataset: {path} ({'SQuAD JSON' if squad else 'JSONL corpus'}, {size_text(Path(path))})")
     return ["--squad-file" if squad else "--dataset-path", path]
 
@@ -133,8 +133,11 @@ def check_folders(opts: Options) -> None:
     for flag, text in folders + [("--save-dir", opts.save_dir), ("--logs-dir", opts.logs_dir)]:
         path = ROOT / text
         existing = path
-        while not existing.exists() and existing != existing.parent:
+        while not existing.exists() and not existing.is_symlink() and existing != existing.parent:
             existing = existing.parent
+        if existing.is_symlink() and not existing.exists():
+            raise LaunchError(f"❌ {flag} {text} cannot be made: {existing} is a link to {os.readlink(existing)}, "
+                              "which does not exist")
         if not existing.is_dir():
             what = "is a file" if existing == path else f"cannot be made: {existing} is a file"
             raise LaunchError(f"❌ {flag} {text} {what}, not a folder")

@@ -23,8 +23,9 @@ PEEK_SECONDS = 5  # how long a background start shows the run's first lines
 
 
 class Foreground:
-    """Runs one command at a time; SIGINT or SIGTERM (a `kill` of a background launcher, Ctrl-C) is passed to it as
-    SIGTERM (torchrun hands it to every rank, which saves a checkpoint) and stops the plan."""
+    """Runs one command at a time; SIGINT, SIGTERM or SIGHUP (a `kill` of a background launcher, Ctrl-C, a closed
+    terminal) is passed to it as SIGTERM (torchrun hands it to every rank, which saves a checkpoint) and stops the
+    plan."""
 
     def __init__(self):
         self.child: Optional[subprocess.Popen] = None
@@ -39,7 +40,7 @@ class Foreground:
             self.child.send_signal(signal.SIGTERM)
 
     def run(self, argv: list) -> int:
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", signal.SIGTERM)):
             signal.signal(sig, self._on_signal)
         self.child = subprocess.Popen(argv, cwd=ROOT)
         try:
@@ -82,12 +83,21 @@ def check_traces(plan: Plan, run: Run, started: float) -> bool:
     return True
 
 
+def make_logs_folder(logs: str) -> None:
+    """--logs-dir, made where missing; one line naming it when it cannot be (check_folders finds most such cases
+    before anything starts; a path in /proc, say, passes it)."""
+    try:
+        (ROOT / logs).mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise LaunchError(f"❌ --logs-dir {logs} cannot be made: {exc.strerror or exc}") from None
+
+
 def claim_runs(plan: Plan) -> list:
     """A lock per run in the logs folder, held until this launcher exits: a second launcher about to write the same
     run folders (same run names, same --logs-dir) stops before it starts instead of mixing its traces and checkpoints
     with this one's."""
     logs = plan.opts.logs_dir
-    (ROOT / logs).mkdir(parents=True, exist_ok=True)
+    make_logs_folder(logs)
     held = []
     for run in plan.runs():
         lock = f"{logs}/.{run.name}.node{plan.opts.node_rank}.lock"
@@ -119,7 +129,7 @@ def start_background(launcher: Launcher, plan: Plan) -> int:
         print(f"error: a background run is still going (PID {old}, {logs}/{PID_FILE}); stop it (kill {old}) or use "
               "another --logs-dir", file=sys.stderr)
         return 1
-    (ROOT / logs).mkdir(parents=True, exist_ok=True)
+    make_logs_folder(logs)
     print(f"\n🎯 Starting in the background\n📋 Console log: {console}")
     extra = ["--", *plan.opts.extra] if plan.opts.extra else []
     # Appended to, not replaced: an earlier run's console log is often all that is left of it.
@@ -292,9 +302,9 @@ def launch(argv: list) -> int:
         return 1
     print_settings(plan)
     # A plain --dry-run only prints; with an explicit --background it rehearses the background start.
-    if opts.background and (not opts.dry_run or "--background" in opts.own_args):
-        return start_background(launcher, plan)
     try:
+        if opts.background and (not opts.dry_run or "--background" in opts.own_args):
+            return start_background(launcher, plan)
         locks = [] if opts.dry_run else claim_runs(plan)
     except LaunchError as exc:
         print(exc)
