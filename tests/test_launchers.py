@@ -695,3 +695,12 @@ def _children(pid: int) -> list[int]:
                 found.append(child)
                 queue.append(child)
     return found
+
+
+@pytest.mark.parametrize("name", ["squad.json", "SQUAD.JSON"])
+def test_a_squad_file_is_passed_as_one_whatever_the_case_of_its_suffix(squad_file, tmp_path, name):
+    """data/S.JSON was taken for a JSONL corpus, and train.py then refused it ("pass it with --squad-file")."""
+    from utils.launch.plan import dataset_arguments
+    path = tmp_path / name
+    path.write_bytes(squad_file.read_bytes())
+    assert dataset_arguments(str(path), "cpu") == ["--squad-file", str(path)]
