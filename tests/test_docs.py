@@ -387,10 +387,10 @@ RUN: dict[str, Run] = {
 RUN_ELSEWHERE: dict[str, tuple[str, str]] = {
     "./run_tests.sh": (".ci/run", "exec ./run_tests.sh"),  # running the suite from inside the suite would recurse
     # docs/MULTINODE.md "Trying it on one machine": the two launchers, the wait and the listing are one sequence
-    "./run_bert_quick.sh --cpu --num-gpus 1 --max-steps 3 --nnodes 2 --node-rank 0 --master-addr 127.0.0.1 "
+    "./run_bert_quick.sh --cpu --num-gpus 1 --max-steps 4 --nnodes 2 --node-rank 0 --master-addr 127.0.0.1 "
     "--master-port 29511 --logs-dir logs/node0 &":
         ("tests/test_launchers.py", "def test_two_nodes_on_one_machine_share_one_trace_folder"),
-    "./run_bert_quick.sh --cpu --num-gpus 1 --max-steps 3 --nnodes 2 --node-rank 1 --master-addr 127.0.0.1 "
+    "./run_bert_quick.sh --cpu --num-gpus 1 --max-steps 4 --nnodes 2 --node-rank 1 --master-addr 127.0.0.1 "
     "--master-port 29511 --logs-dir logs/node1":
         ("tests/test_launchers.py", "def test_two_nodes_on_one_machine_share_one_trace_folder"),
     "wait": ("tests/test_launchers.py", "def test_two_nodes_on_one_machine_share_one_trace_folder"),

@@ -42,12 +42,12 @@ def test_a_registered_toy_family_takes_its_defaults_from_the_registry(toy_family
 def test_a_toy_family_trains_and_traces_through_the_trainer(toy_family, tmp_path, offline, capsys):
     from utils.trainer import main as run_training
     status = run_training(load_family("toy"), [
-        *QUICK, "--max-steps", "3", "--enable-tracing", "--trace-output-dir", str(tmp_path / "outputs"),
+        *QUICK, "--max-steps", "4", "--enable-tracing", "--trace-output-dir", str(tmp_path / "outputs"),
         "--save-dir", str(tmp_path / "ckpt"), "--log-dir", str(tmp_path / "logs")])
     assert status == 0
     assert "toy toy-tiny: " in capsys.readouterr().out  # the family's name, not GPT-2's
     info = json.loads((tmp_path / "ckpt" / "final_model" / "training_info.json").read_text())
-    assert info["step"] == 3 and info["model_name"] == "tiny" and info["model_type"] == "gpt2"
+    assert info["step"] == 4 and info["model_name"] == "tiny" and info["model_type"] == "gpt2"
     trace = tmp_path / "outputs" / "toy-tiny_1cpu"
     assert {"host.0.json", "device.0.json", "run.json"} <= {p.name for p in trace.iterdir()}
     assert json.loads((trace / "run.json").read_text())["family"] == "toy"

@@ -210,7 +210,7 @@ def test_checkpoint_of_the_other_model_family_is_refused(saved, resumed_by, fini
 def test_output_folder_that_is_a_file_fails_before_the_first_step(flag, tmp_path, capsys):
     folders = {"--save-dir": tmp_path / "ckpt", "--log-dir": tmp_path / "logs", "--trace-output-dir": tmp_path / "out"}
     folders[flag].write_text("a file\n")
-    status = ENTRY["gpt2"]([*QUICK, "--enable-tracing", "--max-steps", "3", "--save-steps", "1",
+    status = ENTRY["gpt2"]([*QUICK, "--enable-tracing", "--max-steps", "4", "--save-steps", "1",
                             *[x for f, path in folders.items() for x in (f, str(path))]])
     fails_with_one_line(status, capsys, f"{flag} {folders[flag]}: is a file, not a folder")
     assert not (tmp_path / "ckpt").is_dir() or not any((tmp_path / "ckpt").iterdir())
@@ -224,7 +224,7 @@ def test_trace_folder_that_is_a_file_fails_before_the_first_step(trace_name, tmp
     name = trace_name or default_trace_name("gpt2-tiny", 1, "cuda" if torch.cuda.is_available() else "cpu")
     (out / name).write_text("a file\n")
     named = ["--trace-name", trace_name] if trace_name else []
-    status, save_dir, _ = train("gpt2", tmp_path, *QUICK, "--enable-tracing", "--max-steps", "3",
+    status, save_dir, _ = train("gpt2", tmp_path, *QUICK, "--enable-tracing", "--max-steps", "4",
                                 "--trace-output-dir", str(out), *named)
     fails_with_one_line(status, capsys, f"--trace-output-dir {out}: {out / name} is a file, not a folder",
                         "--trace-name")
@@ -246,7 +246,7 @@ def test_read_only_output_folder_fails_before_the_first_step(flag, tmp_path):
     if not prefix:
         folders[flag].chmod(0o555)
     try:
-        done = run(train_command("gpt2", folders["--save-dir"], folders["--log-dir"], "--max-steps", "3",
+        done = run(train_command("gpt2", folders["--save-dir"], folders["--log-dir"], "--max-steps", "4",
                                  "--save-steps", "1", "--enable-tracing", "--trace-output-dir", folders["--trace-output-dir"]),
                    prefix=prefix)
     finally:
@@ -580,13 +580,16 @@ def test_signal_before_training_gives_one_line(signum, when, expected, tmp_path)
 
 
 @pytest.mark.slow
-def test_sigterm_to_utils_torchrun_saves_on_every_rank_and_ends_in_one_line(tmp_path):
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
+def test_sigterm_to_utils_torchrun_saves_on_every_rank_and_ends_in_one_line(tmp_path, signum):
+    """SIGHUP too (a closed terminal, a dropped SSH session, to the whole process group): it ended every rank at once
+    with no checkpoint, under torchrun's line that each was asked to save one."""
     launcher = [sys.executable, "-m", "utils.torchrun"]
     done = run(torchrun_command(launcher, "gpt2", tmp_path / "ckpt", tmp_path / "logs", "--max-steps", "400",
-                                "--save-steps", "0", "--no-save-initial"), signals=(signal.SIGTERM,), when=r"^step 2/")
-    assert done.status == 143 and not done.has_traceback, done.stderr[-3000:]
-    assert done.error_lines == ["error: torchrun stopped by SIGTERM: every rank was asked to save a checkpoint and "
-                                "stop (their lines above say where)"]
+                                "--save-steps", "0", "--no-save-initial"), signals=(signum,), when=r"^step 2/")
+    assert done.status == 128 + signum and not done.has_traceback, done.stderr[-3000:]
+    assert done.error_lines == [f"error: torchrun stopped by {signal.Signals(signum).name}: every rank was asked to "
+                                "save a checkpoint and stop (their lines above say where)"]
     [saved] = (tmp_path / "ckpt").glob("checkpoint-*")
     assert info(saved)["kind"] == "interrupted" and info(saved)["world_size"] == 2
 

@@ -382,7 +382,7 @@ def test_default_trace_name_counts_ranks_and_device_kind(tmp_path):
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--max-steps", "2", "--trace-wait-steps", "5"], "--max-steps 2 is shorter than the trace window of 6 steps"),
+    (["--max-steps", "2", "--trace-wait-steps", "5"], "--max-steps 2 is shorter than the trace window of 7 steps"),
     (["--trace-active-steps", "0"], "--trace-active-steps must be at least 1, got 0"),
     (["--trace-wait-steps", "-1"], "--trace-wait-steps must be at least 0, got -1"),
     (["--trace-after-steps", "-2"], "--trace-after-steps must be at least 0, got -2"),
@@ -394,10 +394,30 @@ def test_a_window_that_cannot_be_traced_is_refused_when_the_flags_are_parsed(fla
     assert stopped.value.code == 2 and line.startswith(f"error: {message}"), line
 
 
-def test_a_short_run_shrinks_the_default_window_to_fit():
-    assert parse_tracing_args("--max-steps", "3").trace_window == (1, 1, 1)
-    assert parse_tracing_args("--max-steps", "5").trace_window == (1, 1, 3)
-    assert parse_tracing_args("--max-steps", "3", "--trace-active-steps", "2").trace_window == (0, 1, 2)
+def test_a_short_run_shrinks_the_default_window_to_fit_keeping_a_timed_untraced_step_and_a_warm_up():
+    """Down to wait 2 (step 0, never a sample of the pace, and one timed step), warm-up 1 and active 1: shrunk further,
+    --max-steps 3 traced steps 1-2 with no untraced step timed (the .et kept the profiler's cost) and --max-steps 20
+    --trace-active-steps 20 traced step 0 and its start-up, both with exit 0."""
+    assert parse_tracing_args("--max-steps", "4").trace_window == (2, 1, 1)
+    assert parse_tracing_args("--max-steps", "5").trace_window == (2, 1, 2)
+    assert parse_tracing_args("--max-steps", "8").trace_window == (4, 1, 3)
+    assert parse_tracing_args("--max-steps", "5", "--trace-active-steps", "2").trace_window == (2, 1, 2)
+    assert parse_tracing_args("--max-steps", "2", "--trace-wait-steps", "0", "--trace-warmup-steps", "0",
+                              "--trace-active-steps", "2").trace_window == (0, 0, 2)  # as asked
+
+
+@pytest.mark.parametrize("flags, window", [
+    (["--max-steps", "3"], "4 steps (wait 2 + warmup 1 + active 1; the shortest default window: one untraced step "
+                           "timed after the run's first, one warm-up step and one traced step)"),
+    (["--max-steps", "20", "--trace-active-steps", "20"], "23 steps (wait 2 + warmup 1 + active 20)"),
+])
+def test_a_run_too_short_for_the_shortest_window_is_refused(flags, window, capsys):
+    with pytest.raises(SystemExit) as stopped:
+        parse_tracing_args("--enable-tracing", *flags)
+    [line] = capsys.readouterr().err.splitlines()
+    assert stopped.value.code == 2
+    assert line.startswith(f"error: {flags[0]} {flags[1]} is shorter than the trace window of {window}; raise "
+                           "--max-steps or lower the --trace-*-steps")
 
 
 # ---- early ends and reruns -----------------------------------------------------------------------------------

@@ -316,6 +316,12 @@ def test_bad_input_gives_one_error_line_and_a_nonzero_status(flags, message, tmp
     (["--enable-tracing", "--trace-active-steps", "0"], "--trace-active-steps must be at least 1, got 0"),
     (["--batch-size", "0"], "--batch-size must be at least 1, got 0"),
     (["--precision", "fp8"], "argument --precision: invalid choice: 'fp8'"),
+    # were taken: -1 as "no clipping", a negative decay trained, a negative peak gave a negative MFU
+    (["--max-grad-norm", "-1"], "--max-grad-norm must be at least 0, got -1.0"),
+    (["--weight-decay", "-5"], "--weight-decay must be at least 0, got -5.0"),
+    (["--weight-decay", "nan"], "--weight-decay must be a number, got nan"),
+    (["--peak-tflops", "-3"], "--peak-tflops must be a positive number, got -3.0"),
+    (["--learning-rate", "inf"], "--learning-rate must be a positive number, got inf"),
 ])
 def test_a_flag_value_that_can_never_work_is_refused_while_parsing_before_anything_starts(flags, message, tmp_path,
                                                                                             capsys):

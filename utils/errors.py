@@ -4,6 +4,10 @@ import signal
 import sys
 import time
 
+# The signals that stop a run the way SIGTERM does (a checkpoint after the current step, once training runs): Ctrl-C,
+# a kill, and the hang-up of a closed terminal or a dropped SSH session, which otherwise ended every rank at once
+# without the checkpoint that torchrun's message says each was asked for.
+STOP_SIGNALS = tuple(sig for sig in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)) if sig is not None)
 # How long a rank other than 0 waits for rank 0 to report an error every rank hit (wait_for_rank_zero_to_report).
 SHARED_ERROR_GRACE_S = 30.0
 
@@ -43,7 +47,7 @@ def stop_quietly_while_starting_up() -> None:
                  .encode())
         os._exit(128 + signum)
 
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in STOP_SIGNALS:
         if signal.getsignal(sig) is not signal.SIG_IGN:
             signal.signal(sig, stop)
 
@@ -59,7 +63,7 @@ def wait_for_rank_zero_to_report(message: str, rank: int) -> None:
     """
     if rank == 0 or "TORCHELASTIC_RUN_ID" not in os.environ or int(os.environ.get("WORLD_SIZE", "1")) < 2:
         return
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in STOP_SIGNALS:
         if signal.getsignal(sig) is not signal.SIG_IGN:
             signal.signal(sig, signal.SIG_DFL)  # torchrun's stop (or the user's Ctrl-C) ends the wait quietly
     time.sleep(SHARED_ERROR_GRACE_S)

@@ -1,5 +1,6 @@
 """The flags of gpt2/train.py and bert/train.py as frozen dataclasses, parsed by HfArgumentParser and checked once."""
 import argparse
+import math
 import os
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -14,10 +15,15 @@ TEST_MODE_STEPS = 10
 # Untraced steps before the trace window are timed (the first one, with its one-time start-up costs, is not used by
 # the conversion); several active steps give per-operator medians instead of one sample.
 DEFAULT_WAIT_STEPS, DEFAULT_WARMUP_STEPS, DEFAULT_ACTIVE_STEPS = 5, 1, 3
+# The least a default window is shrunk to for a short --max-steps: one untraced step timed after the run's first (the
+# conversion takes the profiler's cost out against it), one warm-up step (start-up costs stay out of the trace) and
+# one traced step. Shrunk further, the .et would keep the profiler's cost, or trace step 0 and its start-up.
+SHORTEST_WINDOW = (2, 1, 1)
 # The least value of each numeric flag (a flag left out, None, is not checked).
 MINIMUM = dict(seed=0, max_seq_length=16, eval_batches=0, batch_size=1, num_epochs=1, max_steps=1, warmup_steps=0,
                gradient_accumulation_steps=1, save_steps=0, logging_steps=1, loss_sync_steps=0, eval_steps=0,
-               num_gpus=1, trace_wait_steps=0, trace_warmup_steps=0, trace_active_steps=1, trace_after_steps=0)
+               num_gpus=1, trace_wait_steps=0, trace_warmup_steps=0, trace_active_steps=1, trace_after_steps=0,
+               weight_decay=0, max_grad_norm=0)
 
 
 class ConfigError(ValueError):
@@ -119,18 +125,20 @@ class TracingArguments:
 
     def window(self, max_steps: Optional[int]) -> "tuple[int, int, int]":
         """(wait, warmup, active) steps: the flags given, the defaults for the others; a --max-steps shorter than the
-        default window shrinks the defaults to fit it (a short run still gets a trace, with fewer timed steps)."""
+        default window shrinks the defaults to fit it, down to SHORTEST_WINDOW (a short run still gets a trace, with
+        fewer timed steps). A window that still does not fit is refused (RunConfig)."""
         given = (self.trace_wait_steps, self.trace_warmup_steps, self.trace_active_steps)
         wait, warmup, active = (value if value is not None else default for value, default in
                                 zip(given, (DEFAULT_WAIT_STEPS, DEFAULT_WARMUP_STEPS, DEFAULT_ACTIVE_STEPS)))
+        least_wait, least_warmup, least_active = (value if value is not None else least
+                                                  for value, least in zip(given, SHORTEST_WINDOW))
         if max_steps is not None and max_steps < wait + warmup + active:
             if given[2] is None:
-                active = max(1, min(active, max_steps - (given[0] if given[0] is not None else 1)
-                                    - (given[1] if given[1] is not None else 1)))
+                active = max(least_active, min(active, max_steps - least_wait - least_warmup))
             if given[0] is None:
-                wait = max(0, min(wait, max_steps - active - (given[1] if given[1] is not None else 1)))
+                wait = max(least_wait, min(wait, max_steps - active - least_warmup))
             if given[1] is None:
-                warmup = max(0, min(warmup, max_steps - active - wait))
+                warmup = max(least_warmup, min(warmup, max_steps - active - wait))
         return wait, warmup, active
 
 
@@ -151,17 +159,23 @@ class RunConfig:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least {MINIMUM[name]}, got {value}")
         if not 0 < self.data.validation_fraction < 1:
             raise ConfigError(f"--validation-fraction must be between 0 and 1, got {self.data.validation_fraction}")
-        if not self.optim.learning_rate > 0:
-            raise ConfigError(f"--learning-rate must be positive, got {self.optim.learning_rate}")
+        for name, value in (("learning-rate", self.optim.learning_rate), ("peak-tflops", self.devices.peak_tflops)):
+            if value is not None and not (value > 0 and math.isfinite(value)):
+                raise ConfigError(f"--{name} must be a positive number, got {value}")
+        for name, value in (("weight-decay", self.optim.weight_decay), ("max-grad-norm", self.optim.max_grad_norm)):
+            if not math.isfinite(value):
+                raise ConfigError(f"--{name} must be a number, got {value}")
         problem = folder_name_problem(self.tracing.trace_name)
         if problem:
             raise ConfigError(f"--trace-name {self.tracing.trace_name!r}: {problem}; give a plain folder name, made "
                               "inside --trace-output-dir")
         max_steps, window = self.optim.max_steps, self.trace_window
         if self.tracing.enable_tracing and max_steps is not None and max_steps < sum(window):
+            shortest = ("; the shortest default window: one untraced step timed after the run's first, one warm-up "
+                        "step and one traced step" if window == SHORTEST_WINDOW else "")
             raise ConfigError(f"--max-steps {max_steps} is shorter than the trace window of {sum(window)} steps (wait "
-                              f"{window[0]} + warmup {window[1]} + active {window[2]}); raise --max-steps or lower "
-                              "the --trace-*-steps")
+                              f"{window[0]} + warmup {window[1]} + active {window[2]}{shortest}); raise --max-steps "
+                              "or lower the --trace-*-steps")
 
     @property
     def trace_window(self) -> "tuple[int, int, int]":

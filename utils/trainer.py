@@ -30,7 +30,8 @@ from utils.checkpointing import (BEST_MODEL, FINAL_MODEL, INITIAL_MODEL, TOKENIZ
 from utils.data_utils import (REAL_TOKENS, BatchStream, RepeatedBatch, TextExample, TextSplits, build_dataloader,
                               check_data_flags, load_text_splits, tokenize_examples)
 from utils.distributed import DistributedContext, distributed_context, wrap_data_parallel
-from utils.errors import CheckpointError, NonFiniteLossError, StopRequested, UsageError, wait_for_rank_zero_to_report
+from utils.errors import (STOP_SIGNALS, CheckpointError, NonFiniteLossError, StopRequested, UsageError,
+                          wait_for_rank_zero_to_report)
 from utils.host_memory import keep_freed_memory_in_process
 from utils.metrics import MetricSinks, count_parameters, flops_per_token, peak_flops_per_gpu
 from utils.precision import bf16_refusal, default_precision, enable_tf32_matmuls
@@ -760,7 +761,8 @@ class Trainer:
 
     @contextlib.contextmanager
     def _stop_on_signals(self):
-        """SIGTERM or Ctrl-C: finish the current step, save a checkpoint, exit. A second Ctrl-C stops at once."""
+        """SIGTERM, Ctrl-C or a hang-up (STOP_SIGNALS): finish the current step, save a checkpoint, exit. A second
+        Ctrl-C stops at once."""
         if threading.current_thread() is not threading.main_thread():
             yield
             return
@@ -776,7 +778,7 @@ class Trainer:
             logger.warning("%s received: saving a checkpoint after this step, then stopping "
                            "(Ctrl-C again to stop without saving)", signal.Signals(signum).name)
 
-        previous = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+        previous = {sig: signal.signal(sig, request_stop) for sig in STOP_SIGNALS}
         try:
             yield
         finally:
@@ -1070,7 +1072,7 @@ def signals_stop_setup():
         raise KeyboardInterrupt if signum == signal.SIGINT else StopRequested(signum)
 
     previous = {}
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in STOP_SIGNALS:
         if signal.getsignal(sig) is not signal.SIG_IGN:
             previous[sig] = signal.signal(sig, stop)
     try:
