@@ -581,10 +581,12 @@ def test_more_npus_than_the_hard_limit_of_open_files_are_refused_in_one_line(con
     shutil.copytree(converted, folder, ignore=shutil.ignore_patterns("astra-sim", "SIMULATION.md"))
     fake = finishing_astra_sim(tmp_path, 64)
     proc = simulate_cli_with_limit([folder, "--ranks", "64", "--bandwidth", "1Gbit/s", "--astra-sim", fake], 40, 40)
-    assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stderr
-    assert proc.stderr.startswith(f"error: {fake}: 64 NPUs need 69 open files (ASTRA-sim keeps each NPU's .et open), "
-                                  "but this shell allows 40 (ulimit -Hn)"), proc.stderr
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stderr.startswith("error: --ranks 64: 64 NPUs need 69 open files (ASTRA-sim keeps each NPU's .et "
+                                  "open), but this shell allows 40 (ulimit -Hn)"), proc.stderr
     assert not (folder / "SIMULATION.md").exists()
+    # refused before the scaled set is written (--ranks 100000000 wrote links until the folder could take no more)
+    assert not list((folder / "astra-sim").glob("*/*.et")) if (folder / "astra-sim").exists() else True
 
 
 @needs_astra_sim

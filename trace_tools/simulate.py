@@ -370,6 +370,21 @@ def _failure_line(output: str) -> str:
     return lines[-1][-300:] if lines else "no output"
 
 
+def open_file_limit_problem(npus: int) -> str | None:
+    """Why ASTRA-sim could not open a file per NPU under this shell's hard limit of open files, or None."""
+    try:
+        import resource
+    except ImportError:  # Windows: no such limit to read
+        return None
+    needed = npus + ASTRA_SIM_OTHER_FILES
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    if hard == resource.RLIM_INFINITY or hard >= needed:
+        return None
+    return (f"{npus} NPUs need {needed} open files (ASTRA-sim keeps each NPU's .et open), but this shell allows "
+            f"{hard} (ulimit -Hn); raise the hard limit (/etc/security/limits.conf, or ulimit -n as root) or "
+            "simulate fewer ranks")
+
+
 @contextmanager
 def open_files_for(npus: int, binary: Path) -> Iterator[None]:
     """Let ASTRA-sim open a file per NPU: raise this process's soft limit of open files (which the simulator
@@ -385,10 +400,9 @@ def open_files_for(npus: int, binary: Path) -> Iterator[None]:
     if soft == resource.RLIM_INFINITY or soft >= needed:
         yield
         return
-    if hard != resource.RLIM_INFINITY and hard < needed:
-        raise SimulationError(f"{binary}: {npus} NPUs need {needed} open files (ASTRA-sim keeps each NPU's .et "
-                              f"open), but this shell allows {hard} (ulimit -Hn); raise the hard limit "
-                              "(/etc/security/limits.conf, or ulimit -n as root) or simulate fewer ranks")
+    problem = open_file_limit_problem(npus)
+    if problem:
+        raise SimulationError(f"{binary}: {problem}")
     try:
         resource.setrlimit(resource.RLIMIT_NOFILE, (needed, hard))
     except (ValueError, OSError) as e:  # macOS caps the soft limit below an unlimited hard one (OPEN_MAX)
@@ -661,6 +675,9 @@ def simulate_run(run_dir: Path, *, ranks: int | None = None, work_dir: Path | No
         ranks = traced
     if ranks < traced:
         raise SimulationError(f"--ranks {ranks}: the run has {traced} traced ranks; simulate at least as many")
+    problem = open_file_limit_problem(ranks)
+    if problem:  # before the scaled set's N files are written
+        raise SimulationError(f"--ranks {ranks}: {problem}")
     try:
         work_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
