@@ -188,9 +188,13 @@ main() {
     say "Converting: convert_to_et.py ${convert[*]:2}"
     local convert_rc=0
     "${convert[@]}" || convert_rc=$?
-    if [ "$convert_rc" != 0 ]; then
+    if [ "$convert_rc" = 1 ]; then  # ranks failed; 2 is a usage error, which convert_to_et.py has said
+        local retry
+        retry=$(printf '%q ' "$PYTHON" "$ROOT/convert_remaining.py" "${DIRS[@]}")
         echo "error: convert_to_et.py exit $convert_rc; failed ranks are listed above and in CONVERSION_SUMMARY.md;" \
-             "retry them with: $PYTHON $ROOT/convert_remaining.py ${DIRS[*]}" >&2
+             "retry them with: ${retry% }" >&2
+    fi
+    if [ "$convert_rc" != 0 ]; then
         exit "$convert_rc"
     fi
     if [ "$fix_rc" != 0 ]; then

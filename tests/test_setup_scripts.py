@@ -4,6 +4,7 @@ import gzip
 import hashlib
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -326,6 +327,26 @@ def assert_runnable_et(path: Path):
                 ready.append(child)
     assert done == len(nodes), f"{path}: only {done} of {len(nodes)} nodes can run (a cycle)"
     return nodes
+
+
+@needs_converter
+@pytest.mark.parametrize("case", ["a rank fails", "a bad flag"])
+def test_setup_and_convert_names_the_retry_only_for_failed_ranks_and_quotes_it(tmp_path, case):
+    """A bad flag for convert_to_et.py was followed by "failed ranks are listed above ... retry them with", though no
+    rank had failed, and the retry command broke a folder with a space in its name into two."""
+    run_dir = tmp_path / "my outputs" / "gpt2_tiny_2r"
+    shutil.copytree(DATA / "gpt2_tiny_2r", run_dir)
+    extra = ["--", "--jobs", "many"] if case == "a bad flag" else []
+    if case == "a rank fails":
+        (run_dir / "device.1.json.gz").write_bytes(b"not a trace")
+    proc = run([SETUP, "--python", sys.executable, str(run_dir), *extra], cwd=tmp_path, timeout=600)
+    retry = [line for line in proc.stderr.splitlines() if "retry them with" in line]
+    if case == "a bad flag":
+        assert proc.returncode == 2 and not retry, proc.stderr
+    else:
+        assert proc.returncode == 1 and len(retry) == 1, proc.stderr
+        command = retry[0].split("retry them with: ", 1)[1]
+        assert shlex.split(command) == [sys.executable, str(REPO / "convert_remaining.py"), str(run_dir)]
 
 
 @needs_converter
