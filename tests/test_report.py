@@ -523,6 +523,22 @@ def _two_ranks_with_an_all_reduce(folder: Path) -> None:
         ], world_size=2)
 
 
+def test_ranks_of_two_runs_no_summary_records_are_refused(tmp_path):
+    """.et files copied out of their folders, rank 1 of another run with a bigger bucket: the report described the
+    pair as one run, with exit 0."""
+    _two_ranks_with_an_all_reduce(tmp_path)
+    write_report(tmp_path, use_hta=False)  # the two ranks as written agree
+    cpu = {"tid": 1, "is_cpu_op": True}
+    write_et(tmp_path / "two.1.et", 0, 100, [
+        {"id": 1, "name": "a", "ts": 0, "dur": 10, "attrs": cpu},
+        {"id": 2, "name": "gloo:all_reduce", "type": COMM_COLL_NODE, "ts": 10, "dur": 40, "ctrl": [1], "deps": [1],
+         "attrs": {"tid": 1, "is_cpu_op": False, "comm_type": ALL_REDUCE, "comm_size": 4096, "pg_name": "0"}},
+    ], world_size=2)
+    with pytest.raises(ReportError, match=rf"^{tmp_path}: the ranks of two do not run the same collectives \(.*"
+                                          r"\): \.et files of different runs; keep one run per folder$"):
+        write_report(tmp_path, use_hta=False)
+
+
 def test_an_earlier_reports_figures_that_this_one_does_not_draw_go(tmp_path, monkeypatch):
     _two_ranks_with_an_all_reduce(tmp_path)
     write_report(tmp_path, use_hta=False)

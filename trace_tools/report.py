@@ -29,7 +29,7 @@ from .layout import REPORT_FILE_RE, STEP_PREFIX, et_sets
 from .link import COMM_TYPE_NAMES
 from .load import read_trace_bytes
 from .summary import CONVERSION_SUMMARY, format_bytes, read_previous_results, reconvert_command, unrecorded_et_file
-from .validate import EtFormatError, read_et, serve_in_turn
+from .validate import EtFormatError, collectives_agree, group_members, read_et, serve_in_turn
 
 logger = logging.getLogger(__name__)
 
@@ -202,6 +202,25 @@ def check_against_summary(et_dir: Path, name: str, et_files: dict[int, Path]) ->
     problem = unrecorded_et_file(et_dir, name, et_files, every_recorded_rank=False)
     if problem:
         raise ReportError(f"{problem[0]}: {problem[1]}")
+
+
+def check_unrecorded_ranks_agree(et_dir: Path, name: str, traces: dict[int, RankTrace]) -> None:
+    """ReportError when .et files no summary records (copied out of their run folder) are ranks of different runs:
+    their collectives differ, and a report would describe them as one run."""
+    if any(result.run == name for result in (read_previous_results(et_dir) or {}).values()):
+        return  # check_against_summary held them to the summary
+    members: dict[str, list[int]] = {}
+    collectives = {}
+    for rank, trace in traces.items():
+        members.update(group_members(str(trace.meta.get("process_groups", "")), len(traces)))
+        collectives[rank] = [(str(n.attrs.get("pg_name", "")), COMM_TYPE_NAMES.get(n.attrs.get("comm_type"),
+                                                                                  str(n.attrs.get("comm_type"))),
+                              int(n.attrs.get("comm_size", 0)))
+                             for n in sorted(trace.nodes, key=lambda n: (n.start, n.id)) if n.type == COMM_COLL_NODE]
+    problems = collectives_agree(collectives, members)
+    if problems:
+        raise ReportError(f"{et_dir}: the ranks of {name} do not run the same collectives ({problems[0]}): .et files "
+                          "of different runs; keep one run per folder")
 
 
 def place_work_intervals(trace: RankTrace) -> None:
@@ -831,6 +850,7 @@ def build_report(et_dir: Path, trace_dirs: list[Path] | None = None, use_hta: bo
     name, et_files = find_et_files(et_dir)
     check_against_summary(et_dir, name, et_files)
     traces = {rank: load_rank(path, rank) for rank, path in sorted(et_files.items())}
+    check_unrecorded_ranks_agree(et_dir, name, traces)
     world = max((int(t.meta["world_size"]) for t in traces.values() if "world_size" in t.meta), default=0)
     expected = set(range(max(world, max(traces) + 1)))
     per_rank = {rank: rank_summary(t) for rank, t in traces.items()}

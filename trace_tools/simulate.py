@@ -24,7 +24,7 @@ from .discover import read_run_info
 from .layout import CONVERSION_SUMMARY, RUN_INFO, SIMULATION_FILE, et_name, et_sets
 from .step_timing import step_times_of
 from .summary import read_previous_results, unrecorded_et_file
-from .validate import CLOCK_LIMIT_NS, collectives_agree, validate_et
+from .validate import CLOCK_LIMIT_NS, collectives_agree, group_members, validate_et
 
 ASTRA_SIM_ENV = "ASTRA_SIM"
 INSTALLER = "install_astra_sim.sh"
@@ -274,13 +274,7 @@ def process_groups(workload: Path, ranks: int) -> dict[str, list[int]]:
 def listed_groups(metadata, ranks: int) -> dict[str, list[int]]:
     """The process groups an .et's metadata lists (`process_groups`, as the converter writes it): name -> ranks
     (every rank when the group names none); empty when it lists none or the list does not parse."""
-    raw = next((a.string_val for a in metadata.attr if a.name == "process_groups"), "")
-    try:
-        listed = json.loads(raw) if raw else []
-    except ValueError:
-        return {}
-    return {str(group.get("pg_name", "")): [int(r) for r in group.get("ranks") or range(ranks)]
-            for group in (listed if isinstance(listed, list) else []) if isinstance(group, dict)}
+    return group_members(next((a.string_val for a in metadata.attr if a.name == "process_groups"), ""), ranks)
 
 
 def _int_attr(metadata, name: str) -> int:

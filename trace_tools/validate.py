@@ -1,6 +1,7 @@
 """Check a written .et the way a simulator will use it: decode, resolve, walk, time, and compare ranks."""
 from __future__ import annotations
 
+import json
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -220,6 +221,17 @@ def _check_node(node: Node, report: EtReport, collectives: list, index: int) -> 
                             COMM_TYPE_NAMES.get(comm_type, str(comm_type)), size, index))
     else:
         report.p2p += 1
+
+
+def group_members(listed: str, ranks: int) -> dict[str, list[int]]:
+    """The process groups an .et's `process_groups` metadata lists (JSON, as the converter writes it): name -> ranks
+    (every rank when the group names none); empty when it lists none or the list does not parse."""
+    try:
+        groups = json.loads(listed) if listed else []
+    except ValueError:
+        return {}
+    return {str(group.get("pg_name", "")): [int(r) for r in group.get("ranks") or range(ranks)]
+            for group in (groups if isinstance(groups, list) else []) if isinstance(group, dict)}
 
 
 def collectives_agree(collectives_by_rank: dict[int, list[tuple[str, str, int]]],
