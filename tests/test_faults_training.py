@@ -477,8 +477,25 @@ def test_tensorboard_on_a_disk_that_fills_mid_run_warns_once_and_training_goes_o
     captured = capfd.readouterr()
     assert "Traceback" not in captured.err and "Exception in thread" not in captured.err
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert warnings == [f"{tmp_path / 'tensorboard' / 'run'}: cannot write TensorBoard events (No space left on "
-                        "device); TensorBoard logging stopped, training goes on"]
+    assert warnings == [f"{sinks.tensorboard_dir}: cannot write TensorBoard events (No space left on device); "
+                        "TensorBoard logging stopped, training goes on"]
+    assert sinks.tensorboard_dir.parent == tmp_path / "tensorboard" / "run"
+
+
+def test_each_run_writes_its_tensorboard_events_into_a_folder_of_its_own(tmp_path):
+    """Every run into one --log-dir (reruns, failed runs) had added its events to tensorboard/<model>/, which
+    TensorBoard draws as one curve going back and forth over the same steps."""
+    pytest.importorskip("tensorboard")
+    from utils.metrics import MetricSinks
+    folders = []
+    for _ in range(2):
+        sinks = MetricSinks("tensorboard", tmp_path, "run", {}, enabled=True)
+        sinks.log({"train/loss": 7.0}, step=1)
+        sinks.close()
+        folders.append(sinks.tensorboard_dir)
+        time.sleep(1.1)  # the folder's name has the start time to the second
+    assert folders[0] != folders[1] and all(f.parent == tmp_path / "tensorboard" / "run" for f in folders)
+    assert all(len(list(f.glob("events.out.tfevents.*"))) == 1 for f in folders)
 
 
 def test_tensorboard_folder_that_cannot_be_made_costs_the_curves_not_the_run(tmp_path, caplog):

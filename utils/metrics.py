@@ -1,4 +1,5 @@
 """Throughput and model FLOPs utilisation (MFU), the machine's load while tracing, and the metric sinks."""
+import datetime
 import logging
 import os
 import threading
@@ -269,7 +270,10 @@ class MetricSinks:
             except ImportError:
                 logger.warning("--report-to tensorboard but the tensorboard package is missing; pip install tensorboard")
                 return
-            self.tensorboard_dir = Path(log_dir) / "tensorboard" / run_name
+            # A folder per run, as transformers' runs/<date>: events of runs into one --log-dir (reruns, a run that
+            # failed) in one folder are one curve to TensorBoard, drawn back and forth over the same steps
+            started = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+            self.tensorboard_dir = Path(log_dir) / "tensorboard" / run_name / f"{started}-{os.getpid()}"
             _quiet_tensorboard_writer_thread()
             try:
                 self.tensorboard = SummaryWriter(log_dir=str(self.tensorboard_dir))
