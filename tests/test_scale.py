@@ -506,3 +506,13 @@ def test_communication_cpu_nodes_grow_with_the_bytes_a_rank_moves_in_the_larger_
         assert len(cpu_work) == 1 and durations[cpu_work[0].id] == 7000
         assert all(durations[n.id] == n.duration_micros for n in traced if n is not cpu_work[0])
         assert [durations[n.id] for n in traced if attr_value(n, "communication_wait_of") is not None] == [2500]
+
+
+def test_a_run_a_conversion_is_writing_into_is_named_as_such(gpt2_run, tmp_path):
+    """scale_et.py said "summary says rank 2 was not converted (interrupted...)" of a conversion still running."""
+    from trace_tools import pipeline
+    with pipeline.only_conversion_in(gpt2_run):
+        with pytest.raises(ScaleError, match=f"^{gpt2_run}: a conversion is writing into this folder now; scale the "
+                                             "run once it has ended$"):
+            scale_run(gpt2_run, 4, output_dir=tmp_path / "out")
+    assert not (tmp_path / "out").exists()

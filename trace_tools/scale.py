@@ -8,6 +8,7 @@ group "0", over every NPU), so the N files are hard links to k written files.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import logging
@@ -538,7 +539,13 @@ def scale_set(source: str | Path, ranks: int, *, output_dir: str | Path | None =
     started = time.perf_counter()
     if not isinstance(ranks, int) or ranks < 1:
         raise ScaleError("--ranks", f"must be at least 1 (got {ranks})")
-    source_set = find_source_set(source)
+    folder = Path(source) if Path(source).is_dir() else Path(source).parent
+    # A conversion writing the set now: its summary calls the ranks still to come "interrupted"; say what it is
+    held = folder_held(folder, lambda: ScaleError(folder, "a conversion is writing into this folder now; scale the "
+                                                          "run once it has ended"), shared=True) \
+        if folder.is_dir() else contextlib.nullcontext()
+    with held:
+        source_set = find_source_set(source)
     slow = check_slow(slow, ranks)
     if not name:  # the source's name with what --name refuses (spaces, other letters) made "_"
         name = DEFAULT_NAME.format(name=re.sub(f"[^{NAME_CHARACTERS}]", "_", source_set.name).lstrip(".") or "run",
