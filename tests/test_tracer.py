@@ -833,6 +833,54 @@ def test_every_rank_starts_the_step_after_the_tracers_own_work_together(tmp_path
         assert rank["untraced_step_wall_time_s"][-1] < 0.5, rank
 
 
+TRACER_RUN_WHOSE_RANK_0_DIES = '''
+import os, sys, time
+import torch, torch.distributed as dist
+sys.path.insert(0, sys.argv[2])
+from utils.chakra_tracer import ChakraTracer
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+tracer = ChakraTracer(sys.argv[1], "run", wait_steps=1, warmup_steps=0, active_steps=1, after_steps=0,
+                      rank=rank, world_size=2, run_info={"model": "m"})
+with tracer:
+    for _ in range(2):
+        dist.all_reduce(torch.ones(1000))
+        tracer.step()
+    if rank == 0 and sys.argv[3] == "die":  # killed after the window, before publishing: rank 1 publishes alone
+        time.sleep(1.0)
+        os._exit(1)
+dist.barrier()
+dist.destroy_process_group()
+'''
+
+
+@pytest.mark.slow
+def test_a_rank_gone_before_publishing_leaves_every_ranks_earlier_trace_in_place(tmp_path):
+    """Each rank published its window alone: with rank 0 killed after the window, rank 1's new traces replaced its
+    old ones beside rank 0's old ones and the earlier run.json (a folder of two runs), and the run before, in
+    .previous, had been removed when the failed run started."""
+    script = tmp_path / "two_ranks.py"
+    script.write_text(TRACER_RUN_WHOSE_RANK_0_DIES)
+
+    def traced(mode: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",
+                               str(script), str(tmp_path), str(REPO_ROOT), mode], cwd=tmp_path, capture_output=True,
+                              text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+
+    for _ in range(2):  # two whole runs: the first goes to .previous/run/
+        done = traced("whole")
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    folder, previous = tmp_path / "run", tmp_path / ".previous" / "run"
+    kept = {path: path.read_bytes() for path in (*folder.iterdir(), *previous.iterdir()) if path.is_file()}
+    assert {"run.json", "device.0.json", "device.1.json", "host.0.json", "host.1.json"} <= {p.name for p in kept}
+    done = traced("die")
+    assert done.returncode != 0
+    now = {path: path.read_bytes() for path in (*folder.iterdir(), *previous.iterdir())
+           if path.is_file() and not path.name.startswith(".")}
+    assert now == kept, "the earlier runs' files, both generations, as they were"
+
+
 def test_run_json_says_how_many_micro_batches_each_timed_step_took_and_warns_when_they_differ(tmp_path, caplog):
     """With --gradient-accumulation-steps 4 and 7 batches an epoch, every other step took 3 micro-batches: a GPT-2
     tiny run's untraced steps were 353 ms (3) and 465-477 ms (4), and run.json gave no way to tell them apart."""

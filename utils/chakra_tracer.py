@@ -172,6 +172,7 @@ class ChakraTracer:
         self._load_start = None                                   # machine load when the traced steps began
         self.machine_load: dict[str, Any] | None = None
         self.files: dict[str, Path] = {}
+        self._ranks_lost = False  # a collective of the tracer's failed: another rank is gone
 
     # ---- lifecycle -------------------------------------------------------------------------------------------
     def __enter__(self) -> ChakraTracer:
@@ -290,6 +291,10 @@ class ChakraTracer:
         first waits for the slowest at the next step's first collective, inside that step's clocks: in a 2-rank
         GPT-2 tiny run, the first untraced step after the window took one rank 499 ms instead of 68, and with
         one timed step after the window that was its untraced step in run.json."""
+        self._wait_for_every_rank()
+
+    def _wait_for_every_rank(self) -> None:
+        """A barrier of every rank (nothing in a one-process run)."""
         if self.world_size > 1 and dist.is_available() and dist.is_initialized():
             dist.barrier(device_ids=[self.device.index] if self.use_cuda and self.device.index is not None else None)
 
@@ -333,9 +338,13 @@ class ChakraTracer:
         traced = [s for s in self.traced_steps if s in self.traced.wall_time_s]
         completed: list[int] = []
         errors: list[str] = []
-        if len(traced) == self.active_steps:
+        refusal = self._agree_to_publish(failed) if len(traced) == self.active_steps else None
+        if len(traced) == self.active_steps and refusal is None:
             completed = traced
             errors = self._publish_traces()
+        elif refusal is not None:
+            self._discard_traces()
+            errors = [refusal]
         else:
             # The flags parser refuses a --max-steps shorter than the window, so this is a run stopped early (a
             # signal, an error). A window cut short is not the trace asked for and must not replace the one in place:
@@ -351,7 +360,7 @@ class ChakraTracer:
                                "(wait %d + warmup %d)", self.trace_dir, self._step, self.first_traced_step,
                                self.wait_steps, self.warmup_steps)
         # A rank that raised cannot count on the others joining a collective, so only gather on a clean exit.
-        ranks = self._gather_rank_reports(errors, completed, gather=not failed)
+        ranks = self._gather_rank_reports(errors, completed, gather=not failed and not self._ranks_lost)
         failing = [e for r in ranks for e in r["errors"]]
         if self.rank == 0 and completed and not failing:
             try:
@@ -407,6 +416,39 @@ class ChakraTracer:
             self._write_error = write_failure(self.trace_dir, exc)
 
     # ---- files -----------------------------------------------------------------------------------------------
+    def _agree_to_publish(self, failed: bool) -> str | None:
+        """Why this rank must not publish its window (None: it publishes). The ranks publish all or none, so the
+        folder never holds some ranks' new traces beside others' old ones (a 2-rank run whose rank 0 was killed
+        while it exported had left rank 1's new files beside rank 0's old ones, and the earlier run's rank 1 in
+        .previous, which the next run removed). Several ranks first agree in a collective that a rank gone never
+        joins (the others stop in it, or are stopped by torchrun); a rank that failed after the window does not
+        publish, since the others may not. When all agree, the generation before the one in place leaves
+        .previous/<name>/ (local rank 0), which then takes the one in place (_move_previous_run_aside)."""
+        distributed = self.world_size > 1 and dist.is_available() and dist.is_initialized()
+        if failed and distributed:
+            return (f"{self.trace_dir}: no trace written: this rank failed after the trace window, and the other "
+                    "ranks cannot know to publish theirs; the folder keeps the earlier run's files")
+        if distributed:
+            ready: list[Any] = [None] * self.world_size
+            try:
+                dist.all_gather_object(ready, self._write_error is None)
+            except Exception as exc:  # a rank gone: gloo's connection closed
+                self._ranks_lost = True
+                return (f"{self.trace_dir}: no trace written: the ranks could not agree to publish the trace window "
+                        f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__}); the folder keeps the "
+                        "earlier run's files")
+            unable = [rank for rank, ok in enumerate(ready) if not ok]
+            if self._write_error is not None:
+                return f"{self._write_error}; no trace written, the folder's earlier files left in place"
+            if unable:
+                return (f"{self.trace_dir}: no trace written: rank(s) {', '.join(map(str, unable))} could not write "
+                        "their trace window; the folder keeps the earlier run's files")
+        if self._write_error is None and self.local_rank == 0:
+            shutil.rmtree(self._previous_dir(), ignore_errors=True)
+        if distributed:
+            self._wait_for_every_rank()  # the older generation is gone before any rank moves its files there
+        return None
+
     def _publish_traces(self) -> list[str]:
         """Validate this rank's new files; unless they could not be written (a full disk: then all are removed and
         the previous run's stay), move the previous run's files of this rank aside and rename the new ones into
@@ -464,11 +506,9 @@ class ChakraTracer:
 
     def _remove_stale_files(self) -> None:
         """Remove what killed runs left half-written (hidden .partial files of this rank; rank 0 also those of ranks
-        beyond this world size), and the generation of runs before the one in place (local rank 0). The previous
-        run's own files stay where they are until this run's window is written (_move_previous_run_aside)."""
+        beyond this world size). The previous run's files stay where they are, and the one before it in .previous,
+        until every rank's window is written (_agree_to_publish, _move_previous_run_aside)."""
         self._discard_traces()
-        if self.local_rank == 0:
-            shutil.rmtree(self._previous_dir(), ignore_errors=True)
         if self.rank != 0:
             return
         for path in self.trace_dir.iterdir():
