@@ -619,6 +619,18 @@ def test_readme_starts_with_the_two_fresh_machine_commands():
         ["./run_all_profiling.sh", "./run_tests.sh"]
 
 
+def test_every_table_separator_row_follows_its_header_row():
+    """A table pasted into BENCHMARKS.md had left five lone separator rows above its header, twice: Markdown shows
+    them as rows of dashes."""
+    separator = re.compile(r"^\|[-:|\s]+\|$")
+    lone = []
+    for doc in DOC_FILES:
+        lines = doc.read_text(encoding="utf-8").splitlines()
+        lone += [f"{doc.name}:{i + 1}" for i, line in enumerate(lines) if separator.match(line)
+                 and (i == 0 or not lines[i - 1].startswith("|") or separator.match(lines[i - 1]))]
+    assert lone == []
+
+
 def test_docs_link_only_to_files_that_exist():
     for path in DOC_FILES:
         for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", path.read_text(encoding="utf-8")):
