@@ -351,6 +351,19 @@ def test_et_files_no_summary_records_are_checked_before_astra_sim_runs(converted
                  communication_cpu_bound=False)
 
 
+def test_an_unrecorded_set_of_hard_links_is_checked_once_a_file(converted, tmp_path, monkeypatch):
+    """A scaled set copied out without its SCALE_SUMMARY.md: 8 ranks, 2 distinct files."""
+    pytest.importorskip("trace_tools.scale")
+    from trace_tools import simulate as simulate_lib
+    prefix = scaled(converted, tmp_path / "eight", 8)
+    (prefix.parent / "SCALE_SUMMARY.md").unlink()
+    checked = []
+    real = simulate_lib.validate_et
+    monkeypatch.setattr(simulate_lib, "validate_et", lambda path: checked.append(path) or real(path))
+    simulate_lib.check_against_summary(prefix, 8)
+    assert len(checked) == 2
+
+
 def test_a_set_without_its_rank_0_is_named_as_such(converted, tmp_path):
     shutil.copy(converted / "gpt2_tiny_2r.1.et", tmp_path / "x.1.et")
     with pytest.raises(SimulationError, match=r"x\.0\.et: missing \(the set has ranks 1; every rank from 0 up"):

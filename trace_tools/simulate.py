@@ -634,17 +634,22 @@ def _recorded_by_a_summary(folder: Path, name: str) -> bool:
 def check_unrecorded_set(workload: Path, ranks: int) -> None:
     """Refuse .et files that no summary vouches for (copied from elsewhere) when ASTRA-sim could not run them as one
     run: a file that does not decode whole (cut short, empty, not a .et) or fails validation, or ranks whose
-    collectives disagree (ranks of different runs), which would hang the simulation or end it early."""
-    reports, members = {}, {}
+    collectives disagree (ranks of different runs), which would hang the simulation or end it early. Ranks that
+    share a file (a scaled set's hard links) are checked once."""
+    reports, members, checked = {}, {}, {}
     for rank in range(ranks):
         path = workload.parent / et_name(workload.name, rank)
-        report = validate_et(path)
-        if not report.ok:
-            problem = report.problems[0]
-            problem = problem[len(str(path)) + 2:] if problem.startswith(f"{path}: ") else problem
-            raise SimulationError(f"{path}: {problem}; ASTRA-sim cannot run it (convert the run again)")
-        reports[rank] = report
-        members.update(listed_groups(et_metadata(path), ranks))
+        stat = path.stat()
+        key = (stat.st_dev, stat.st_ino)
+        if key not in checked:
+            report = validate_et(path)
+            if not report.ok:
+                problem = report.problems[0]
+                problem = problem[len(str(path)) + 2:] if problem.startswith(f"{path}: ") else problem
+                raise SimulationError(f"{path}: {problem}; ASTRA-sim cannot run it (convert the run again)")
+            checked[key] = report
+            members.update(listed_groups(et_metadata(path), ranks))
+        reports[rank] = checked[key]
     process_groups(workload, ranks)  # a world size other than the set's, or groups the ranks disagree on
     disagreement = collectives_agree({rank: report.collectives for rank, report in reports.items()}, members)
     if disagreement:
