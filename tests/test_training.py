@@ -199,7 +199,7 @@ def test_checkpoints_load_with_from_pretrained_and_record_the_training_info(unin
 def test_training_writes_tensorboard_scalars(uninterrupted_gpt2):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     _, log_dir = uninterrupted_gpt2
-    runs = list((log_dir / "tensorboard").iterdir())
+    runs = list((log_dir / "tensorboard").glob("*/*"))  # <model>/<start>-<pid>: a folder per run
     assert len(runs) == 1
     events = EventAccumulator(str(runs[0]))
     events.Reload()
