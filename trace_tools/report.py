@@ -28,7 +28,8 @@ from .intervals import clip_intervals, merge_intervals, subtract_intervals, tota
 from .layout import REPORT_FILE_RE, STEP_PREFIX, et_sets
 from .link import COMM_TYPE_NAMES
 from .load import read_trace_bytes
-from .summary import CONVERSION_SUMMARY, format_bytes, read_previous_results, reconvert_command, unrecorded_et_file
+from .summary import (CONVERSION_SUMMARY, format_bytes, read_previous_results, reconvert_command, records_set,
+                      unrecorded_et_file)
 from .validate import EtFormatError, collectives_agree, group_members, read_et, serve_in_turn
 
 logger = logging.getLogger(__name__)
@@ -207,7 +208,7 @@ def check_against_summary(et_dir: Path, name: str, et_files: dict[int, Path]) ->
 def check_unrecorded_ranks_agree(et_dir: Path, name: str, traces: dict[int, RankTrace]) -> None:
     """ReportError when .et files no summary records (copied out of their run folder) are ranks of different runs:
     their collectives differ, and a report would describe them as one run."""
-    if any(result.run == name for result in (read_previous_results(et_dir) or {}).values()):
+    if records_set(et_dir, name):
         return  # check_against_summary held them to the summary
     members: dict[str, list[int]] = {}
     collectives = {}

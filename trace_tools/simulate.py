@@ -23,7 +23,7 @@ from .command_line import ArgumentParser, StopSignal
 from .discover import read_run_info
 from .layout import CONVERSION_SUMMARY, RUN_INFO, SIMULATION_FILE, et_name, et_sets
 from .step_timing import step_times_of
-from .summary import read_previous_results, unrecorded_et_file
+from .summary import records_set, unrecorded_et_file
 from .validate import CLOCK_LIMIT_NS, collectives_agree, group_members, validate_et
 
 ASTRA_SIM_ENV = "ASTRA_SIM"
@@ -622,7 +622,7 @@ def check_against_summary(workload: Path, ranks: int) -> None:
 def _recorded_by_a_summary(folder: Path, name: str) -> bool:
     """Whether the folder's CONVERSION_SUMMARY.md or SCALE_SUMMARY.md records the set `name` (whose files
     check_against_summary then holds to the fingerprints recorded)."""
-    if any(result.run == name for result in (read_previous_results(folder) or {}).values()):
+    if records_set(folder, name):
         return True
     try:
         from .scale import read_scale_status

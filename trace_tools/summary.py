@@ -331,6 +331,11 @@ def reconvert_command(folder: Path) -> str:
     return f"convert_remaining.py {shlex.quote(str(source))} --output-dir {shlex.quote(str(folder))}"
 
 
+def records_set(folder: Path, name: str) -> bool:
+    """Whether the folder's CONVERSION_SUMMARY.md records a conversion of the set `name`."""
+    return any(result.run == name for result in (read_previous_results(folder) or {}).values())
+
+
 def unrecorded_et_file(folder: Path, name: str, ranks: Iterable[int], *,
                        every_recorded_rank: bool = True) -> tuple[Path, str] | None:
     """The first .et of the set `name` in folder, among those of `ranks`, that is not the file the folder's

@@ -15,12 +15,12 @@ from chakra.schema.protobuf.et_def_pb2 import (
 from .graph import longest_path, topological_order
 from .link import COMM_TYPE_NAMES, NODE_TYPE_NAMES
 
-# Node types ASTRA-sim's workload layer issues (it aborts on METADATA_NODE and skips INVALID_NODE).
 # ASTRA-sim counts simulated time in nanoseconds as a double (timespec_t) and a 64-bit integer (Tick): a message whose
 # time does not fit wraps to 0 (the collective is simulated as free), and past 2^53 ns (104 days) the double no longer
 # counts every nanosecond and ranks stop unfinished. Measured on the 2-rank GPT-2 tiny: a step of 8.4e15 ns simulates,
 # one of 8.4e16 ns does not.
 CLOCK_LIMIT_NS = 2 ** 53
+# Node types ASTRA-sim's workload layer issues (it aborts on METADATA_NODE and skips INVALID_NODE).
 ACCEPTED_NODE_TYPES = {COMP_NODE, COMM_COLL_NODE, COMM_SEND_NODE, COMM_RECV_NODE}
 # Collectives ASTRA-sim implements (BROADCAST replays its traced duration).
 ACCEPTED_COMM_TYPES = {ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, ALL_TO_ALL, BROADCAST}

@@ -14,7 +14,7 @@ from typing import Optional
 
 from trace_tools import layout
 from trace_tools.atomic import process_is_alive, write_text_atomic
-from utils.errors import UsageError
+from utils.errors import STOP_SIGNALS, UsageError
 from utils.launch.options import CONSOLE_LOG, LAUNCHERS, PID_FILE, Launcher, ShowHelp, parse_options, usage
 from utils.launch.plan import (ROOT, LaunchError, Plan, Run, check_folders, check_master_address, dataset_arguments,
                                make_plan, print_settings, probe_machine, report_machine, size_text)
@@ -40,7 +40,7 @@ class Foreground:
             self.child.send_signal(signal.SIGTERM)
 
     def run(self, argv: list) -> int:
-        for sig in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", signal.SIGTERM)):
+        for sig in STOP_SIGNALS:
             signal.signal(sig, self._on_signal)
         self.child = subprocess.Popen(argv, cwd=ROOT)
         try:
