@@ -791,7 +791,7 @@ def test_run_json_holds_the_untraced_step_times_before_the_window(tmp_path):
 
 
 TRACER_WORK_ON_ONE_RANK = '''
-import sys, time, json
+import os, sys, time, json
 import torch, torch.distributed as dist
 sys.path.insert(0, sys.argv[2])
 from utils import chakra_tracer
@@ -811,7 +811,11 @@ with tracer:
         dist.all_reduce(gradient)  # where a rank done first waits for the other
         tracer.step()
 dist.barrier()  # as the trainer ends (utils/distributed.py): a rank that tears gloo down alone aborts at times
-dist.destroy_process_group()
+# Even so, about 1 run in 80 ended with a rank aborting as gloo was torn down ("terminate called without an active
+# exception"), under the suite's load more often; its cause is not found (noted on issue 9). What this script checks is
+# written by now, so it ends without the teardown.
+sys.stdout.flush()
+os._exit(0)
 '''
 
 
@@ -850,8 +854,9 @@ with tracer:
     if rank == 0 and sys.argv[3] == "die":  # killed after the window, before publishing: rank 1 publishes alone
         time.sleep(1.0)
         os._exit(1)
-dist.barrier()
-dist.destroy_process_group()
+dist.barrier()  # as TRACER_WORK_ON_ONE_RANK ends, without gloo's teardown
+sys.stdout.flush()
+os._exit(0)
 '''
 
 
