@@ -10,6 +10,13 @@ from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
+# Imported before any process group exists, on purpose: this module's functions take `group=group.WORLD` as a default,
+# evaluated at import. Imported after init_process_group (the profiler and torch.compile import it through
+# torch._dynamo), it holds the world group forever: destroy_process_group then leaves gloo's threads running into
+# the interpreter's exit, where one releasing a finished collective's Python tensor aborts the rank ("terminate
+# called without an active exception", exit -6) after a run that succeeded.
+if dist.is_available():
+    import torch.distributed.nn.functional  # noqa: F401
 
 from utils.errors import UsageError
 
