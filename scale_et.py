@@ -18,7 +18,8 @@ def build_parser() -> argparse.ArgumentParser:
         "are refused.")
     parser.add_argument("run_dir", metavar="RUN_DIR",
                         help="a converted run folder (or a workload prefix <dir>/<name>)")
-    parser.add_argument("--ranks", type=int, required=True, metavar="N", help="ranks (ASTRA-sim NPUs) to write")
+    parser.add_argument("--ranks", type=int, required=True, metavar="N",
+                        help="ranks (ASTRA-sim NPUs) to write: at least the traced ranks")
     parser.add_argument("--output-dir", default=None, metavar="DIR",
                         help="where the set goes (default: a folder named after the set beside RUN_DIR)")
     parser.add_argument("--name", default=None,

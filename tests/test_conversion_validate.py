@@ -182,6 +182,24 @@ def test_missing_rank_fails_alone_and_the_other_rank_is_converted(tmp_path, caps
     assert "| 1 | ❌ failed |" in summary and "host.1.json: missing" in summary
 
 
+def test_a_folder_in_a_trace_files_place_is_named_a_directory_not_missing(tmp_path, capsys):
+    folder = tmp_path / "bert"
+    folder.mkdir()
+    for name in ("host.0.json.gz", "device.0.json.gz", "device.1.json.gz"):
+        (folder / name).write_bytes((BERT / name).read_bytes())
+    (folder / "host.1.json").mkdir()  # a copy gone wrong: said "host.1.json: missing"
+    assert cli.main([str(folder), "--no-progress"]) == 1
+    out = capsys.readouterr().out
+    assert f"error: {folder / 'host.1.json'}: is a directory, expected a host trace file" in out.splitlines()
+    assert (folder / "bert.0.et").is_file() and not (folder / "bert.1.et").exists()
+
+
+def test_a_host_trace_that_is_json_null_is_named_as_such(tmp_path, capsys):
+    error = convert_expecting_failure(gpt2_run(tmp_path / "null", b"null\n"), capsys)
+    assert error == (f"error: {tmp_path / 'null' / 'host.0.json'}: JSON null, not an ExecutionTraceObserver host "
+                     "trace (a JSON object with 'schema' and 'nodes')")
+
+
 def test_rank_announced_by_run_json_but_absent_fails(tmp_path, capsys):
     folder = tmp_path / "gpt2"
     gpt2_run(folder)
@@ -232,10 +250,27 @@ def test_read_only_run_folder_is_converted_into_converted_name(tmp_path, capsys,
         assert cli.main([str(folder), "--no-progress"]) == 0
     finally:
         folder.chmod(0o755)
-    assert "is not writable: writing to converted/gpt2_ro" in capsys.readouterr().out
+    assert f"is not writable: writing to {tmp_path / 'converted' / 'gpt2_ro'}" in capsys.readouterr().out
     assert sorted(p.name for p in folder.iterdir()) == ["device.0.json.gz", "host.0.json"]
     et = tmp_path / "converted" / "gpt2_ro" / "gpt2_ro.0.et"
     assert et.is_file() and et.stat().st_mode & 0o044, "an ordinary readable file, not mkstemp's 0600"
+
+
+def test_the_summary_of_a_read_only_run_names_its_workload_by_an_absolute_path(tmp_path, capsys, monkeypatch):
+    """The fallback folder was recorded as converted/<name>, which holds only in the folder the conversion ran in,
+    while the summary recorded the trace folder as given (here absolute)."""
+    folder = gpt2_run(tmp_path / "traces" / "gpt2_ro")
+    folder.chmod(0o555)
+    monkeypatch.chdir(tmp_path)
+    try:
+        assert cli.main([str(folder), "--no-progress"]) == 0
+    finally:
+        folder.chmod(0o755)
+    out_dir = tmp_path / "converted" / "gpt2_ro"
+    summary = (out_dir / "CONVERSION_SUMMARY.md").read_text()
+    assert f"by trace_tools from `{folder}`" in summary
+    assert f"--workload-configuration={out_dir / 'gpt2_ro'}`" in summary
+    assert json.dumps(str(out_dir / "gpt2_ro.0.et")) in summary  # the rank's et_path in the status block
 
 
 # ---- convert_remaining ---------------------------------------------------------------------------------------------

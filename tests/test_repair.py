@@ -351,6 +351,9 @@ def test_complete_documents_of_different_processes_amid_garbage_are_refused(tmp_
     (b'{"schema": "2.0.0", "pid": 1, "nodes": []}',
      "unknown host trace schema version '2.0.0' (supported: 1.0.x and 1.1.x, e.g. 1.0.1 or 1.1.1-chakra.0.0.4)"),
     (b'{"pid": 1, "nodes": []}', "not an ExecutionTraceObserver host trace (no 'schema' and 'nodes' list; keys: pid, nodes)"),
+    # JSON, just not an object: was "not JSON (starts with b'null')" and "invalid JSON ... unexpected text"
+    (b"null", "JSON null, not an ExecutionTraceObserver host trace (a JSON object with 'schema' and 'nodes')"),
+    (b"[1, 2]\n", "a JSON array, not an ExecutionTraceObserver host trace (a JSON object with 'schema' and 'nodes')"),
 ])
 def test_unusable_files_get_one_line_error_and_stay_untouched(tmp_path, content, message):
     path = write(tmp_path, "x_host.json", content)
@@ -404,6 +407,19 @@ def test_check_reports_without_changing_anything(tmp_path, gpt2_text):
     assert proc.returncode == 1
     assert proc.stderr.strip() == (f"needs repair: {path}: 2 JSON objects concatenated (ExecutionTraceObserver wrote "
                                    "twice); repairable: run fix_host_traces.py")
+    assert path.read_bytes() == original and not path.with_name("host.0.json.orig").exists()
+
+
+def test_check_of_a_read_only_trace_says_the_repair_cannot_be_written_there(tmp_path, gpt2_text):
+    """--check said "repairable: run fix_host_traces.py", which then refused the read-only file."""
+    original = gpt2_text + gpt2_text
+    path = write(tmp_path, "host.0.json", original)
+    path.chmod(0o444)
+    proc = run_cli("--check", path)
+    assert proc.returncode == 1
+    assert proc.stderr.strip() == (f"needs repair: {path}: 2 JSON objects concatenated (ExecutionTraceObserver wrote "
+                                   "twice); repairable, but not in place: the file is read-only (copy the run to a "
+                                   "writable folder, or chmod u+w, then run fix_host_traces.py)")
     assert path.read_bytes() == original and not path.with_name("host.0.json.orig").exists()
 
 

@@ -105,11 +105,24 @@ def test_collectives_keep_their_sizes_and_run_over_the_n_rank_world_group(gpt2_r
     assert [(g["pg_name"], g["group_size"], g["ranks"]) for g in groups] == [("0", 64, [])]
 
 
-def test_fewer_ranks_or_a_count_that_is_not_a_multiple_of_the_traced_one_is_fine(gpt2_run, tmp_path):
-    one = scale_run(gpt2_run, 1, output_dir=tmp_path / "one")
-    assert [p.name for p in one.parent.glob("*.et")] == [f"{GPT2_2R}_1npus.0.et"]
+def test_a_count_that_is_not_a_multiple_of_the_traced_one_is_fine(gpt2_run, tmp_path):
     three = scale_run(gpt2_run, 3, output_dir=tmp_path / "three")
     assert [metadata_of(Path(f"{three}.{r}.et"))["source_rank"] for r in range(3)] == [0, 1, 0]
+
+
+def test_fewer_ranks_than_traced_are_refused_as_a_flag_error_and_nothing_is_written(gpt2_run, tmp_path, capsys):
+    """--ranks 1 of a 2-rank run wrote one rank that replays traced rank 0 alone, with collectives over 1 NPU."""
+    code = scale_et.main([str(gpt2_run), "--ranks", "1", "--output-dir", str(tmp_path / "one")])
+    assert code == 2
+    assert capsys.readouterr().err == ("error: --ranks: must be at least the 2 traced ranks (got 1): scaling makes "
+                                       "more ranks from the traced ones; simulate the traced set as it is\n")
+    assert not (tmp_path / "one").exists()
+    # A scaled set stands for the ranks it was traced on: 8 scaled from 2 scale to 4, not to 1.
+    eight = scale_run(gpt2_run, 8, output_dir=tmp_path / "eight")
+    four = scale_run(eight.parent, 4, output_dir=tmp_path / "four")
+    assert [metadata_of(Path(f"{four}.{r}.et"))["source_rank"] for r in range(4)] == [0, 1, 0, 1]
+    with pytest.raises(ScaleError, match="--ranks: must be at least the 2 traced ranks"):
+        scale_run(eight.parent, 1, output_dir=tmp_path / "one")
 
 
 # ---- disk ---------------------------------------------------------------------------------------------------------
@@ -422,6 +435,22 @@ def test_the_default_output_is_a_folder_beside_the_run(gpt2_run, tmp_path):
     shutil.copytree(gpt2_run, source, ignore=shutil.ignore_patterns("*.json.gz"))
     prefix = scale_run(source, 8)
     assert prefix == tmp_path / f"{GPT2_2R}_8npus" / f"{GPT2_2R}_8npus"
+
+
+def test_a_run_beside_no_writable_folder_scales_into_converted_named_by_an_absolute_path(gpt2_run, tmp_path,
+                                                                                         monkeypatch, capsys):
+    """The fallback was recorded as converted/<name>, which holds only in the folder scale_et.py ran in."""
+    source = tmp_path / "ro" / GPT2_2R
+    shutil.copytree(gpt2_run, source, ignore=shutil.ignore_patterns("*.json.gz"))
+    source.parent.chmod(0o555)
+    monkeypatch.chdir(tmp_path)
+    try:
+        assert scale_et.main([str(source), "--ranks", "4"]) == 0
+    finally:
+        source.parent.chmod(0o755)
+    prefix = tmp_path / "converted" / f"{GPT2_2R}_4npus" / f"{GPT2_2R}_4npus"
+    assert f"ASTRA-sim: --workload-configuration={prefix}\n" in capsys.readouterr().out
+    assert f"--workload-configuration={prefix}`" in (prefix.parent / scale.SUMMARY_NAME).read_text()
 
 
 def test_a_run_named_with_spaces_and_other_letters_scales_under_a_default_name_astra_sim_takes(tmp_path):

@@ -261,6 +261,19 @@ def test_the_command_line_without_astra_sim_exits_with_one_error_line(converted)
     assert "install_astra_sim.sh" in proc.stderr
 
 
+@pytest.mark.parametrize("origin", ["--astra-sim", "$ASTRA_SIM"])
+def test_a_binary_path_that_does_not_exist_is_a_usage_error_from_the_flag_or_the_environment(tmp_path, origin):
+    """$ASTRA_SIM pointing nowhere exited 1, --astra-sim pointing nowhere 2: both are the user's setting."""
+    nowhere = tmp_path / "nope"
+    if origin == "--astra-sim":
+        proc = run_cli(tmp_path, "--bandwidth", "1Gbit/s", "--astra-sim", nowhere, env={"ASTRA_SIM": ""})
+    else:
+        proc = run_cli(tmp_path, "--bandwidth", "1Gbit/s", env={"ASTRA_SIM": str(nowhere)})
+    assert proc.returncode == 2
+    assert proc.stderr.startswith(f"error: {origin} {nowhere}: no such file (./install_astra_sim.sh builds")
+    assert proc.stderr.count("\n") == 1
+
+
 def test_the_command_line_refuses_a_bad_bandwidth_before_anything_else(converted):
     proc = run_cli(converted, "--bandwidth", "lots")
     assert proc.returncode == 2 and proc.stderr.startswith("error: --bandwidth 'lots': not a rate")
@@ -384,6 +397,31 @@ def test_a_rank_that_never_finishes_is_an_error(converted, tmp_path):
     fake.write_text("#!/bin/sh\necho 'sys[0] finished, 1000 cycles, exposed communication 10 cycles.'\n")
     fake.chmod(0o755)
     with pytest.raises(SimulationError, match=r"rank\(s\) 1 never finished"):
+        simulate_workload(converted / "gpt2_tiny_2r", 2, bandwidth_gbs=1.0, binary=fake, work_dir=tmp_path / "w")
+
+
+def test_a_binary_whose_output_is_not_astra_sims_is_quoted(converted, tmp_path):
+    """A program that printed "hello" and exited 0 was reported as an ASTRA-sim that "said nothing"."""
+    fake = tmp_path / "astra"
+    fake.write_text("#!/bin/sh\necho hello\necho 'Usage: astra [options]'\n")
+    fake.chmod(0o755)
+    with pytest.raises(SimulationError) as error:
+        simulate_workload(converted / "gpt2_tiny_2r", 2, bandwidth_gbs=1.0, binary=fake, work_dir=tmp_path / "w")
+    assert str(error.value) == (f"{fake}: printed 'hello Usage: astra [options]', which is not ASTRA-sim's output (no "
+                                "rank finished); is it the AstraSim_Analytical_Congestion_Unaware binary? output: "
+                                f"{tmp_path / 'w' / 'astra-sim.out'}")
+
+
+@pytest.mark.parametrize("line", [
+    "[2026-12-02 17:28:10.736] [system::topology::RingTopology] [info] ring of node 0, id: 0",  # spdlog's default
+    "[2026-01-01T00:00:00+0000] [I] <workload>: starting",  # LoggerFactory's pattern in some versions
+])
+def test_astra_sims_own_log_without_a_finished_rank_still_points_at_the_collectives(converted, tmp_path, line):
+    fake = tmp_path / "astra"
+    fake.write_text(f"#!/bin/sh\necho '{line}'\n")
+    fake.chmod(0o755)
+    with pytest.raises(SimulationError, match=r"rank\(s\) 0, 1 never finished; ASTRA-sim said: nothing \(a "
+                                              r"collective no other rank joined\?\)"):
         simulate_workload(converted / "gpt2_tiny_2r", 2, bandwidth_gbs=1.0, binary=fake, work_dir=tmp_path / "w")
 
 

@@ -34,16 +34,26 @@ class Run:
         return sorted(expected | present)
 
     def missing(self, rank: int) -> str | None:
-        """Why a rank cannot be converted because of absent files (None when both are there)."""
+        """Why a rank cannot be converted because of absent files, or a folder in a file's place (None when both
+        files are there)."""
         host, device = self.hosts.get(rank), self.devices.get(rank)
         if host and device:
             return None
+        for kind, found in (("host", host), ("device", device)):
+            folder = None if found else self._folder_in_place(rank, kind)
+            if folder:
+                return f"{folder}: is a directory, expected a {kind} trace file"
         if not host and not device:
             return (f"{self.expected(rank, 'host')}: missing, and {self.expected(rank, 'device')} too "
                     f"(the run has ranks {', '.join(str(r) for r in sorted(set(self.hosts) | set(self.devices)))})")
         if not host:
             return f"{self.expected(rank, 'host')}: missing (its device trace {device.name} is there)"
         return f"{self.expected(rank, 'device')}: missing (its host trace {host.name} is there)"
+
+    def _folder_in_place(self, rank: int, kind: str) -> Path | None:
+        """A folder where the rank's trace file belongs (a copy gone wrong), which discovery passes over as no file."""
+        expected = self.expected(rank, kind)
+        return next((path for path in (expected, expected.with_name(expected.name + ".gz")) if path.is_dir()), None)
 
     def expected(self, rank: int, kind: str) -> Path:
         """The file a rank's trace would have, in the layout this run uses."""

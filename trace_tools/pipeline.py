@@ -557,8 +557,14 @@ def output_dir_for(run: Run, output_dir: str | Path | None, several_runs: bool) 
         return (root / run.name if several_runs else root), ""
     if _writable(run.folder):
         return run.folder, ""
-    fallback = FALLBACK_OUTPUT_ROOT / run.name
+    fallback = fallback_output_dir(run.name)
     return fallback, f"{run.folder} is not writable: writing to {fallback}"
+
+
+def fallback_output_dir(name: str) -> Path:
+    """./converted/<name> for a run whose own folder is read-only, absolute: the summaries written there record it,
+    and they are read from other working directories (simulate.py, scale_et.py)."""
+    return (FALLBACK_OUTPUT_ROOT / name).absolute()
 
 
 def _remove_outputs(out_dir: Path, name: str, rank: int, partial_only: bool = False) -> None:

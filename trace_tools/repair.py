@@ -51,6 +51,8 @@ NO_OPERATORS = "no_operators"
 
 UTF8_BOM = b"\xef\xbb\xbf"
 BOM_PROBLEM = "starts with a UTF-8 byte-order mark (an editor or a Windows tool saved it; PyTorch writes none)"
+# What to do about a host trace that needs a repair but cannot be written in place.
+READ_ONLY_HINT = "copy the run to a writable folder, or chmod u+w"
 # Where buffered writers flush: two processes writing one path each from offset 0 leave each other's text in blocks
 # that start at multiples of this.
 WRITE_BLOCK = 4096
@@ -454,8 +456,10 @@ def _analyse(path: Path, *, min_nodes: int, keep_document: bool = False, need_pl
         if raw.data:
             what += " (only whitespace)"
         return _Analysis(Diagnosis(path, EMPTY, what))
-    # A document that does not end in '}' cannot be valid: skip the full parse of a truncated file.
-    if not bom and not raw.gzip_truncated and raw.data.rstrip(b" \t\r\n")[-1:] == b"}":
+    # A document that does not end in '}' cannot be valid: skip the full parse of a truncated file. Text that does
+    # not start with '{' is parsed all the same: JSON that is not an object (null, a list) is named as what it is.
+    if not bom and not raw.gzip_truncated and (raw.data.rstrip(b" \t\r\n")[-1:] == b"}"
+                                               or raw.data.lstrip(b" \t\r\n")[:1] != b"{"):
         try:
             obj = parse_json_fast(raw.data)
         except orjson.JSONDecodeError:
@@ -503,8 +507,8 @@ def _with_bom(analysis: _Analysis, scan: _Scan) -> None:
 
 def _analyse_parsed(path: Path, obj: object, keep_document: bool) -> _Analysis:
     if not isinstance(obj, dict):
-        kind = type(obj).__name__
-        return _Analysis(Diagnosis(path, NOT_HOST_TRACE, f"not an ExecutionTraceObserver host trace (the JSON is a {kind}, not an object)"))
+        return _Analysis(Diagnosis(path, NOT_HOST_TRACE, f"{_json_kind(obj)}, not an ExecutionTraceObserver host trace "
+                                                         "(a JSON object with 'schema' and 'nodes')"))
     nodes = obj.get("nodes")
     problem = _schema_problem(obj, isinstance(nodes, list))
     if problem:
@@ -521,6 +525,16 @@ def _analyse_parsed(path: Path, obj: object, keep_document: bool) -> _Analysis:
         return _Analysis(Diagnosis(path, NO_OPERATORS, NO_OPERATORS_PROBLEM.format(nodes=len(nodes)),
                                    schema=obj["schema"], nodes=len(nodes)))
     return _Analysis(Diagnosis(path, VALID, schema=obj["schema"], nodes=len(nodes), document=obj if keep_document else None))
+
+
+def _json_kind(value: object) -> str:
+    """What a parsed JSON value is, in JSON's words: 'JSON null', 'a JSON array'."""
+    if value is None:
+        return "JSON null"
+    if isinstance(value, bool):
+        return f"JSON {str(value).lower()}"
+    kind = "number" if isinstance(value, (int, float)) else "string" if isinstance(value, str) else "array"
+    return f"a JSON {kind}"
 
 
 def _is_operator(node: object) -> bool:
@@ -891,12 +905,14 @@ def repair_host_trace(path, *, keep_original: bool = True, check_only: bool = Fa
                             nodes_kept=diagnosis.nodes)
     if not diagnosis.repairable:
         return RepairResult(path, "failed", diagnosis, diagnosis.problem)
-    if check_only:
-        return RepairResult(path, "needs_repair", diagnosis, f"{diagnosis.problem}; repairable: run fix_host_traces.py")
     read_only = read_only_reason(path)
+    if check_only:  # what the repair would do: a read-only trace it would refuse
+        advice = (f"repairable, but not in place: {read_only} ({READ_ONLY_HINT}, then run fix_host_traces.py)"
+                  if read_only else "repairable: run fix_host_traces.py")
+        return RepairResult(path, "needs_repair", diagnosis, f"{diagnosis.problem}; {advice}")
     if read_only:
         return RepairResult(path, "failed", diagnosis, f"{diagnosis.problem}; cannot repair: {read_only} "
-                                                       "(copy the run to a writable folder, or chmod u+w)")
+                                                       f"({READ_ONLY_HINT})")
     plan = analysis.plan
     if plan.marker is not None or plan.drop:  # a repair that loses data marks the trace (the .et says so too)
         plan.marker = dict(plan.marker or {"tool": "fix_host_traces.py", "dropped_nodes": len(plan.drop)},

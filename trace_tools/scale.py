@@ -35,7 +35,7 @@ from chakra.src.third_party.utils.protolib import encodeMessage
 from .atomic import folder_held, write_text_atomic
 from .layout import ET_FILE_RE, RUN_INFO, et_name, et_sets
 from .link import COMM_TYPE_NAMES, COMMUNICATION_CPU_ATTR
-from .pipeline import FALLBACK_OUTPUT_ROOT, _writable
+from .pipeline import _writable, fallback_output_dir
 from .summary import (converted_from, et_fingerprint, format_bytes, read_status_comment, status_comment,
                       unrecorded_et_file)
 from .validate import (CLOCK_LIMIT_NS, EtFormatError, SerializedMessage, collectives_agree, iter_et_messages,
@@ -488,7 +488,7 @@ def default_output(source: SourceSet, name: str) -> tuple[Path, str]:
     parent = source.folder.parent
     if _writable(parent):
         return parent / name, ""
-    fallback = FALLBACK_OUTPUT_ROOT / name
+    fallback = fallback_output_dir(name)
     return fallback, f"{parent} is not writable: writing to {fallback}"
 
 
@@ -575,26 +575,21 @@ def scale_set(source: str | Path, ranks: int, *, output_dir: str | Path | None =
                          "another --output-dir, or remove those files first)")
     check_against_conversion(source_set)
 
-    # Ranks sharing one file (a scaled set as source) are read once; output rank r replays file r mod k.
-    sources: list[SourceEt] = []
-    file_of_rank: list[int] = []
-    by_inode: dict[tuple[int, int], int] = {}
-    for path in source_set.paths:
-        stat = path.stat()
-        key = (stat.st_dev, stat.st_ino)
-        if key not in by_inode:
-            by_inode[key] = len(sources)
-            sources.append(read_source_et(path))
-        file_of_rank.append(by_inode[key])
+    sources, file_of_rank = _read_sources(source_set)
+    k = source_set.ranks
+    replays = [sources[file_of_rank[s]].meta for s in range(k)]
+    traced = replays[0].get("traced_world_size") if replays[0].get("scaled") else None
+    if ranks < (traced or k):
+        # Fewer ranks would drop traced ranks and the spread measured between them, and one rank would keep
+        # collectives that ASTRA-sim's analytical network (2 NPUs at least) cannot run: scaling only adds ranks.
+        raise ScaleError("--ranks", f"must be at least the {traced or k} traced ranks (got {ranks}): scaling makes "
+                         "more ranks from the traced ones; simulate the traced set as it is")
     distinct = [sources[i] for i in sorted(set(file_of_rank))]
     parallelism, warnings = check_data_parallel(source_set, distinct, assume_data_parallel)
     for warning in warnings:
         logger.warning(warning)
 
-    k = source_set.ranks
     source_of_rank = [r % k for r in range(ranks)]
-    replays = [sources[file_of_rank[s]].meta for s in range(k)]
-    traced = replays[0].get("traced_world_size") if replays[0].get("scaled") else None
     if traced and k % traced:
         # A scaled set of k ranks that k traced ranks do not divide (2 traced, scaled to 3: 0, 1, 0): r mod k would
         # not replay traced rank r mod traced. Take a rank of the set that does, and is not a straggler of --slow.
@@ -629,6 +624,22 @@ def scale_set(source: str | Path, ranks: int, *, output_dir: str | Path | None =
         finally:
             shutil.rmtree(staging, ignore_errors=True)
     return result
+
+
+def _read_sources(source_set: SourceSet) -> tuple[list[SourceEt], list[int]]:
+    """The distinct files of the set, and the index in them of each rank's file: ranks sharing one file (a scaled set
+    as source) are read once; output rank r replays file r mod k."""
+    sources: list[SourceEt] = []
+    file_of_rank: list[int] = []
+    by_inode: dict[tuple[int, int], int] = {}
+    for path in source_set.paths:
+        stat = path.stat()
+        key = (stat.st_dev, stat.st_ino)
+        if key not in by_inode:
+            by_inode[key] = len(sources)
+            sources.append(read_source_et(path))
+        file_of_rank.append(by_inode[key])
+    return sources, file_of_rank
 
 
 def _write_set(result: ScaleResult, sources: list[SourceEt], file_of_rank: list[int], staging: Path) -> None:

@@ -60,6 +60,10 @@ SYSTEM_DEFAULTS = {
 GIB = 1 << 30  # ASTRA-sim analytical's "GB" (NetworkFunction.cpp: bw * (1 << 30) / 1e9 bytes per ns)
 # "sys[0] finished, 239530000 cycles, exposed communication 1000 cycles." (Workload::report); 1 cycle = 1 ns
 FINISHED_RE = re.compile(r"sys\[(\d+)\] finished, (\d+) cycles, exposed communication (\d+) cycles")
+# A line ASTRA-sim logs (spdlog): "[2026-12-02 17:28:10.833] [workload] [info] ..." (spdlog's default pattern), or
+# "[2026-01-01T00:00:00+0000] [I] <workload>: ..." (LoggerFactory's, in some versions): a time stamp, then a name or
+# level in brackets
+ASTRA_SIM_LOG_RE = re.compile(r"^\[[^\]]*\d\] \[[^\]]+\] ", re.MULTILINE)
 # Files ASTRA-sim holds open besides one .et per NPU (its feeders keep them open from the start): stdin, stdout,
 # stderr and its two log files. Measured: 16 NPUs need 21 open files, 128 need 133; one fewer and it exits 1 saying
 # nothing about why.
@@ -495,6 +499,12 @@ def simulate_workload(workload_prefix: Path, ranks: int, *, bandwidth_gbs: float
         raise SimulationError(f"{binary}: exit status {proc.returncode}: {_failure_line(output)} (all output: "
                               f"{work_dir / OUTPUT_FILE})")
     unfinished = [r for r in range(ranks) if r not in finished]
+    if not finished and output.strip() and not ASTRA_SIM_LOG_RE.search(output):
+        # Not one line in ASTRA-sim's log format: another program at that path (a wrapper, a wrong binary)
+        said = " ".join(output.split())
+        said = said if len(said) <= 80 else said[:77] + "..."
+        raise SimulationError(f"{binary}: printed {said!r}, which is not ASTRA-sim's output (no rank finished); is "
+                              f"it the {BINARY_NAME} binary? output: {work_dir / OUTPUT_FILE}")
     if unfinished:
         said = _failure_line(output) if re.search(r"\[(critical|error)\]", output) else \
             "nothing (a collective no other rank joined?)"
@@ -881,7 +891,8 @@ def _main(args: argparse.Namespace, invocation: str) -> int:
         path = write_simulation(result, result.run_folder, invocation)
     except SimulationError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2 if str(e).startswith("--") else 1
+        # A bad flag or $ASTRA_SIM is the user's setting (a usage error); anything else is the run's or ASTRA-sim's
+        return 2 if str(e).startswith(("--", f"${ASTRA_SIM_ENV} ")) else 1
     except OSError as e:  # a folder that cannot be written (read-only, full, a file in the way)
         print(f"error: {e.filename or args.run}: {e.strerror or e}", file=sys.stderr)
         return 1
