@@ -27,7 +27,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                     "one-line reason, what cannot be repaired safely. The original is kept as <file>.orig; running "
                     "it again changes nothing.",
         epilog="Exit status: 0 when every file is valid or was repaired, 1 when a file could not be repaired "
-               "(or, with --check, needs a repair), or a path holds no host trace.")
+               "(or, with --check, needs a repair), or a path holds no host trace or a folder where one belongs.")
     parser.add_argument("paths", nargs="*", default=["outputs"], metavar="PATH",
                         help="host trace files, or folders searched for host.<rank>.json[.gz] and "
                              "<name>_host.json[.gz] (default: ./outputs)")

@@ -17,6 +17,7 @@ from conversion_helpers import CPU_FIXTURES, read_json, write_json, write_scaled
 from trace_tools import cli
 from trace_tools.discover import find_runs
 from trace_tools.load import load_device_trace, load_host_trace
+from trace_tools.summary import converted_from
 from trace_tools.validate import collectives_agree, validate_et
 
 REPO = Path(__file__).resolve().parent.parent
@@ -200,6 +201,14 @@ def test_a_host_trace_that_is_json_null_is_named_as_such(tmp_path, capsys):
                      "trace (a JSON object with 'schema' and 'nodes')")
 
 
+def test_a_device_trace_that_is_json_null_is_named_as_such(tmp_path, capsys):
+    folder = gpt2_run(tmp_path / "null")
+    (folder / "device.0.json.gz").unlink()
+    (folder / "device.0.json").write_text("null\n")
+    error = convert_expecting_failure(folder, capsys)
+    assert error == f"error: {folder / 'device.0.json'}: expected a JSON object at the top level, found JSON null"
+
+
 def test_rank_announced_by_run_json_but_absent_fails(tmp_path, capsys):
     folder = tmp_path / "gpt2"
     gpt2_run(folder)
@@ -271,6 +280,35 @@ def test_the_summary_of_a_read_only_run_names_its_workload_by_an_absolute_path(t
     assert f"by trace_tools from `{folder}`" in summary
     assert f"--workload-configuration={out_dir / 'gpt2_ro'}`" in summary
     assert json.dumps(str(out_dir / "gpt2_ro.0.et")) in summary  # the rank's et_path in the status block
+
+
+def test_the_summary_names_a_trace_folder_given_relative_by_its_absolute_path(tmp_path, monkeypatch):
+    """simulate.py and scale_et.py find run.json in the trace folder the summary names; recorded as typed
+    (`gpt2_rel`), it was found only from the folder the conversion ran in."""
+    folder = gpt2_run(tmp_path / "traces" / "gpt2_rel")
+    monkeypatch.chdir(tmp_path / "traces")
+    assert cli.main(["gpt2_rel", "--output-dir", "../converted", "--no-progress"]) == 0
+    monkeypatch.chdir(tmp_path)
+    out_dir = tmp_path / "converted"
+    assert f"by trace_tools from `{folder}`" in (out_dir / "CONVERSION_SUMMARY.md").read_text()
+    assert converted_from(out_dir) == converted_from(Path("converted")) == folder
+
+
+def test_an_older_summary_naming_the_trace_folder_as_typed_is_still_read(tmp_path, monkeypatch):
+    """Summaries before the absolute path recorded the folder as typed, relative to where the conversion ran: it is
+    taken from the working directory when it is a folder there, else from the summary's own folder."""
+    folder = gpt2_run(tmp_path / "traces" / "gpt2_old")
+    out_dir = tmp_path / "converted"
+    assert cli.main([str(folder), "--output-dir", str(out_dir), "--no-progress"]) == 0
+    summary = out_dir / "CONVERSION_SUMMARY.md"
+    text = summary.read_text()
+    summary.write_text(text.replace(f"from `{folder}`", "from `traces/gpt2_old`"))
+    monkeypatch.chdir(tmp_path)
+    assert converted_from(out_dir).resolve() == folder
+    summary.write_text(text.replace(f"from `{folder}`", "from `../traces/gpt2_old`"))
+    (tmp_path / "a" / "b").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path / "a" / "b")  # where ../traces/gpt2_old is no folder
+    assert converted_from(out_dir).resolve() == folder
 
 
 # ---- convert_remaining ---------------------------------------------------------------------------------------------

@@ -327,7 +327,9 @@ def test_a_conversion_into_a_folder_another_one_is_writing_into_stops_with_one_l
 
 @pytest.mark.parametrize("damage, says", [
     (lambda text: text[:len(text) // 2], "not valid JSON at byte"),
-    (lambda text: "[]", "not a run description (a JSON list, not an object)"),
+    (lambda text: "[]", "not a run description (a JSON array, not an object)"),
+    (lambda text: "null", "not a run description (JSON null, not an object)"),
+    (lambda text: "3", "not a run description (a JSON number, not an object)"),
 ])
 def test_a_broken_run_json_fails_every_rank_naming_it(tmp_path, capsys, damage, says):
     folder = corpus.copy_run(GPT2_2R, tmp_path / "run")

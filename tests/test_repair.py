@@ -448,6 +448,32 @@ def test_missing_path_and_folder_without_host_traces_exit_1(tmp_path):
     ]
 
 
+def test_a_folder_where_a_host_trace_belongs_is_named_as_a_directory(tmp_path):
+    """A copy gone wrong left a folder named host.0.json beside the device trace: named as convert_to_et.py names
+    it, not 'no host traces found'."""
+    run = tmp_path / "gpt2_1r"
+    run.mkdir()
+    write(run, "device.0.json.gz", GPT2_DEVICE.read_bytes())
+    (run / "host.0.json").mkdir()
+    proc = run_cli("--check", run)
+    assert proc.returncode == 1
+    assert proc.stderr.splitlines() == [f"error: {run / 'host.0.json'}: is a directory, expected a host trace file"]
+
+
+def test_a_folder_in_one_ranks_host_trace_place_fails_the_check_of_the_others(tmp_path):
+    """Rank 0's host trace is fine and rank 1's is a folder: --check does not pass the run, which would not convert."""
+    run = tmp_path / "bert_2r"
+    run.mkdir()
+    for rank in (0, 1):
+        write(run, f"device.{rank}.json.gz", (DATA / "bert_tiny_2r" / f"device.{rank}.json.gz").read_bytes())
+    write(run, "host.0.json.gz", BERT_HOSTS[0].read_bytes())
+    (run / "host.1.json.gz").mkdir()
+    proc = run_cli("--check", run)
+    assert proc.returncode == 1
+    assert proc.stdout.startswith(f"ok: {run / 'host.0.json.gz'}: already valid")
+    assert proc.stderr.splitlines() == [f"error: {run / 'host.1.json.gz'}: is a directory, expected a host trace file"]
+
+
 # --- the API the converter uses ---------------------------------------------------------------------------
 
 

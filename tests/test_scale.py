@@ -226,12 +226,34 @@ def test_a_foreign_set_without_run_json_needs_the_override(bare_gpt2, tmp_path, 
     assert "no run.json: assuming" in caplog.text
 
 
+def test_a_run_json_that_is_not_an_object_is_refused_in_one_line(bare_gpt2, tmp_path):
+    """run.json holding JSON null had ended scale_et.py in an AttributeError traceback."""
+    (bare_gpt2 / "run.json").write_text("null\n")
+    with pytest.raises(NotDataParallelError) as error:
+        scale_run(bare_gpt2, 4, output_dir=tmp_path / "refused")
+    assert f"{bare_gpt2 / 'run.json'}: not a run description (JSON null, not an object)" in str(error.value)
+    assert not (tmp_path / "refused").exists()
+
+
 def test_run_json_is_found_through_the_conversion_summary(gpt2_run, tmp_path):
     converted = tmp_path / "converted"
     convert_runs(find_runs([gpt2_run]), output_dir=converted, jobs=1, progress=False)
     assert not (converted / "run.json").exists()
     result = scale_set(converted, 4, output_dir=tmp_path / "out")
     assert result.parallelism.startswith(str(gpt2_run / "run.json"))
+
+
+def test_run_json_is_found_through_the_summary_from_another_working_directory(tmp_path, monkeypatch):
+    """A trace folder given relative, converted into a folder elsewhere: scale_et.py run from a third folder still
+    finds run.json through the summary's record of the trace folder."""
+    traces = tmp_path / "traces" / GPT2_2R
+    shutil.copytree(CPU_FIXTURES / GPT2_2R, traces)
+    monkeypatch.chdir(tmp_path / "traces")
+    assert convert_runs(find_runs([GPT2_2R]), output_dir="../converted", jobs=1, progress=False)[0].ok
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    result = scale_set(Path("../converted"), 4, output_dir=tmp_path / "out")
+    assert result.parallelism.startswith(str(traces / "run.json"))
 
 
 def _rewritten(source: Path, folder: Path, change) -> Path:

@@ -17,7 +17,7 @@ import yaml
 from chakra.src.third_party.utils.protolib import encodeMessage
 
 from conversion_helpers import read_et_with_protolib
-from trace_tools import simulate
+from trace_tools import cli, simulate
 from trace_tools.simulate import (GIB, Network, SimulationError, find_astra_sim, find_workload, measured_steps,
                                   network_yaml, parse_bandwidth, process_groups, simulate_run, simulate_workload,
                                   system_config, write_configs)
@@ -230,6 +230,32 @@ def test_a_damaged_run_json_is_passed_over_for_the_measured_step_and_named(conve
     assert set(steps) == {0, 1} and 200 < steps[0] < 300
     assert source.startswith(f"traced step (CONVERSION_SUMMARY.md in {folder}); passed over {folder / 'run.json'}: "
                              "ranks[0].step_wall_time_s[0] is NaN, not a time in seconds above 0")
+
+
+def test_without_run_json_the_measurement_says_where_run_json_was_looked_for(converted, tmp_path):
+    """The summary's traced step is not the untraced step the .et durations estimate: a run.json not found (its
+    trace folder moved or gone) is said, not passed over in silence."""
+    folder = tmp_path / "only_et"
+    folder.mkdir()
+    text = (converted / "CONVERSION_SUMMARY.md").read_text().replace(str(converted), str(tmp_path / "gone"))
+    (folder / "CONVERSION_SUMMARY.md").write_text(text)
+    steps, source = measured_steps(folder)
+    assert set(steps) == {0, 1}
+    assert source == (f"traced step (CONVERSION_SUMMARY.md in {folder}); no run.json beside the .et files or in "
+                      f"{tmp_path / 'gone'}, the trace folder CONVERSION_SUMMARY.md names")
+
+
+def test_run_json_is_found_through_the_summary_from_another_working_directory(tmp_path, monkeypatch):
+    """A trace folder given relative, converted into a folder elsewhere: simulate.py run from a third folder still
+    reads the measured steps in the run's run.json, which the summary's record of the folder leads to."""
+    traces = tmp_path / "traces" / "gpt2_tiny_2r"
+    shutil.copytree(BUNDLED, traces)
+    monkeypatch.chdir(tmp_path / "traces")
+    assert cli.main(["gpt2_tiny_2r", "--output-dir", "../converted", "--jobs", "1", "--no-progress"]) == 0
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    steps, source = measured_steps(Path("../converted"))
+    assert set(steps) == {0, 1} and source.endswith(f"(`step_wall_time_s` in {traces / 'run.json'})")
 
 
 # --- errors ---------------------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .layout import RUN_INFO, TRACE_FILE_RE, device_trace_name, host_trace_name
+from .load import json_kind
 
 # <name>_host.json, <name>_device.json.gz, <name>_host.1.json, <name>_host_rank1.json (the seed's flat layout)
 FLAT_FILE = re.compile(r"^(?P<name>.+?)_(?P<kind>host|device)(?:[._](?:rank)?(?P<rank>\d+))?\.json(?:\.gz)?$")
@@ -39,10 +40,9 @@ class Run:
         host, device = self.hosts.get(rank), self.devices.get(rank)
         if host and device:
             return None
-        for kind, found in (("host", host), ("device", device)):
-            folder = None if found else self._folder_in_place(rank, kind)
-            if folder:
-                return f"{folder}: is a directory, expected a {kind} trace file"
+        problem = self.folder_in_place(rank, "host") or self.folder_in_place(rank, "device")
+        if problem:
+            return problem
         if not host and not device:
             return (f"{self.expected(rank, 'host')}: missing, and {self.expected(rank, 'device')} too "
                     f"(the run has ranks {', '.join(str(r) for r in sorted(set(self.hosts) | set(self.devices)))})")
@@ -50,10 +50,14 @@ class Run:
             return f"{self.expected(rank, 'host')}: missing (its device trace {device.name} is there)"
         return f"{self.expected(rank, 'device')}: missing (its host trace {host.name} is there)"
 
-    def _folder_in_place(self, rank: int, kind: str) -> Path | None:
-        """A folder where the rank's trace file belongs (a copy gone wrong), which discovery passes over as no file."""
+    def folder_in_place(self, rank: int, kind: str) -> str | None:
+        """Why the rank's `kind` ("host" or "device") trace cannot be read when a folder is where its file belongs (a
+        copy gone wrong), which discovery passes over as no file; None when there is no such folder, or the file."""
+        if (self.hosts if kind == "host" else self.devices).get(rank):
+            return None
         expected = self.expected(rank, kind)
-        return next((path for path in (expected, expected.with_name(expected.name + ".gz")) if path.is_dir()), None)
+        folder = next((path for path in (expected, expected.with_name(expected.name + ".gz")) if path.is_dir()), None)
+        return f"{folder}: is a directory, expected a {kind} trace file" if folder else None
 
     def expected(self, rank: int, kind: str) -> Path:
         """The file a rank's trace would have, in the layout this run uses."""
@@ -119,7 +123,7 @@ def read_run_info(path: Path) -> tuple[dict | None, str | None]:
         return None, (f"{path}: not valid JSON{where} ({getattr(e, 'msg', e)}): a broken copy of the tracer's file; "
                       "copy it again from the run, or remove it to convert without the run's step times")
     if not isinstance(facts, dict):
-        return None, f"{path}: not a run description (a JSON {type(facts).__name__}, not an object)"
+        return None, f"{path}: not a run description ({json_kind(facts)}, not an object)"
     problem = _measurement_problem(facts)
     if problem:
         return None, (f"{path}: {problem}: a damaged copy of the tracer's file, which never holds such a value; "

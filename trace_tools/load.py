@@ -89,6 +89,16 @@ def describe_json_problem(data: bytes, error: Exception) -> str:
     return f"not valid JSON{where}: {message}"
 
 
+def json_kind(value: object) -> str:
+    """What a parsed JSON value is, in JSON's words: 'JSON null', 'a JSON array'."""
+    if value is None:
+        return "JSON null"
+    if isinstance(value, bool):
+        return f"JSON {str(value).lower()}"
+    kind = "number" if isinstance(value, (int, float)) else "string" if isinstance(value, str) else "array"
+    return f"a JSON {kind}"
+
+
 def _count_concatenated_documents(data: bytes) -> int:
     """How many complete top-level JSON values follow each other in `data` (only called on the error path)."""
     import json
@@ -141,7 +151,7 @@ def iter_document(path: Path, data: bytes, array_key: str, chunk_bytes: int = CH
             return header, _iter_array_slices(path, data, array_key, start, end, chunk_bytes)
     document = _loads(path, data)
     if not isinstance(document, dict):
-        raise TraceError(path, f"expected a JSON object at the top level, found {type(document).__name__}")
+        raise TraceError(path, f"expected a JSON object at the top level, found {json_kind(document)}")
     elements = document.pop(array_key, None)
     if elements is not None and not isinstance(elements, list):
         raise TraceError(path, f'"{array_key}" is not a list')

@@ -18,7 +18,9 @@ from typing import Iterable, Optional
 import orjson
 
 from .atomic import atomic_output, process_is_alive
+from .discover import find_runs
 from .layout import PG_INIT_NODE
+from .load import json_kind
 
 # Host trace schemas PyTorch has written so far: "1.0.1" (torch 2.0-2.2, the GPU fixtures), then
 # "1.0.2-chakra.0.0.4" ... "1.1.1-chakra.0.0.4" and "1.1.1-chakra.1.0.0". A 2.x would change the node layout.
@@ -507,7 +509,7 @@ def _with_bom(analysis: _Analysis, scan: _Scan) -> None:
 
 def _analyse_parsed(path: Path, obj: object, keep_document: bool) -> _Analysis:
     if not isinstance(obj, dict):
-        return _Analysis(Diagnosis(path, NOT_HOST_TRACE, f"{_json_kind(obj)}, not an ExecutionTraceObserver host trace "
+        return _Analysis(Diagnosis(path, NOT_HOST_TRACE, f"{json_kind(obj)}, not an ExecutionTraceObserver host trace "
                                                          "(a JSON object with 'schema' and 'nodes')"))
     nodes = obj.get("nodes")
     problem = _schema_problem(obj, isinstance(nodes, list))
@@ -525,16 +527,6 @@ def _analyse_parsed(path: Path, obj: object, keep_document: bool) -> _Analysis:
         return _Analysis(Diagnosis(path, NO_OPERATORS, NO_OPERATORS_PROBLEM.format(nodes=len(nodes)),
                                    schema=obj["schema"], nodes=len(nodes)))
     return _Analysis(Diagnosis(path, VALID, schema=obj["schema"], nodes=len(nodes), document=obj if keep_document else None))
-
-
-def _json_kind(value: object) -> str:
-    """What a parsed JSON value is, in JSON's words: 'JSON null', 'a JSON array'."""
-    if value is None:
-        return "JSON null"
-    if isinstance(value, bool):
-        return f"JSON {str(value).lower()}"
-    kind = "number" if isinstance(value, (int, float)) else "string" if isinstance(value, str) else "array"
-    return f"a JSON {kind}"
 
 
 def _is_operator(node: object) -> bool:
@@ -940,7 +932,8 @@ def repair_host_trace(path, *, keep_original: bool = True, check_only: bool = Fa
 
 def find_host_traces(paths: Iterable) -> tuple:
     """Host trace files under the given files and folders: (files, problems) where problems are one-line errors
-    for paths that do not exist or folders holding no host trace. A file named explicitly is taken whatever its name."""
+    for paths that do not exist, folders holding no host trace, and folders where a run's host trace belongs. A file
+    named explicitly is taken whatever its name."""
     files: list = []
     problems: list = []
     for raw_path in paths:
@@ -955,7 +948,11 @@ def find_host_traces(paths: Iterable) -> tuple:
         for root, dirs, names in os.walk(path):
             dirs[:] = sorted(d for d in dirs if d not in SKIP_DIRS and not d.startswith("."))
             found.extend(Path(root) / name for name in sorted(names) if HOST_NAME_RE.search(name))
-        if not found:
+        # A folder where a run's host trace belongs (a copy gone wrong) is named, as convert_to_et.py names it
+        in_place = [problem for run in find_runs([path]) for rank in run.ranks
+                    if (problem := run.folder_in_place(rank, "host"))]
+        problems.extend(f"error: {problem}" for problem in in_place)
+        if not found and not in_place:
             problems.append(f"error: {path}: no host traces found (host.<rank>.json[.gz] or <name>_host.json[.gz])")
         files.extend(found)
     unique = list(dict.fromkeys(files))

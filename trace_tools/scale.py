@@ -35,6 +35,7 @@ from chakra.src.third_party.utils.protolib import encodeMessage
 from .atomic import folder_held, write_text_atomic
 from .layout import ET_FILE_RE, RUN_INFO, et_name, et_sets
 from .link import COMM_TYPE_NAMES, COMMUNICATION_CPU_ATTR
+from .load import json_kind
 from .pipeline import _writable, fallback_output_dir
 from .summary import (converted_from, et_fingerprint, format_bytes, read_status_comment, status_comment,
                       unrecorded_et_file)
@@ -312,12 +313,7 @@ def find_run_info(source: SourceSet) -> Path | None:
     if beside.is_file():
         return beside
     traces = converted_from(source.folder)
-    if traces is None:
-        return None
-    for candidate in (traces, source.folder / traces):
-        if (candidate / RUN_INFO).is_file():
-            return candidate / RUN_INFO
-    return None
+    return traces / RUN_INFO if traces is not None and (traces / RUN_INFO).is_file() else None
 
 
 def declared_parallelism(run_info: Path) -> tuple[bool, str]:
@@ -327,6 +323,8 @@ def declared_parallelism(run_info: Path) -> tuple[bool, str]:
         info = json.loads(run_info.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
         return False, f"{run_info}: unreadable ({e})"
+    if not isinstance(info, dict):
+        return False, f"{run_info}: not a run description ({json_kind(info)}, not an object)"
     parallelism = info.get("parallelism")
     if isinstance(parallelism, str):
         return parallelism.lower() in DATA_PARALLEL_NAMES, f"{run_info}: parallelism {parallelism!r}"

@@ -581,16 +581,18 @@ def measured_steps(folder: Path) -> tuple[dict[int, float], str]:
     """Measured step per rank in ms, and where it comes from: run.json's untraced steps (what the .et durations
     estimate: the run's first step, its start-up, left out as the conversion leaves it out, trace_tools.step_timing),
     else its traced steps, else the traced step in CONVERSION_SUMMARY.md. A damaged run.json is passed over, and
-    the source says so."""
+    the source says so, as it says where run.json was looked for when there is none."""
     from .summary import converted_from
 
-    passed_over = ""
-    for candidate in (folder, converted_from(folder)):
+    traces = converted_from(folder)
+    note, read_one = "", False
+    for candidate in (folder, traces):
         if candidate is None or not (candidate / RUN_INFO).is_file():
             continue
+        read_one = True
         info, problem = read_run_info(candidate / RUN_INFO)
         if problem:
-            passed_over = f"; passed over {problem}"
+            note = f"; passed over {problem}"
             continue
         entries = info.get("ranks") or []
         untraced = {entry["rank"]: times.untraced_median_us / 1e3 for entry in entries
@@ -605,8 +607,12 @@ def measured_steps(folder: Path) -> tuple[dict[int, float], str]:
     status = _summary_status(folder)
     steps = {rank: s["traced_step_us"] / 1e3 for rank, s in status.items() if s["traced_step_us"]}
     if steps:
-        return steps, f"traced step (CONVERSION_SUMMARY.md in {folder}){passed_over}"
-    return {}, f"none found (no usable run.json, no CONVERSION_SUMMARY.md){passed_over}"
+        if not read_one:  # the traced step is not what the .et durations estimate: say where run.json was sought
+            elsewhere = traces is not None and traces.resolve() != folder.resolve()
+            note = (f"; no {RUN_INFO} beside the .et files"
+                    + (f" or in {traces}, the trace folder {CONVERSION_SUMMARY} names" if elsewhere else ""))
+        return steps, f"traced step ({CONVERSION_SUMMARY} in {folder}){note}"
+    return {}, f"none found (no usable run.json, no CONVERSION_SUMMARY.md){note}"
 
 
 def check_against_summary(workload: Path, ranks: int) -> None:

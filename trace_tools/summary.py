@@ -224,8 +224,9 @@ def render_run_summary(result: RunResult) -> str:
     lines = [
         f"# Conversion summary: {run.name}",
         "",
-        f"Converted {datetime.datetime.now().strftime('%Y-%m-%d %H:%M:%S')} by trace_tools from `{run.folder}`: "
-        f"{ok} of {len(result.ranks)} ranks converted{state}.",
+        # The trace folder absolute: simulate.py and scale_et.py read run.json there from other working directories
+        f"Converted {datetime.datetime.now().strftime('%Y-%m-%d %H:%M:%S')} by trace_tools from "
+        f"`{run.folder.resolve()}`: {ok} of {len(result.ranks)} ranks converted{state}.",
         "",
         f"ASTRA-sim: `--workload-configuration={result.output_dir / run.name}` (reads `{run.name}.<rank>.et`).",
         "",
@@ -366,12 +367,17 @@ def unrecorded_et_file(folder: Path, name: str, ranks: Iterable[int], *,
 
 
 def converted_from(output_dir: Path) -> Path | None:
-    """The trace folder the conversion into output_dir read, as its CONVERSION_SUMMARY.md names it (None if unknown)."""
+    """The trace folder the conversion into output_dir read, as its CONVERSION_SUMMARY.md names it (None if unknown).
+    Summaries record it absolute; older ones as it was typed, relative to a working directory no longer known: that
+    path from here when it is a folder, else from output_dir."""
     try:
         match = re.search(r"by trace_tools from `([^`]+)`", (output_dir / CONVERSION_SUMMARY).read_text(encoding="utf-8"))
     except OSError:
         return None
-    return Path(match[1]) if match else None
+    if not match:
+        return None
+    recorded = Path(match[1])
+    return next((path for path in (recorded, output_dir / recorded) if path.is_dir()), recorded)
 
 
 def render_table(results: list[RunResult]) -> str:
