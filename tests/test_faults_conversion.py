@@ -433,9 +433,11 @@ def test_new_window_moves_the_previous_traces_et_summary_and_report_aside(tmp_pa
     run = tmp_path / "mlp"
     old_host = (run / "host.0.json").read_bytes()
     derived = ["mlp.0.et", "CONVERSION_SUMMARY.md", "report.md", "report.json", "report_breakdown.png",
-               "report_timeline_rank0.png", "host.0.json.orig"]
+               "report_timeline_rank0.png", "host.0.json.orig", "SIMULATION.md"]
     for name in derived:
         (run / name).write_text("old")
+    (run / "astra-sim").mkdir()  # simulate.py's folder of the old .et files: had stayed beside the new traces
+    (run / "astra-sim" / "astra-sim.out").write_text("old")
     (run / "notes.txt").write_text("mine")
     train_mlp(ChakraTracer(tmp_path, "mlp", run_info={"model": "mlp"}), steps=3)
     assert sorted(p.name for p in run.iterdir()) == ["device.0.json", "host.0.json", "notes.txt", "run.json",
@@ -443,6 +445,7 @@ def test_new_window_moves_the_previous_traces_et_summary_and_report_aside(tmp_pa
     previous = tmp_path / ".previous" / "mlp"
     assert (previous / "host.0.json").read_bytes() == old_host
     assert all((previous / name).read_text() == "old" for name in derived)
+    assert (previous / "astra-sim" / "astra-sim.out").read_text() == "old"
     assert json.loads((previous / "run.json").read_text())["run_id"] != json.loads((run / "run.json").read_text())["run_id"]
 
 
