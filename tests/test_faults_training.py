@@ -365,7 +365,8 @@ def test_resumed_run_with_fewer_steps_left_than_the_trace_window_is_refused(step
     wait, warmup, active = window
     status, save_dir, _ = train("gpt2", tmp_path, *QUICK, "--max-steps", steps, "--resume-from", str(checkpoint),
                                 "--enable-tracing", "--trace-output-dir", str(out), "--trace-wait-steps", wait,
-                                "--trace-warmup-steps", warmup, "--trace-active-steps", active)
+                                "--trace-warmup-steps", warmup, "--trace-active-steps", active,
+                                "--trace-after-steps", "1")  # a step timed untraced after the window
     fails_with_one_line(status, capsys, f"--resume-from {checkpoint}: resumes at step 2 of {steps}, leaving {left} "
                         f"step(s), fewer than the trace window of {sum(map(int, window))}",
                         f"raise --max-steps to at least {enough}")

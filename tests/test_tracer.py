@@ -420,13 +420,45 @@ def test_a_run_too_short_for_the_shortest_window_is_refused(flags, window, capsy
                            "--max-steps or lower the --trace-*-steps")
 
 
+@pytest.mark.parametrize("flags, what", [
+    (["--trace-wait-steps", "0"], "--trace-wait-steps 0 and --trace-after-steps 0"),
+    (["--trace-wait-steps", "1", "--trace-after-steps", "0"], "--trace-wait-steps 1 and --trace-after-steps 0"),
+    (["--trace-wait-steps", "1", "--trace-warmup-steps", "1", "--trace-active-steps", "2", "--max-steps", "4"],
+     "--trace-wait-steps 1 and --max-steps 4 (no untraced step after the window)"),
+])
+def test_a_window_that_times_no_untraced_step_after_the_first_is_refused(flags, what, capsys):
+    """--trace-wait-steps 0 timed no untraced step at all (its after-steps default to the wait steps), and wait 1
+    only step 0, which the conversion leaves out as start-up: the GPT-2 tiny .et kept the profiler's cost, 39.5 ms for
+    a 15.9 ms step, with exit 0 and no warning."""
+    with pytest.raises(SystemExit) as stopped:
+        parse_tracing_args("--enable-tracing", *flags)
+    [line] = capsys.readouterr().err.splitlines()
+    assert stopped.value.code == 2
+    assert line.startswith(f"error: {what} time no untraced step after the run's first, so the .et would keep the "
+                           "profiler's cost: give --trace-wait-steps 2 or more, or --trace-after-steps 1 or more"), line
+    # One timed step on either side of the window is enough
+    assert parse_tracing_args("--enable-tracing", "--trace-wait-steps", "0", "--trace-after-steps", "1")
+    assert parse_tracing_args("--enable-tracing", "--trace-wait-steps", "2", "--trace-after-steps", "0")
+
+
 # ---- early ends and reruns -----------------------------------------------------------------------------------
 def test_run_stopped_before_the_window_writes_nothing_and_says_why(tmp_path, caplog):
     tracer = ChakraTracer(tmp_path, "short", wait_steps=2, warmup_steps=1, active_steps=1, run_info={"model": "m"})
     with caplog.at_level("WARNING", logger="utils.chakra_tracer"):
         train(tiny_mlp(), tracer, steps=2)
-    assert "no trace written: the run ended after 2 optimizer steps, before trace step 3" in caplog.text
+    assert "no trace written: the run ended at step 2, before the first traced step, 4" in caplog.text
     assert list((tmp_path / "short").iterdir()) == []
+
+
+def test_the_tracers_messages_number_steps_as_the_log_does_after_a_resume(tmp_path, caplog):
+    """Resumed from checkpoint-10, a run logged 'step 11/20 ... in the trace window' while the tracer said it traced
+    optimizer steps [6, 7, 8]: run.json's numbers, counted from 0 at the tracer's start."""
+    tracer = ChakraTracer(tmp_path, "resumed", wait_steps=2, warmup_steps=1, active_steps=3, run_info={"model": "m"},
+                          first_log_step=11)
+    with caplog.at_level("INFO", logger="utils.chakra_tracer"):
+        train(tiny_mlp(), tracer, steps=4)
+    assert "tracing steps 14-16 of the log" in caplog.text and "run.json's traced_steps [3, 4, 5]" in caplog.text
+    assert "the trace window (steps 14-16) was cut short after step 14 (the run ended at step 14)" in caplog.text
 
 
 def test_error_after_the_window_keeps_valid_traces_and_propagates(tmp_path):
@@ -456,7 +488,7 @@ def test_error_inside_the_window_writes_nothing_and_keeps_the_earlier_trace(tmp_
     tracer = ChakraTracer(tmp_path, "mid", wait_steps=0, warmup_steps=1, active_steps=3, run_info={"model": "m"})
     with caplog.at_level("WARNING", logger="utils.chakra_tracer"), pytest.raises(RuntimeError, match="boom"):
         train(tiny_mlp(), tracer, steps=6, fail_at=3)
-    assert "no trace written: the trace window (steps 1-3) was cut short after step 2" in caplog.text
+    assert "no trace written: the trace window (steps 2-4) was cut short after step 3" in caplog.text
     assert folder_files(tmp_path) == before  # not moved to .previous/, no partial file left
 
 
@@ -466,7 +498,7 @@ def test_run_stopped_inside_the_window_by_a_signal_writes_nothing_and_keeps_the_
     tracer = ChakraTracer(tmp_path, "mid", wait_steps=1, warmup_steps=0, active_steps=20, run_info={"model": "m"})
     with caplog.at_level("WARNING", logger="utils.chakra_tracer"):
         train(tiny_mlp(), tracer, steps=4)
-    assert "no trace written: the trace window (steps 1-20) was cut short after step 3 (the run ended after 4" in caplog.text
+    assert "no trace written: the trace window (steps 2-21) was cut short after step 4 (the run ended at step 4" in caplog.text
     assert folder_files(tmp_path) == before
 
 

@@ -56,7 +56,8 @@ def default_trace_name(model: str, world_size: int, device_type: str) -> str:
 
 
 def build_tracer(config: RunConfig, *, rank: int, world_size: int, local_rank: int,
-                 device: torch.device | str, run_info: dict[str, Any]) -> ChakraTracer | NullTracer:
+                 device: torch.device | str, run_info: dict[str, Any], first_log_step: int = 1
+                 ) -> ChakraTracer | NullTracer:
     """ChakraTracer when --enable-tracing is given, else a NullTracer that does nothing.
 
     Args:
@@ -66,6 +67,7 @@ def build_tracer(config: RunConfig, *, rank: int, world_size: int, local_rank: i
         run_info: what the trainer knows, written to run.json: "model" (name, used for the default trace name),
             "model_config", "batch_size_per_rank", "sequence_length", "precision", "compile", "attention",
             "gradient_accumulation_steps", and anything else worth keeping.
+        first_log_step: the number the run's log gives the tracer's first step (a resumed run's is past 1).
     """
     if not config.tracing.enable_tracing:
         return NullTracer()
@@ -76,7 +78,7 @@ def build_tracer(config: RunConfig, *, rank: int, world_size: int, local_rank: i
     return ChakraTracer(
         output_dir=config.tracing.trace_output_dir, trace_name=trace_name, wait_steps=wait,
         warmup_steps=warmup, active_steps=active, after_steps=config.trace_after_steps, rank=rank,
-        world_size=world_size, local_rank=local_rank, device=device, run_info=run_info)
+        world_size=world_size, local_rank=local_rank, device=device, run_info=run_info, first_log_step=first_log_step)
 
 
 class NullTracer:
@@ -126,7 +128,7 @@ class ChakraTracer:
     def __init__(self, output_dir: str | os.PathLike, trace_name: str, wait_steps: int = 1, warmup_steps: int = 1,
                  active_steps: int = 1, after_steps: int | None = None, rank: int = 0, world_size: int = 1,
                  local_rank: int = 0, device: torch.device | str = "cpu",
-                 run_info: dict[str, Any] | None = None) -> None:
+                 run_info: dict[str, Any] | None = None, first_log_step: int = 1) -> None:
         after_steps = wait_steps if after_steps is None else after_steps
         if active_steps < 1 or wait_steps < 0 or warmup_steps < 0 or after_steps < 0:
             raise ValueError(f"trace window needs wait >= 0, warmup >= 0, active >= 1, after >= 0; "
@@ -140,6 +142,9 @@ class ChakraTracer:
         self.rank, self.world_size, self.local_rank = rank, world_size, local_rank
         self.device = torch.device(device)
         self.run_info = dict(run_info or {})
+        # The number the run's log gives the tracer's step 0 (run.json counts from 0 at the tracer's start; the log
+        # from 1 at the run's, a resumed run's from its checkpoint): the messages use the log's numbers
+        self.first_log_step = first_log_step
         self.first_traced_step = wait_steps + warmup_steps
         self.traced_steps = list(range(self.first_traced_step, self.first_traced_step + active_steps))
         self.last_timed_step = self.traced_steps[-1] + after_steps
@@ -181,7 +186,9 @@ class ChakraTracer:
         except BaseException:
             self._release_lock()
             raise
-        logger.info("rank %d: tracing optimizer steps %s into %s", self.rank, self.traced_steps, self.trace_dir)
+        logger.info("rank %d: tracing steps %s of the log into %s (run.json's traced_steps %s, counted from 0 at the "
+                    "tracer's start)", self.rank, self._log_steps(self.traced_steps), self.trace_dir,
+                    self.traced_steps)
         self._step_clocks = StepClocks.read(self._now(sync=True))
         return self
 
@@ -229,6 +236,15 @@ class ChakraTracer:
             self._observer = self._profiler = None
             self._discard_traces()
             raise
+
+    def _log_step(self, step: int) -> int:
+        """The log's number of the tracer's step `step`."""
+        return self.first_log_step + step
+
+    def _log_steps(self, steps: list[int]) -> str:
+        """The log's numbers of consecutive tracer steps: '7-9', or '7' for one."""
+        first, last = self._log_step(steps[0]), self._log_step(steps[-1])
+        return f"{first}-{last}" if last != first else str(first)
 
     def start_step(self, after_own_work: bool = False) -> None:
         """The coming optimizer step begins now: restart its clocks, which step() started when the last step ended.
@@ -351,14 +367,14 @@ class ChakraTracer:
             # say so, but leave the run's own exit status alone.
             self._discard_traces()
             if traced:
-                logger.warning("%s: no trace written: the trace window (steps %d-%d) was cut short after step %d (the "
-                               "run ended after %d optimizer steps); its partial files were removed and the folder "
-                               "left as it was", self.trace_dir, self.traced_steps[0], self.traced_steps[-1],
-                               traced[-1], self._step)
+                logger.warning("%s: no trace written: the trace window (steps %s) was cut short after step %d (the "
+                               "run ended at step %d); its partial files were removed and the folder left as it was",
+                               self.trace_dir, self._log_steps(self.traced_steps), self._log_step(traced[-1]),
+                               self._log_step(self._step - 1))
             else:
-                logger.warning("%s: no trace written: the run ended after %d optimizer steps, before trace step %d "
-                               "(wait %d + warmup %d)", self.trace_dir, self._step, self.first_traced_step,
-                               self.wait_steps, self.warmup_steps)
+                logger.warning("%s: no trace written: the run ended at step %d, before the first traced step, %d "
+                               "(after wait %d + warmup %d)", self.trace_dir, self._log_step(self._step - 1),
+                               self._log_step(self.first_traced_step), self.wait_steps, self.warmup_steps)
         # A rank that raised cannot count on the others joining a collective, so only gather on a clean exit.
         ranks = self._gather_rank_reports(errors, completed, gather=not failed and not self._ranks_lost)
         failing = [e for r in ranks for e in r["errors"]]
@@ -670,7 +686,8 @@ class ChakraTracer:
             "machine_busy": any((r.get("machine_load") or {}).get("busy") for r in ranks),
         }
         write_text_atomic(self.trace_dir / RUN_INFO, json.dumps(info, indent=2, default=str) + "\n")
-        logger.info("traces of steps %s from %d rank(s) in %s", completed, len(ranks), self.trace_dir)
+        logger.info("traces of steps %s of the log from %d rank(s) in %s", self._log_steps(completed), len(ranks),
+                    self.trace_dir)
 
 
 class TraceDirLock(SaveDirLock):

@@ -176,6 +176,14 @@ class RunConfig:
             raise ConfigError(f"--max-steps {max_steps} is shorter than the trace window of {sum(window)} steps (wait "
                               f"{window[0]} + warmup {window[1]} + active {window[2]}{shortest}); raise --max-steps "
                               "or lower the --trace-*-steps")
+        if self.tracing.enable_tracing and not self.timed_untraced_steps():
+            # The conversion takes the profiler's cost out of the .et against the untraced pace (the run's first step,
+            # its start-up, is not used): with none timed, the .et keeps it, about 2x a GPT-2 tiny step
+            after = (f"--trace-after-steps {self.trace_after_steps}" if max_steps is None else
+                     f"--max-steps {max_steps} (no untraced step after the window)")
+            raise ConfigError(f"--trace-wait-steps {window[0]} and {after} time no untraced step after the run's "
+                              "first, so the .et would keep the profiler's cost: give --trace-wait-steps 2 or more, "
+                              "or --trace-after-steps 1 or more")
 
     @property
     def trace_window(self) -> "tuple[int, int, int]":
@@ -187,6 +195,15 @@ class RunConfig:
         the window: a --max-steps that ends the run sooner leaves the tracer fewer to time."""
         after = self.tracing.trace_after_steps
         return after if after is not None else self.trace_window[0]
+
+    def timed_untraced_steps(self) -> int:
+        """Untraced steps the tracer times that the conversion uses: the wait steps but the run's first, and the
+        steps after the window that the run reaches."""
+        wait, warmup, active = self.trace_window
+        after = self.trace_after_steps
+        if self.optim.max_steps is not None:
+            after = max(0, min(after, self.optim.max_steps - wait - warmup - active))
+        return max(0, wait - 1) + after
 
     def planned_steps(self, steps_per_epoch: int) -> int:
         """--max-steps, else --test's 10 (longer if the trace window needs it), else the trace window and the untraced

@@ -843,7 +843,7 @@ class Trainer:
                         unit="step", disable=None if ctx.is_main_process else True, dynamic_ncols=True)
         around_bar = contextlib.nullcontext() if progress.disable else console_logging_around_bar()
         with build_tracer(self.config, rank=ctx.rank, world_size=ctx.world_size, local_rank=ctx.local_rank,
-                          device=self.device, run_info=self._run_info()) as tracer, \
+                          device=self.device, run_info=self._run_info(), first_log_step=self.step + 1) as tracer, \
                 around_bar:
             evaluation_due = checkpoint_due = own_work = False  # own_work: the loop's own, since the last step
             try:
