@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import shutil
@@ -254,6 +255,54 @@ def test_run_json_is_found_through_the_summary_from_another_working_directory(tm
     monkeypatch.chdir(tmp_path / "elsewhere")
     result = scale_set(Path("../converted"), 4, output_dir=tmp_path / "out")
     assert result.parallelism.startswith(str(traces / "run.json"))
+
+
+TIMED = "gpt2_2x128_2r_buckets"  # its run.json and device traces carry the run id
+
+
+def retraced(tmp_path: Path, converted_run: dict | None, new_run: dict) -> tuple[Path, Path, Path]:
+    """TIMED (its run.json updated with converted_run) converted into a folder of its own, then traced again under
+    the same name: the run's files move to .previous/<name>/, as the tracer moves them, and the new run's run.json
+    (another run id) is its own updated with new_run. Returns the converted folder, the trace folder and
+    .previous/<name>/."""
+    traces = tmp_path / "traces" / TIMED
+    shutil.copytree(CPU_FIXTURES / TIMED, traces)
+    info = json.loads((traces / "run.json").read_text())
+    if converted_run:
+        (traces / "run.json").write_text(json.dumps({**info, **converted_run}))
+    converted = tmp_path / "converted"
+    assert convert_runs(find_runs([traces]), output_dir=converted, jobs=1, progress=False)[0].ok
+    previous = tmp_path / "traces" / ".previous" / TIMED
+    previous.parent.mkdir()
+    traces.rename(previous)
+    traces.mkdir()
+    (traces / "run.json").write_text(json.dumps({**info, "run_id": "20261124T090000Z-0123456789ab", **new_run}))
+    return converted, traces, previous
+
+
+def test_after_a_retrace_the_parallelism_is_the_converted_runs_not_the_new_runs(tmp_path):
+    """A tensor-parallel run converted, then a data-parallel one traced under its name: the .et files are still
+    the tensor-parallel run's, which its run.json in .previous/ says."""
+    converted, traces, previous = retraced(tmp_path, {"parallelism": {"data_parallel": 1, "tensor_parallel": 2}},
+                                           {"parallelism": {"data_parallel": 2, "tensor_parallel": 1}})
+    with pytest.raises(NotDataParallelError) as error:
+        scale_set(converted, 4, output_dir=tmp_path / "out")
+    assert f"not data-parallel: {previous / 'run.json'}: parallelism" in str(error.value)
+    assert '"tensor_parallel": 2' in str(error.value)
+
+
+def test_after_a_retrace_another_runs_run_json_is_passed_over_and_named(tmp_path):
+    converted, traces, previous = retraced(tmp_path, None, {"parallelism": "tensor"})
+    result = scale_set(converted, 4, output_dir=tmp_path / "out")
+    assert result.parallelism.startswith(f"{previous / 'run.json'}: our trainer's DDP run")
+    shutil.rmtree(previous)
+    with pytest.raises(NotDataParallelError) as error:
+        scale_set(converted, 4, output_dir=tmp_path / "refused")
+    run_id = json.loads((CPU_FIXTURES / TIMED / "run.json").read_text())["run_id"]
+    assert str(error.value) == (f"{converted}: no run.json of the run the .et files were made from says it is "
+                                f"data-parallel; passed over {traces / 'run.json'}: another run's (run_id "
+                                f"20261124T090000Z-0123456789ab; the .et files in {converted} were made from run "
+                                f"{run_id}); if it is, --assume-data-parallel scales it anyway")
 
 
 def _rewritten(source: Path, folder: Path, change) -> Path:

@@ -258,6 +258,86 @@ def test_run_json_is_found_through_the_summary_from_another_working_directory(tm
     assert set(steps) == {0, 1} and source.endswith(f"(`step_wall_time_s` in {traces / 'run.json'})")
 
 
+TIMED = REPO / "tests" / "data" / "cpu" / "gpt2_2x128_2r_buckets"  # its run.json and device traces carry the run id
+ANOTHER_RUN_ID = "20261124T090000Z-0123456789ab"
+
+
+@pytest.fixture
+def retraced(tmp_path) -> dict:
+    """A run converted into a folder of its own, then traced again under the same name: as the tracer does, the
+    run's files move to <trace-output-dir>/.previous/<name>/ and the new run writes its own run.json (another run
+    id, steps half as long). Returns the folders and the steps measured before the new run."""
+    traces = tmp_path / "traces" / TIMED.name
+    shutil.copytree(TIMED, traces)
+    converted = tmp_path / "converted"
+    assert cli.main([str(traces), "--output-dir", str(converted), "--jobs", "1", "--no-progress"]) == 0
+    before, source = measured_steps(converted)
+    assert source.endswith(f"(`untraced_step_wall_time_s` in {traces / 'run.json'})")
+    previous = tmp_path / "traces" / ".previous" / TIMED.name
+    previous.parent.mkdir()
+    traces.rename(previous)  # a rename keeps the files' size and time, which the summary recorded
+    traces.mkdir()
+    info = json.loads((previous / "run.json").read_text())
+    info["run_id"] = ANOTHER_RUN_ID
+    for rank in info["ranks"]:
+        for key in ("step_wall_time_s", "untraced_step_wall_time_s"):
+            rank[key] = [seconds / 2 for seconds in rank[key]]
+    (traces / "run.json").write_text(json.dumps(info))
+    return {"converted": converted, "traces": traces, "previous": previous, "before": before,
+            "run_id": json.loads((TIMED / "run.json").read_text())["run_id"]}
+
+
+def test_after_a_retrace_the_measurement_is_the_converted_runs_moved_to_previous(retraced):
+    """The trace folder's run.json is the new run's: the .et files are compared with the run they were made from,
+    whose run.json the tracer moved to .previous/, and the source names the one passed over."""
+    steps, source = measured_steps(retraced["converted"])
+    assert steps == retraced["before"]
+    assert source == (f"untraced steps after the run's first, median per rank (`untraced_step_wall_time_s` in "
+                      f"{retraced['previous'] / 'run.json'}); passed over {retraced['traces'] / 'run.json'}: another "
+                      f"run's (run_id {ANOTHER_RUN_ID}; the .et files in {retraced['converted']} were made from run "
+                      f"{retraced['run_id']})")
+
+
+def test_after_a_retrace_without_previous_the_summarys_step_stands_in_and_says_to_convert_again(retraced):
+    shutil.rmtree(retraced["previous"].parent)
+    steps, source = measured_steps(retraced["converted"])
+    new_run = {rank: ms / 2 for rank, ms in retraced["before"].items()}
+    assert set(steps) == {0, 1} and steps != pytest.approx(new_run)
+    converted, traces = retraced["converted"], retraced["traces"]
+    assert source == (f"traced step (CONVERSION_SUMMARY.md in {converted}); passed over {traces / 'run.json'}: "
+                      f"another run's (run_id {ANOTHER_RUN_ID}; the .et files in {converted} were made from run "
+                      f"{retraced['run_id']}); convert_remaining.py {traces} --output-dir {converted} converts the "
+                      "traces as they are now")
+
+
+def test_a_run_json_without_run_id_is_the_converted_one_only_if_it_is_the_file_the_conversion_read(retraced):
+    """An older tracer's run.json carries no run id: the size and time the summary recorded tell it."""
+    shutil.rmtree(retraced["previous"].parent)
+    run_json = retraced["traces"] / "run.json"
+    info = json.loads(run_json.read_text())
+    del info["run_id"]
+    run_json.write_text(json.dumps(info))
+    steps, source = measured_steps(retraced["converted"])
+    assert source.startswith(f"traced step (CONVERSION_SUMMARY.md in {retraced['converted']}); passed over "
+                             f"{run_json}: not the run.json the .et files in {retraced['converted']} were converted "
+                             "with (its size or time differ from those CONVERSION_SUMMARY.md recorded, and it has no "
+                             "run id to tell)")
+
+
+def test_a_summary_that_records_no_run_identity_reads_run_json_as_before(retraced):
+    """Summaries older than the record of the traces' run id and run.json: the trace folder's run.json is read."""
+    summary = retraced["converted"] / "CONVERSION_SUMMARY.md"
+    text = summary.read_text()
+    status = json.loads(re.search(r"<!-- trace_tools-status\n(.*?)\n-->", text, re.S)[1])
+    for rank in status.values():
+        del rank["inputs"], rank["identity"]
+    summary.write_text(re.sub(r"(<!-- trace_tools-status\n).*?(\n-->)",
+                              lambda m: m[1] + json.dumps(status) + m[2], text, flags=re.S))
+    steps, source = measured_steps(retraced["converted"])
+    assert steps == pytest.approx({rank: ms / 2 for rank, ms in retraced["before"].items()})
+    assert source.endswith(f"(`untraced_step_wall_time_s` in {retraced['traces'] / 'run.json'})")
+
+
 # --- errors ---------------------------------------------------------------------------------------------------
 
 def test_no_binary_says_how_to_get_one(monkeypatch):
@@ -911,6 +991,20 @@ def test_the_command_line_prints_predicted_beside_measured_and_writes_simulation
     assert "python3 simulate.py" in text and "--bandwidth 2Gbit/s" in text
     assert "| 0 |" in text and "| 1 |" in text
     assert yaml.safe_load((converted / "astra-sim" / "network.yml").read_text())["latency"] == [1000.0]
+
+
+def test_simulate_py_after_a_retrace_compares_with_the_run_the_et_files_were_made_from(retraced, astra_sim):
+    converted, traces = retraced["converted"], retraced["traces"]
+    proc = run_cli(converted, "--bandwidth", "10Gbit/s", "--astra-sim", str(astra_sim), "--no-cpu-bound")
+    assert proc.returncode == 0, proc.stderr
+    measured = next(line for line in proc.stdout.splitlines() if line.startswith("measured: "))
+    assert f"in {retraced['previous'] / 'run.json'})" in measured
+    assert f"passed over {traces / 'run.json'}: another run's (run_id {ANOTHER_RUN_ID};" in measured
+    lines = proc.stdout.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("rank"))
+    for row in (line.split() for line in lines[header + 2:header + 4]):
+        assert float(row[2].replace(",", "")) == pytest.approx(retraced["before"][int(row[0])], abs=0.05)
+    assert f"- measured: {measured[len('measured: '):]}" in (converted / "SIMULATION.md").read_text()
 
 
 @needs_astra_sim

@@ -23,7 +23,7 @@ from .command_line import ArgumentParser, StopSignal
 from .discover import read_run_info
 from .layout import CONVERSION_SUMMARY, RUN_INFO, SIMULATION_FILE, et_name, et_sets
 from .step_timing import step_times_of
-from .summary import records_set, unrecorded_et_file
+from .summary import converted_from, reconvert_command, records_set, unrecorded_et_file
 from .validate import CLOCK_LIMIT_NS, collectives_agree, group_members, validate_et
 
 ASTRA_SIM_ENV = "ASTRA_SIM"
@@ -580,30 +580,41 @@ def _median_seconds(value) -> float | None:
 def measured_steps(folder: Path) -> tuple[dict[int, float], str]:
     """Measured step per rank in ms, and where it comes from: run.json's untraced steps (what the .et durations
     estimate: the run's first step, its start-up, left out as the conversion leaves it out, trace_tools.step_timing),
-    else its traced steps, else the traced step in CONVERSION_SUMMARY.md. A damaged run.json is passed over, and
-    the source says so, as it says where run.json was looked for when there is none."""
-    from .summary import converted_from
+    else its traced steps, else the traced step in CONVERSION_SUMMARY.md. run.json is the one of the run the .et
+    files were made from (scale.run_info_files: beside them, in their trace folder, or, that run traced again
+    since, in its .previous/ folder). A damaged run.json, or another run's, is passed over, and the source says so,
+    as it says where run.json was looked for when there is none."""
+    from .scale import ConvertedRun, run_info_files
 
     traces = converted_from(folder)
-    note, read_one = "", False
-    for candidate in (folder, traces):
-        if candidate is None or not (candidate / RUN_INFO).is_file():
-            continue
+    run = ConvertedRun.recorded_in(folder)
+    candidates, previous = run_info_files(folder)
+    note, read_one, other_run = "", False, False
+    for candidate in candidates:
+        info, problem = read_run_info(candidate)
+        if candidate == previous and not run.holds(candidate, info):
+            continue  # an earlier run's, or not known to be this one's
         read_one = True
-        info, problem = read_run_info(candidate / RUN_INFO)
         if problem:
-            note = f"; passed over {problem}"
+            note += f"; passed over {problem}"
+            continue
+        other = run.other_run(candidate, info)
+        if other:
+            note += f"; passed over {candidate}: {other}"
+            other_run = True
             continue
         entries = info.get("ranks") or []
         untraced = {entry["rank"]: times.untraced_median_us / 1e3 for entry in entries
                     if (times := step_times_of(info, entry["rank"])) is not None}
         if untraced:
             return untraced, ("untraced steps after the run's first, median per rank (`untraced_step_wall_time_s` "
-                              f"in {candidate / RUN_INFO})")
+                              f"in {candidate}){note}")
         traced = {entry["rank"]: seconds * 1e3 for entry in entries
                   if (seconds := _median_seconds(entry.get("step_wall_time_s"))) is not None}
         if traced:
-            return traced, f"traced steps, median per rank (`step_wall_time_s` in {candidate / RUN_INFO})"
+            return traced, f"traced steps, median per rank (`step_wall_time_s` in {candidate}){note}"
+    if other_run:
+        note += f"; {reconvert_command(folder)} converts the traces as they are now"
     status = _summary_status(folder)
     steps = {rank: s["traced_step_us"] / 1e3 for rank, s in status.items() if s["traced_step_us"]}
     if steps:
