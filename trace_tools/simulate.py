@@ -21,7 +21,7 @@ from typing import Iterator
 from .atomic import atomic_output, folder_held, write_text_atomic
 from .command_line import ArgumentParser, StopSignal
 from .discover import read_run_info
-from .layout import CONVERSION_SUMMARY, RUN_INFO, SIMULATION_FILE, et_name, et_sets
+from .layout import CONVERSION_SUMMARY, RUN_INFO, SIMULATION_FILE, SIMULATION_WORK_DIR, et_name, et_sets
 from .step_timing import step_times_of
 from .summary import converted_from, reconvert_command, records_set, unrecorded_et_file
 from .validate import CLOCK_LIMIT_NS, collectives_agree, group_members, validate_et
@@ -29,7 +29,7 @@ from .validate import CLOCK_LIMIT_NS, collectives_agree, group_members, validate
 ASTRA_SIM_ENV = "ASTRA_SIM"
 INSTALLER = "install_astra_sim.sh"
 BINARY_NAME = "AstraSim_Analytical_Congestion_Unaware"
-WORK_DIR_NAME = "astra-sim"  # inside the run folder: the configuration files, ASTRA-sim's output and logs
+WORK_DIR_NAME = SIMULATION_WORK_DIR  # inside the run folder: the configuration files, ASTRA-sim's output and logs
 NETWORK_FILE, SYSTEM_FILE, MEMORY_FILE, COMM_GROUP_FILE = "network.yml", "system.json", "remote_memory.json", \
     "comm_groups.json"
 OUTPUT_FILE = "astra-sim.out"
