@@ -1,6 +1,7 @@
 """Converting every reference run to .et files that a simulator can run and that tell the truth about the step."""
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -12,10 +13,11 @@ import pytest
 from chakra.schema.protobuf.et_def_pb2 import (ALL_REDUCE, ALL_TO_ALL, BROADCAST, COMM_COLL_NODE, COMP_NODE,
                                                METADATA_NODE, Node)
 
-from conversion_helpers import CPU_FIXTURES, read_et_with_protolib
+from conversion_helpers import CPU_FIXTURES, close_window, read_et_with_protolib, read_json, scaled_trace, write_json
+from trace_tools import cli
 from trace_tools.discover import find_runs
-from trace_tools.pipeline import convert_runs
-from trace_tools.summary import replay_critical_path_us
+from trace_tools.pipeline import convert_rank, convert_runs
+from trace_tools.summary import durations_text, replay_critical_path_us
 
 GPU_RUNS = {"astra-sim_megatron_tp8_a100_8r": 8, "param_dlrm_v100_8r": 8, "hta_simple_add_a100_1r": 1,
             "param_resnet_2080ti_1r": 1, "param_linear_2080ti_1r": 1}
@@ -318,3 +320,126 @@ def test_report_that_cannot_be_written_is_one_error_line_and_a_failing_exit(tmp_
     assert (run_dir / "gpt2_tiny_1r.0.et").is_file() and not (run_dir / "report.md").exists()
     errors = [line for line in run.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "several runs" in errors[0], run.stderr
+
+
+# --gradient-accumulation-steps 4 over 30 batches a rank (239 GPT-2 sequences, 2 ranks, batch 4): 7 full steps of 4
+# micro-batches an epoch, then a short last one of 2 (0-based step 7). Its trace is the bundled GPT-2 step, which
+# run.json below says took 2 micro-batches.
+QUIET_MACHINE = {"other_processes_cpu_share": 0.0, "busy": False}
+
+
+def step_durations_s(device: dict) -> list[float]:
+    steps = sorted((e for e in device["traceEvents"] if str(e.get("name", "")).startswith("ProfilerStep#")),
+                   key=lambda e: e["ts"])
+    return [e["dur"] / 1e6 for e in steps]
+
+
+def short_then_full_step(folder: Path) -> list[float]:
+    """Rank 0's GPT-2 step twice (ProfilerStep#2 and #3), the first with every CPU op half as long: an epoch's short
+    last step, then the next epoch's first, full one. Returns the two steps' durations in seconds."""
+    source = CPU_FIXTURES / "gpt2_tiny_2r"
+    host, device = scaled_trace(read_json(source / "host.0.json.gz"), read_json(source / "device.0.json.gz"), 2)
+    events = [e for e in device["traceEvents"] if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "user_annotation")]
+    second = min(e["ts"] for e in events if e["name"] == "ProfilerStep#3")
+    origin = min(e["ts"] for e in events)
+    for e in events:
+        if e["ts"] < second:
+            e["ts"] = origin + (e["ts"] - origin) * 0.5
+            e["dur"] = e["dur"] * 0.5
+    close_window(device)
+    folder.mkdir()
+    write_json(folder / "host.0.json", host)
+    write_json(folder / "device.0.json", device)
+    return step_durations_s(device)
+
+
+def write_run_json(folder: Path, traced_s: list[float], traced_steps: list[int], micro_batches: list[int],
+                   untraced_s: list[float], untraced_micro_batches: list[int], ranks: int = 1) -> None:
+    rank = {"step_wall_time_s": traced_s, "step_micro_batches": micro_batches,
+            "untraced_step_wall_time_s": untraced_s, "untraced_step_micro_batches": untraced_micro_batches,
+            "machine_load": QUIET_MACHINE}
+    (folder / "run.json").write_text(json.dumps({
+        "world_size": ranks, "gradient_accumulation_steps": 4, "traced_steps": traced_steps,
+        "untraced_steps": [0, 1, 2, 3, 4, 5, 8, 9, 10][:len(untraced_s)],
+        "ranks": [dict(rank, rank=r) for r in range(ranks)]}))
+
+
+def test_the_et_is_a_full_step_when_the_traced_window_also_holds_an_epochs_short_last_step(tmp_path):
+    """Traced steps of 2 and 4 micro-batches: the step of median duration was the short one (the shorter of two),
+    calibrated to the full steps' untraced time; and the spread warning blamed the run itself, not the micro-batches."""
+    folder = tmp_path / "run"
+    short_s, full_s = short_then_full_step(folder)
+    untraced_full_s = 0.7 * full_s
+    write_run_json(folder, [short_s, full_s], [2, 3], [2, 4], [3 * full_s] + [untraced_full_s] * 6, [4] * 7)
+    result = convert_rank(folder / "host.0.json", folder / "device.0.json", folder / "run.0.et")
+    assert result.traced_step == "ProfilerStep#3" and result.steps_left_out == ["ProfilerStep#2"]
+    assert (result.micro_batches, result.full_micro_batches) == (4, 4)
+    assert result.untraced_step_us == pytest.approx(untraced_full_s * 1e6)  # measured against full steps alone
+    assert len(result.traced_steps_us) == 1 and not any("differ by" in w for w in result.warnings)
+    [warning] = [w for w in result.warnings if "micro-batches" in w]
+    assert "ProfilerStep#2: 2 in" in warning and "ProfilerStep#3: 4 in" in warning
+    assert "the .et holds the steps of 4 (ProfilerStep#3) and leaves out ProfilerStep#2" in warning
+    assert not any("the run's own" in w for w in result.warnings)
+    assert "one traced step of 4 micro-batches (the run's full step), ProfilerStep#2 of other micro-batches left " \
+           "out" in durations_text(result)
+
+
+@pytest.mark.parametrize("untraced_micro_batches, calibrated", [([4, 4, 4, 4, 4], False), ([4, 4, 2, 4, 4], True)])
+def test_a_window_of_only_an_epochs_short_last_step_is_never_calibrated_to_a_full_steps_time(
+        tmp_path, untraced_micro_batches, calibrated):
+    """The window held only the short step (2 of 4 micro-batches): calibrated to the full steps' untraced time it
+    became an .et of a 2-micro-batch step that took a 4-micro-batch step's time. It is measured against an untraced
+    step of 2 when run.json times one (an earlier epoch's end), else it keeps the profiler's cost; either way the
+    warning says the .et is a short step and what to do."""
+    folder = rank0_of_gpt2_tiny(tmp_path / "run")
+    [traced_s] = step_durations_s(read_json(folder / "device.0.json.gz"))
+    untraced = [3 * traced_s] + [0.8 * traced_s if n == 4 else 0.4 * traced_s for n in untraced_micro_batches[1:]]
+    write_run_json(folder, [traced_s], [2], [2], untraced, untraced_micro_batches)
+    result = convert_rank(folder / "host.0.json.gz", folder / "device.0.json.gz", folder / "run.0.et")
+    if calibrated:
+        assert result.untraced_step_us == pytest.approx(0.4 * traced_s * 1e6) and result.recording_overhead_us > 0
+    else:
+        assert result.untraced_step_us == 0 and result.recording_overhead_us == 0
+        _, nodes = read_et_with_protolib(folder / "run.0.et")
+        assert sum(n.duration_micros for n in nodes) > 0.9 * traced_s * 1e6  # not cut to a full step's time
+    [warning] = [w for w in result.warnings if "short last step" in w]
+    assert "ProfilerStep#2 took 2 micro-batches where the run's full step takes 4" in warning
+    assert "--gradient-accumulation-steps that divides an epoch's batches" in warning
+    assert "window away from an epoch's end" in warning
+    assert ("no untraced step took 2, so the .et keeps the profiler's cost" in warning) == (not calibrated)
+    assert (result.micro_batches, result.full_micro_batches) == (2, 4)
+    assert ("profiler cost not removed (no untraced step took 2 micro-batches" in durations_text(result)) \
+        == (not calibrated)
+
+
+def rank0_of_gpt2_tiny(folder: Path) -> Path:
+    folder.mkdir()
+    for name in ("host.0.json.gz", "device.0.json.gz"):
+        shutil.copy(CPU_FIXTURES / "gpt2_tiny_2r" / name, folder / name)
+    return folder
+
+
+@pytest.mark.parametrize("untraced_steps", [[], [0]])
+def test_a_run_json_that_times_no_untraced_step_after_the_first_is_one_warning_for_the_run(tmp_path, capsys,
+                                                                                             untraced_steps):
+    """--trace-wait-steps 0 (untraced_steps []) or 1 (only step 0, the start-up, which the conversion leaves out)
+    and no step timed after the window: the .et kept the profiler's cost, about 2x a GPT-2 tiny step, and the
+    summary said the cost was removed."""
+    folder = tmp_path / "gpt2_tiny_2r"
+    shutil.copytree(CPU_FIXTURES / "gpt2_tiny_2r", folder)
+    info = json.loads((folder / "run.json").read_text())
+    info["untraced_steps"] = untraced_steps
+    for entry in info["ranks"]:
+        entry["untraced_step_wall_time_s"] = [0.4] * len(untraced_steps)
+    (folder / "run.json").write_text(json.dumps(info))
+    assert cli.main([str(folder), "--no-progress"]) == 0
+    warnings = [line for line in capsys.readouterr().out.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1, warnings
+    assert warnings[0].startswith(f"warning: gpt2_tiny_2r: {folder / 'run.json'} times no untraced step after the "
+                                  f"run's first (untraced_steps {untraced_steps})")
+    assert "every .et keeps the profiler's cost" in warnings[0]
+    assert "--trace-wait-steps 2 or more, or --trace-after-steps 1 or more" in warnings[0]
+    summary = (folder / "CONVERSION_SUMMARY.md").read_text()
+    assert "with the profiler's cost kept" in summary and "profiler's cost removed" not in summary
+    assert sum(line.startswith("- ") and "keeps the profiler's cost" in line for line in summary.splitlines()) == 1
+    assert "profiler cost not removed (run.json times no untraced step after the run's first)" in summary

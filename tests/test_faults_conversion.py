@@ -191,6 +191,9 @@ def test_a_report_and_simulation_of_the_earlier_et_files_go_when_a_rank_is_conve
     described = ["report.md", "report.json", "report_timeline_rank1.png", "SIMULATION.md"]
     for name in described:
         (folder / name).write_text("of the first conversion")
+    (folder / "astra-sim").mkdir()  # simulate.py's network files and output of that simulation
+    (folder / "astra-sim" / "astra-sim.out").write_text("of the first conversion")
+    described.append("astra-sim")
     (folder / "notes.md").write_text("the user's own")
     assert "nothing to do" in convert(folder, capsys, remaining=True)[1]
     assert all((folder / name).exists() for name in described)  # the .et files they describe are still there

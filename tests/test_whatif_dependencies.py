@@ -297,11 +297,31 @@ def test_untraced_steps_of_other_micro_batches_than_the_traced_ones_are_left_out
     times = read_step_times(tmp_path, 0)
     assert times.untraced_us == pytest.approx([4.7e5, 4.6e5])  # step 0 and the 3-micro-batch steps left out
     assert times.untraced_thread_cpu_us == pytest.approx([4e5, 4e5]) and times.slowest_rank_scale == 1.0
-    # every untraced step took other micro-batches than the traced ones: they are what there is, kept
+    # every untraced step took other micro-batches than the traced ones: none is a sample of them, none is used
+    # (the converter then keeps the profiler's cost and says why: test_conversion_convert.py)
     for entry in run["ranks"]:
         entry["untraced_step_micro_batches"] = [3] * 6
     (tmp_path / "run.json").write_text(json.dumps(run))
-    assert len(read_step_times(tmp_path, 0).untraced_us) == 5
+    assert read_step_times(tmp_path, 0) is None
+
+
+def test_the_runs_full_step_is_its_largest_micro_batch_count_even_where_short_steps_are_as_many(tmp_path):
+    """7 batches an epoch at --gradient-accumulation-steps 4 alternate steps of 4 and 3: as many short steps as full
+    ones, and a window of one short step made the traced steps' count of 3 the one the untraced steps were
+    matched to. The trainer refuses an accumulation above an epoch's batches, so the largest count is the full step."""
+    from trace_tools.step_timing import micro_batches_of, read_step_times
+
+    rank = {"rank": 0, "step_wall_time_s": [0.36], "step_micro_batches": [3],
+            "untraced_step_wall_time_s": [0.9, 0.35, 0.47, 0.35, 0.46], "untraced_step_micro_batches": [4, 3, 4, 3, 4]}
+    info = {"traced_steps": [5], "untraced_steps": [0, 1, 2, 3, 4], "ranks": [rank]}
+    (tmp_path / "run.json").write_text(json.dumps(info))
+    counts = micro_batches_of(info, 0)
+    assert counts.full == 4 and counts.of("ProfilerStep#5") == 3
+    assert read_step_times(tmp_path, 0) is None  # no traced full step to measure against the untraced ones
+    assert read_step_times(tmp_path, 0, micro_batches=3).untraced_us == pytest.approx([3.5e5, 3.5e5])
+    # every timed step short (the window at an epoch's end, one untraced step before it): run.json's accumulation
+    rank.update(untraced_step_wall_time_s=[0.9, 0.35], untraced_step_micro_batches=[3, 3])
+    assert micro_batches_of(dict(info, gradient_accumulation_steps=4), 0).full == 4
 
 
 def test_untraced_step_times_without_a_usable_sample_leave_durations_alone(tmp_path):

@@ -18,6 +18,7 @@ from .graph import longest_path, topological_order
 from .intervals import BusyTime
 from .layout import PG_INIT_NODE, STEP_PREFIX
 from .load import DeviceTrace, HostTrace, TraceError, is_structural
+from .step_timing import MicroBatches
 
 logger = logging.getLogger(__name__)
 
@@ -438,9 +439,10 @@ def _int_inputs(values: list, types: list) -> list[int]:
 # ---------------------------------------------------------------------------------------------------------------
 # The linker
 # ---------------------------------------------------------------------------------------------------------------
-def link_host_and_device(host: HostTrace, dev: DeviceTrace, rank: int = 0,
-                         include_kineto_only: bool = True) -> LinkedTrace:
-    """Match, time and order one rank's host and device traces; TraceError when they do not belong together."""
+def link_host_and_device(host: HostTrace, dev: DeviceTrace, rank: int = 0, include_kineto_only: bool = True,
+                         micro_batches: MicroBatches | None = None) -> LinkedTrace:
+    """Match, time and order one rank's host and device traces; TraceError when they do not belong together.
+    micro_batches: what run.json says each traced step took, to keep the run's full steps (_select_step)."""
     _check_same_process(host, dev)
     kparent, kexcl = kineto_nesting(dev)
     structural = [is_structural(name) for name in host.names]
@@ -464,7 +466,7 @@ def link_host_and_device(host: HostTrace, dev: DeviceTrace, rank: int = 0,
                                     "come from different runs or cover different steps")
 
     linked = LinkedTrace(rank=rank, host=host, device=dev, stats=stats)
-    steps = _select_step(linked, match, matched)
+    steps = _select_step(linked, match, matched, micro_batches)
     if not steps:
         # No step annotation: the main thread's host node stands for the thread's time between operators (Python),
         # as ProfilerStep#N does otherwise. It gets the thread's span; its exclusive time is then that gap time.
@@ -497,33 +499,62 @@ def link_host_and_device(host: HostTrace, dev: DeviceTrace, rank: int = 0,
     return linked
 
 
-def _select_step(linked: LinkedTrace, match: list[int], matched: list[int]) -> list[int]:
+def _select_step(linked: LinkedTrace, match: list[int], matched: list[int],
+                 micro_batches: MicroBatches | None = None) -> list[int]:
     """The step the .et stands for: of the ProfilerStep#N annotations around the matched operators (a device trace
-    may hold more steps than the host trace), the one of median duration; else the span of the matched operators.
-    Drops from `matched` the operators of the other steps. Returns the chosen step annotation(s)."""
+    may hold more steps than the host trace), those of the run's full step (_steps_of_the_full_step) are its samples,
+    and the one of median duration among them is the step; else the span of the matched operators. Drops from
+    `matched` the operators of the other steps. Returns the chosen step annotation(s)."""
     dev = linked.device
     ts, dur, names = dev.cpu_ts, dev.cpu_dur, dev.cpu_names
     ops = [match[h] for h in matched if not names[match[h]].startswith(STEP_PREFIX)] or [match[h] for h in matched]
     span_start = min(ts[k] for k in ops)
     span_end = max(ts[k] + dur[k] for k in ops)
-    steps = sorted((k for k, name in enumerate(names) if name.startswith(STEP_PREFIX)
-                    and ts[k] < span_end and ts[k] + dur[k] > span_start), key=lambda k: ts[k])
+    traced = sorted((k for k, name in enumerate(names) if name.startswith(STEP_PREFIX)
+                     and ts[k] < span_end and ts[k] + dur[k] > span_start), key=lambda k: ts[k])
+    steps = _steps_of_the_full_step(traced, dev, micro_batches)
     linked.stats["steps_in_device_trace"] = sum(1 for name in names if name.startswith(STEP_PREFIX))
     linked.stats["step_durations_us"] = [round(dur[k], 1) for k in steps]
+    linked.stats["steps_left_out"] = [[names[k], round(dur[k], 1)] for k in traced if k not in steps]
     linked.traced_steps = steps
     if not steps:
         linked.step_start, linked.step_dur, linked.step_name = span_start, span_end - span_start, ""
         return steps
-    chosen = sorted(steps, key=lambda k: (dur[k], ts[k]))[(len(steps) - 1) // 2]
+    chosen = _median_step(steps, dur, ts)
     linked.step_start, linked.step_dur, linked.step_name = ts[chosen], dur[chosen], names[chosen]
     if len(steps) > 1:
         durations = sorted(dur[k] for k in steps)
         middle = durations[len(durations) // 2] if len(durations) % 2 else \
             (durations[len(durations) // 2 - 1] + durations[len(durations) // 2]) / 2
         linked.stats["step_spread"] = (durations[-1] - durations[0]) / middle if middle > 0 else 0.0
+    if len(traced) > 1:
         lo, hi = ts[chosen], ts[chosen] + dur[chosen]
         matched[:] = [h for h in matched if lo <= ts[match[h]] < hi or (match[h] == chosen)]
     return [chosen]
+
+
+def _median_step(steps: list[int], dur: list[float], ts: list[float]) -> int:
+    """The step of median duration (the shorter of the middle two of an even count)."""
+    return sorted(steps, key=lambda k: (dur[k], ts[k]))[(len(steps) - 1) // 2]
+
+
+def _steps_of_the_full_step(steps: list[int], dev: DeviceTrace, micro_batches: MicroBatches | None) -> list[int]:
+    """The traced steps that sample one kind of step: those that took the run's full micro-batch count (run.json,
+    trace_tools.step_timing.MicroBatches). An epoch's short last step runs fewer forward and backward passes: it is
+    neither the step the run repeats nor a sample of one (per-operator medians pair ops by their occurrence in the
+    step, which a step of other passes shifts). With no full step traced, the steps of the count of the median one
+    (in practice all alike: every epoch's last step takes as many); every step when run.json records no counts."""
+    if micro_batches is None or not steps:
+        return steps
+    count = {k: micro_batches.of(dev.cpu_names[k]) for k in steps}
+    full = [k for k in steps if count[k] == micro_batches.full]
+    if full:
+        return full
+    known = [k for k in steps if count[k] is not None]
+    if not known:
+        return steps
+    chosen = count[_median_step(known, dev.cpu_dur, dev.cpu_ts)]
+    return [k for k in steps if count[k] == chosen]
 
 
 def use_median_durations(linked: LinkedTrace, kexcl: list[float]) -> None:

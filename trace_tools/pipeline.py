@@ -31,7 +31,8 @@ from .link import GPU_OP, link_host_and_device, remove_recording_overhead
 from .load import (PAST_WINDOW_END, UNUSABLE_TIME, TraceError, is_structural, load_device_trace, load_host_trace,
                    read_trace_bytes)
 from .repair import NO_OPERATORS_PROBLEM
-from .step_timing import STEP_SPREAD_BOUND, StepTimes, read_step_times
+from .step_timing import (STEP_SPREAD_BOUND, MicroBatches, StepTimes, micro_batches_of, read_run_json, step_times_of,
+                          untraced_steps_after_the_first)
 from .summary import RankResult, RunResult, et_fingerprint, read_previous_results, write_run_summary
 from .validate import collectives_agree, validate_et
 
@@ -208,8 +209,10 @@ def _convert_rank(host_path, device_path, out_path, rank, merged_path, validate,
     _check_steps(host, device, result)
     _check_same_capture(host, device)
     mark = time.perf_counter()
-    linked = link_host_and_device(host, device, rank)
-    _correct_for_profiler(linked, result, Path(host_path).parent, rank)
+    info = read_run_json(Path(host_path).parent)
+    micro_batches = micro_batches_of(info, rank)
+    linked = link_host_and_device(host, device, rank, micro_batches=micro_batches)
+    _correct_for_profiler(linked, result, info, rank, micro_batches)
     timings["link_s"] = time.perf_counter() - mark
     result.identity = rank_identity(host, device, header, linked.step_start, linked.step_dur)
     if result.host_repair:
@@ -248,17 +251,22 @@ def _convert_rank(host_path, device_path, out_path, rank, merged_path, validate,
     return result
 
 
-def _correct_for_profiler(linked, result: RankResult, run_dir: Path, rank: int) -> None:
-    """Durations that estimate the untraced run (when run.json measured it), and the spread of the traced steps."""
+def _correct_for_profiler(linked, result: RankResult, info, rank: int, micro_batches: MicroBatches | None) -> None:
+    """Durations that estimate the untraced run (when run.json measured it), and the spread of the traced steps.
+    The profiler's cost is measured against untraced steps of the traced step's micro-batches alone: a step of other
+    micro-batches did other work, and calibrated to it an epoch's short last step would take a full step's time."""
     result.traced_steps_us = list(linked.stats.get("step_durations_us", []))
     result.step_spread = round(linked.stats.get("step_spread", 0.0), 4)
     result.median_scales = dict(linked.stats.get("median_scales", {}))
-    times = read_step_times(run_dir, rank)
+    count = micro_batches.of(linked.step_name) if micro_batches is not None else None
+    times = step_times_of(info, rank, count)
+    _note_micro_batches(linked, result, micro_batches, count, times is not None, info, rank)
     if result.step_spread > STEP_SPREAD_BOUND:
         result.warnings.append(f"the {len(result.traced_steps_us)} traced steps differ by {result.step_spread:.1%} "
                                f"(more than {STEP_SPREAD_BOUND:.0%}; the .et holds their per-operator medians): "
                                + _spread_cause(times) + (_page_faults_of(times) if times is not None else ""))
     if times is None:
+        result.profiler_cost_kept = _why_no_untraced_time(info, rank, count)
         return
     if GPU_OP not in linked.kind:
         _check_ranks_had_their_own_cores(times, result)
@@ -279,6 +287,54 @@ def _correct_for_profiler(linked, result: RankResult, run_dir: Path, rank: int) 
         result.cores_shared, result.run_queue_removed_us = True, removed
         result.collective_start_wait_us = times.collective_start_wait_us or 0.0
     _note_run_queue_wait(times, result, corrected=removed is not None)
+
+
+def _why_no_untraced_time(info, rank: int, micro_batches: int | None) -> str:
+    """Why the .et keeps the profiler's cost, in words, when run.json gave no pair of traced and untraced times."""
+    if not isinstance(info, dict):
+        return f"no {RUN_INFO} beside the traces"
+    if not untraced_steps_after_the_first(info, rank):
+        return f"{RUN_INFO} times no untraced step after the run's first"
+    if micro_batches is not None:
+        return f"no untraced step took {micro_batches} micro-batches, as the traced step did"
+    return f"{RUN_INFO} times no traced step"
+
+
+def _note_micro_batches(linked, result: RankResult, micro_batches: MicroBatches | None, count: int | None,
+                        paired: bool, info, rank: int) -> None:
+    """Say which traced steps the .et holds when they took different micro-batches (run.json), and warn when it
+    holds no full step of the run or could not be measured against an untraced step of its own micro-batches."""
+    if micro_batches is None or count is None:
+        return
+    result.micro_batches, result.full_micro_batches = count, micro_batches.full
+    left_out = linked.stats.get("steps_left_out", [])
+    result.steps_left_out = [name for name, _ in left_out]
+    if left_out:
+        used = [[linked.device.cpu_names[k], dur] for k, dur in zip(linked.traced_steps, result.traced_steps_us)]
+        steps = ", ".join(f"{name}: {micro_batches.of(name) or '?'} in {dur / 1000:.1f} ms"
+                          for name, dur in sorted(used + left_out, key=lambda step: (len(step[0]), step[0])))
+        result.warnings.append(
+            f"the traced steps took different numbers of micro-batches ({steps}; {RUN_INFO}), which is why their "
+            "times differ: an epoch's last step takes the batches left over (--gradient-accumulation-steps), so it "
+            f"runs other work; the .et holds the steps of {count} ({', '.join(name for name, _ in used)}) and leaves "
+            f"out {', '.join(result.steps_left_out)}")
+    short = count < micro_batches.full
+    if not short and (paired or not untraced_steps_after_the_first(info, rank)):
+        return  # a full step measured against full ones; with no untraced step at all the run's warning says it
+    kept = ("so the .et keeps the profiler's cost (measured against a step of other micro-batches, it would take "
+            "that step's time)")
+    if short:
+        result.warnings.append(
+            f"the .et is an epoch's short last step: {linked.step_name} took {count} micro-batches where the run's "
+            f"full step takes {micro_batches.full} ({RUN_INFO}), and the traced window holds no full step"
+            + ("" if paired else f"; no untraced step took {count}, {kept}")
+            + ": give a --gradient-accumulation-steps that divides an epoch's batches, or trace a window away from "
+              "an epoch's end (--trace-wait-steps)")
+    else:
+        result.warnings.append(
+            f"no untraced step after the run's first took {count} micro-batches, as the traced step "
+            f"{linked.step_name} did ({RUN_INFO}), {kept}: give a --gradient-accumulation-steps that divides an "
+            "epoch's batches, or time more untraced steps (--trace-wait-steps, --trace-after-steps)")
 
 
 def _check_ranks_had_their_own_cores(times: StepTimes, result: RankResult) -> None:
@@ -582,11 +638,15 @@ def _remove_outputs(out_dir: Path, name: str, rank: int, partial_only: bool = Fa
 
 
 def _remove_descriptions_of_et_files(out_dir: Path) -> None:
-    """The report and SIMULATION.md of the .et files a conversion is about to replace: they describe those files."""
+    """The report, SIMULATION.md and simulate.py's folder of the .et files a conversion is about to replace: they
+    describe those files."""
     for path in out_dir.iterdir():
         if made_from_et_files(path.name):
             try:
-                path.unlink()
+                if path.is_dir() and not path.is_symlink():
+                    shutil.rmtree(path)
+                else:
+                    path.unlink()
             except OSError:
                 pass
 
@@ -707,7 +767,8 @@ def _convert_runs(runs, output_dir, jobs, emit_merged, progress, only, previous)
             merged = out_dir / MERGED_NAME.format(name=run.name, rank=rank) if emit_merged else None
             tasks.append((str(out_dir), (run.name, rank, str(run.hosts[rank]), str(run.devices[rank]),
                                          str(et_path), str(merged) if merged else None)))
-        by_dir[str(out_dir)] = RunResult(run=run, output_dir=out_dir, ranks=ranks, note=note)
+        by_dir[str(out_dir)] = RunResult(run=run, output_dir=out_dir, ranks=ranks, note=note,
+                                         warnings=run_warnings(run))
         if stale_ranks or earlier_sets or len(kept) < len(ranks):  # the set of .et files changes
             _remove_descriptions_of_et_files(out_dir)
     for run_result in by_dir.values():  # the summary says from now on which ranks are still to come
@@ -744,6 +805,22 @@ def _convert_runs(runs, output_dir, jobs, emit_merged, progress, only, previous)
         _check_one_run(run_result)
         _save_summary(run_result)
     return list(by_dir.values())
+
+
+def run_warnings(run: Run) -> list[str]:
+    """Warnings about the whole run from its run.json, said once rather than per rank: a run.json that times no
+    untraced step after the run's first (the first holds its start-up, which the conversion leaves out), so that
+    every rank's .et keeps the profiler's cost (on a CPU, over 2x a GPT-2 tiny step)."""
+    if run.run_info_problem or not (run.folder / RUN_INFO).is_file():
+        return []
+    info = read_run_json(run.folder)
+    if not isinstance(info, dict) or any(untraced_steps_after_the_first(info, rank) for rank in run.ranks):
+        return []
+    numbers = info.get("untraced_steps")
+    timed = (f" (untraced_steps {numbers})" if isinstance(numbers, list) else "")
+    return [f"{run.folder / RUN_INFO} times no untraced step after the run's first{timed}, the first holding the "
+            "run's start-up, so every .et keeps the profiler's cost (its ops take their traced time, the recording "
+            "included): trace with --trace-wait-steps 2 or more, or --trace-after-steps 1 or more"]
 
 
 def _convert_in_pool(tasks: list, jobs: int, done: Callable[[str, RankResult], None], bar) -> None:

@@ -3,12 +3,11 @@ from __future__ import annotations
 
 import json
 import statistics
-from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from .layout import RUN_INFO
+from .layout import RUN_INFO, STEP_ANNOTATION
 
 # Traced steps that differ by more than this share of their median make any one of them a poor sample of the run:
 # the same bound as the fidelity the .et is held to (a prediction within ±10% of a real run).
@@ -146,66 +145,143 @@ def _mean_per_step(untraced: list[float] | None, traced: list[float] | None) -> 
     return statistics.fmean(samples) if samples else None
 
 
-def read_step_times(run_dir: str | Path, rank: int) -> StepTimes | None:
-    """The rank's step times from run.json beside its traces, or None when the run did not measure them (foreign
-    traces, runs of older versions, a window without timed untraced steps). The run's first step and the steps
-    that took other micro-batches than the traced ones are left out (_comparable_untraced_steps); the untraced
-    steps after the window (run.json's untraced_steps numbers them all) sample the run once its first steps are
-    past."""
-    path = Path(run_dir) / RUN_INFO
+def read_run_json(run_dir: str | Path):
+    """run.json beside a run's traces, parsed (any JSON value); None when it is missing or not JSON."""
     try:
-        info = json.loads(path.read_text(encoding="utf-8"))
+        return json.loads((Path(run_dir) / RUN_INFO).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
-    return step_times_of(info, rank)
 
 
-def step_times_of(info, rank: int) -> StepTimes | None:
-    """read_step_times on run.json's parsed content (any JSON value; None where it holds no times of the rank)."""
+def read_step_times(run_dir: str | Path, rank: int, micro_batches: int | None = None) -> StepTimes | None:
+    """The rank's step times from run.json beside its traces, or None when the run did not measure them (foreign
+    traces, runs of older versions, a window without timed untraced steps). Only steps of one micro-batch count
+    are kept, traced and untraced alike (`micro_batches`, else the run's full step: MicroBatches), and the run's
+    first step is left out (_comparable_untraced_steps); the untraced steps after the window (run.json's
+    untraced_steps numbers them all) sample the run once its first steps are past."""
+    return step_times_of(read_run_json(run_dir), rank, micro_batches)
+
+
+@dataclass(frozen=True)
+class MicroBatches:
+    """How many micro-batches a rank's traced steps took (run.json), and how many the run's full step takes.
+
+    A step takes --gradient-accumulation-steps micro-batches, and an epoch's last step the batches left over (the
+    trainer's _micro_batches_due), which may be fewer: 239 GPT-2 sequences over 2 ranks at batch 4 are 30 batches a
+    rank, 7 steps of 4 and one of 2. The trainer refuses an accumulation above an epoch's batches, so every epoch has
+    full steps: the full step is the largest count the run recorded (or its gradient_accumulation_steps), the count
+    most of the run's steps took (half of them where an epoch is one full step and one short one, which the most
+    common count of a window or of a few steps could miss). A short step runs other work (fewer forward and backward
+    passes), so it is no sample of a full step's ops or time."""
+
+    full: int
+    traced: dict[str, int]  # step annotation (ProfilerStep#N) -> micro-batches that traced step took
+
+    def of(self, step_name: str) -> int | None:
+        return self.traced.get(step_name)
+
+
+def micro_batches_of(info, rank: int) -> MicroBatches | None:
+    """The rank's micro-batch counts from run.json's parsed content; None when run.json records none for it (runs
+    of older tracers, foreign traces)."""
+    entry = _rank_entry(info, rank)
+    if entry is None:
+        return None
+    traced, untraced = _counts(entry.get("step_micro_batches")), _counts(entry.get("untraced_step_micro_batches"))
+    if traced is None and untraced is None:
+        return None
+    recorded = [n for n in (traced or []) + (untraced or []) if n is not None]
+    accumulation = info.get("gradient_accumulation_steps")
+    if isinstance(accumulation, int) and not isinstance(accumulation, bool) and accumulation > 0:
+        recorded.append(accumulation)
+    if not recorded:
+        return None
+    numbers = info.get("traced_steps")
+    names = {}
+    if isinstance(numbers, list) and traced is not None and len(numbers) == len(traced):
+        names = {STEP_ANNOTATION.format(step=step): n for step, n in zip(numbers, traced) if n is not None}
+    return MicroBatches(full=max(recorded), traced=names)
+
+
+def _counts(values) -> list[int | None] | None:
+    """A run.json list of micro-batch counts, a None where an entry is not one; None when the list is absent."""
+    if not isinstance(values, list):
+        return None
+    return [n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None for n in values]
+
+
+def _rank_entry(info, rank: int) -> dict | None:
     entries = [r for r in info.get("ranks", []) if isinstance(r, dict) and r.get("rank") == rank] \
         if isinstance(info, dict) else []
-    if not entries:
-        return None
-    def micros(key: str) -> list[float]:
-        return [float(t) * 1e6 for t in entries[0].get(key) or [] if isinstance(t, (int, float))]
+    return entries[0] if entries else None
 
-    kept = _comparable_untraced_steps(info, entries[0])
+
+def untraced_steps_after_the_first(info, rank: int) -> int:
+    """How many untraced steps run.json times for the rank, the run's first (its start-up) left out, whatever
+    micro-batches they took."""
+    entry = _rank_entry(info, rank)
+    if entry is None:
+        return 0
+    times = entry.get("untraced_step_wall_time_s")
+    kept = _comparable_untraced_steps(info, entry, None)
+    return sum(1 for i, t in enumerate(times if isinstance(times, list) else [])
+               if isinstance(t, (int, float)) and kept(i))
+
+
+def step_times_of(info, rank: int, micro_batches: int | None = None) -> StepTimes | None:
+    """read_step_times on run.json's parsed content (any JSON value; None where it holds no times of the rank, or
+    no traced and untraced step of the micro-batch count)."""
+    entry = _rank_entry(info, rank)
+    if entry is None:
+        return None
+    if micro_batches is None:
+        counts = micro_batches_of(info, rank)
+        micro_batches = counts.full if counts is not None else None
+
+    def micros(key: str) -> list[float]:
+        return [float(t) * 1e6 for t in entry.get(key) or [] if isinstance(t, (int, float))]
+
+    kept = _comparable_untraced_steps(info, entry, micro_batches)
+    taking = _steps_taking(entry.get("step_micro_batches"), micro_batches)
+
+    def traced_micros(key: str) -> list[float]:
+        return [value for i, value in enumerate(micros(key)) if taking(i)]
 
     def untraced_micros(key: str) -> list[float]:
         return [value for i, value in enumerate(micros(key)) if kept(i)]
 
-    traced, untraced = micros("step_wall_time_s"), untraced_micros("untraced_step_wall_time_s")
+    traced, untraced = traced_micros("step_wall_time_s"), untraced_micros("untraced_step_wall_time_s")
     if not traced or not untraced:
         return None
 
-    def counts(key: str) -> list[int]:
-        return [int(n) for n in entries[0].get(key) or [] if isinstance(n, int)]
+    def counts(key: str, keep: Callable[[int], bool]) -> list[int]:
+        return [int(n) for i, n in enumerate(entry.get(key) or []) if isinstance(n, int) and keep(i)]
 
-    per_op = entries[0].get("recording_cost_per_op_us")
-    threads = entries[0].get("intra_op_threads")
-    start_wait = entries[0].get("collective_start_wait_s")
-    ranks_on_machine = entries[0].get("ranks_on_machine")
-    load = entries[0].get("machine_load")
+    per_op = entry.get("recording_cost_per_op_us")
+    threads = entry.get("intra_op_threads")
+    start_wait = entry.get("collective_start_wait_s")
+    ranks_on_machine = entry.get("ranks_on_machine")
+    load = entry.get("machine_load")
     others, busy, cpus = ((load.get("other_processes_cpu_share"), load.get("busy"), load.get("cpus"))
                           if isinstance(load, dict) else (None, None, None))
-    return StepTimes(traced_us=traced, untraced_us=untraced, traced_cpu_us=micros("step_cpu_time_s"),
+    return StepTimes(traced_us=traced, untraced_us=untraced, traced_cpu_us=traced_micros("step_cpu_time_s"),
                      untraced_cpu_us=untraced_micros("untraced_step_cpu_time_s"),
-                     traced_thread_cpu_us=micros("step_thread_cpu_time_s"),
+                     traced_thread_cpu_us=traced_micros("step_thread_cpu_time_s"),
                      untraced_thread_cpu_us=untraced_micros("untraced_step_thread_cpu_time_s"),
                      recording_cost_per_op_us=float(per_op) if isinstance(per_op, (int, float)) else None,
-                     traced_run_queue_us=micros("step_run_queue_wait_s"),
+                     traced_run_queue_us=traced_micros("step_run_queue_wait_s"),
                      untraced_run_queue_us=untraced_micros("untraced_step_run_queue_wait_s"),
-                     traced_communication_cpu_us=micros("step_communication_cpu_time_s"),
+                     traced_communication_cpu_us=traced_micros("step_communication_cpu_time_s"),
                      untraced_communication_cpu_us=untraced_micros("untraced_step_communication_cpu_time_s"),
-                     traced_communication_run_queue_us=micros("step_communication_run_queue_wait_s"),
+                     traced_communication_run_queue_us=traced_micros("step_communication_run_queue_wait_s"),
                      untraced_communication_run_queue_us=untraced_micros(
                          "untraced_step_communication_run_queue_wait_s"),
                      collective_start_wait_us=(float(start_wait) * 1e6 if isinstance(start_wait, (int, float))
                                                and start_wait >= 0 else None),
-                     traced_page_faults=counts("step_page_faults"),
-                     untraced_page_faults=[n for i, n in enumerate(counts("untraced_step_page_faults")) if kept(i)],
+                     traced_page_faults=counts("step_page_faults", taking),
+                     untraced_page_faults=counts("untraced_step_page_faults", kept),
                      intra_op_threads=threads if isinstance(threads, int) and threads > 0 else None,
-                     traced_interrupt_cpu_us=micros("step_interrupt_cpu_time_s"),
+                     traced_interrupt_cpu_us=traced_micros("step_interrupt_cpu_time_s"),
                      untraced_interrupt_cpu_us=untraced_micros("untraced_step_interrupt_cpu_time_s"),
                      ranks_on_machine=ranks_on_machine if isinstance(ranks_on_machine, int) and ranks_on_machine > 0
                      else 1,
@@ -213,28 +289,32 @@ def step_times_of(info, rank: int) -> StepTimes | None:
                                                 and not isinstance(others, bool) and others >= 0 else None),
                      machine_busy=busy if isinstance(busy, bool) else None,
                      usable_cpus=cpus if isinstance(cpus, int) and not isinstance(cpus, bool) and cpus > 0 else None,
-                     slowest_rank_scale=_slowest_rank_scale(info))
+                     slowest_rank_scale=_slowest_rank_scale(info, micro_batches))
 
 
-def _comparable_untraced_steps(info: dict, entry: dict) -> Callable[[int], bool]:
-    """Which of a rank's untraced steps (by their index in run.json's lists) are samples of the traced steps' work.
-    The run's first step (step 0) holds one-time start-up costs (allocation, DDP's bucket rebuild) and is left out.
-    So is a step that took another number of micro-batches than the traced steps (run.json's step_micro_batches:
-    with --gradient-accumulation-steps, an epoch's last step takes the batches left, 3 of 4 in a GPT-2 tiny run, and
-    took 353 ms against 465-477): it did other work. Nothing is left out for that when it would leave no sample."""
+def _steps_taking(counts, micro_batches: int | None) -> Callable[[int], bool]:
+    """Which steps of a run.json list (by index) took `micro_batches` micro-batches, by the list of their counts:
+    every step when the count or the list is not known."""
+    if micro_batches is None or not isinstance(counts, list):
+        return lambda i: True
+    return lambda i: i < len(counts) and counts[i] == micro_batches
+
+
+def _comparable_untraced_steps(info: dict, entry: dict, micro_batches: int | None) -> Callable[[int], bool]:
+    """Which of a rank's untraced steps (by their index in run.json's lists) are samples of a traced step that took
+    `micro_batches` micro-batches (None: of any). The run's first step (step 0) holds one-time start-up costs
+    (allocation, DDP's bucket rebuild) and is left out. So is a step that took another number of micro-batches
+    (run.json's untraced_step_micro_batches; MicroBatches): it did other work (an epoch's last step of 3
+    micro-batches took 353 ms where those of 4 took 465-477), and a traced step calibrated to it would take its
+    time. When that leaves no sample, there is none: the profiler's cost is then kept, not measured against
+    another step's work."""
     numbers = info.get("untraced_steps")
     first = 0 if not isinstance(numbers, list) or 0 in numbers else None  # older run.json: its first is step 0
-    traced, untraced = entry.get("step_micro_batches"), entry.get("untraced_step_micro_batches")
-    other_work: set[int] = set()
-    if isinstance(traced, list) and isinstance(untraced, list) and traced:
-        usual = Counter(traced).most_common(1)[0][0]
-        other_work = {i for i, n in enumerate(untraced) if n != usual}
-        if not set(range(len(untraced))) - other_work - {first}:
-            other_work = set()
-    return lambda i: i != first and i not in other_work
+    taking = _steps_taking(entry.get("untraced_step_micro_batches"), micro_batches)
+    return lambda i: i != first and taking(i)
 
 
-def _slowest_rank_scale(info: dict) -> float:
+def _slowest_rank_scale(info: dict, micro_batches: int | None = None) -> float:
     """How much longer a step's slowest rank computes than the slowest rank's median: the median over the untraced
     steps of the ranks' largest training-thread CPU time, over the largest of the ranks' medians. Every rank's ops
     are scaled by it; 1.0 unless run.json holds the same number of such steps for every rank of a multi-rank run.
@@ -244,7 +324,7 @@ def _slowest_rank_scale(info: dict) -> float:
     ranks, more than any one rank's median (on the 2-core VM 0.4-5.9% more for the tiny models, 0.0-3.0% for the big
     shapes; 21 traces, docs/BENCHMARKS.md §4b). An .et of per-rank medians gives the simulator the larger of the
     medians; scaling each rank's ops alike by this ratio gives it the slowest rank's median step and keeps the
-    ranks' own differences."""
+    ranks' own differences. Only steps of `micro_batches` micro-batches count (None: every step)."""
     world = info.get("world_size")
     ranks = {r.get("rank"): r for r in info.get("ranks", []) if isinstance(r, dict)}
     if not isinstance(world, int) or world < 2 or set(ranks) != set(range(world)):
@@ -254,7 +334,7 @@ def _slowest_rank_scale(info: dict) -> float:
         times = entry.get("untraced_step_thread_cpu_time_s")
         if not isinstance(times, list) or not all(isinstance(t, (int, float)) and t >= 0 for t in times):
             return 1.0
-        kept = _comparable_untraced_steps(info, entry)
+        kept = _comparable_untraced_steps(info, entry, micro_batches)
         series.append([t for i, t in enumerate(times) if kept(i)])
     slowest_median = max((statistics.median(times) for times in series if times), default=0.0)
     if slowest_median <= 0 or any(len(times) != len(series[0]) for times in series):

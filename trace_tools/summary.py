@@ -70,7 +70,12 @@ class RankResult:
     # the training thread's ops scaled from the rank's median untraced CPU time to the slowest rank's in a step
     # (trace_tools.step_timing._slowest_rank_scale); 1.0 when not
     slowest_rank_scale: float = 1.0
-    traced_steps_us: list = field(default_factory=list)  # every traced step (the .et holds the median one)
+    traced_steps_us: list = field(default_factory=list)  # the traced steps sampled (the .et holds the median one)
+    # micro-batches of the step the .et holds and of the run's full step (run.json); 0 when run.json records none
+    micro_batches: int = 0
+    full_micro_batches: int = 0
+    steps_left_out: list = field(default_factory=list)  # traced steps of other micro-batches, in no sample
+    profiler_cost_kept: str = ""           # why the profiler's cost is not removed ("" when removed)
     step_spread: float = 0.0               # (longest - shortest) / median traced step
     median_scales: dict[str, float] = field(default_factory=dict)  # "CPU"/"GPU": typical step total / sum of medians
     conversion_s: float = 0.0
@@ -102,6 +107,7 @@ class RunResult:
     ranks: list[RankResult]
     agreement_problems: list[str] = field(default_factory=list)
     note: str = ""
+    warnings: list[str] = field(default_factory=list)  # about the whole run (its run.json), said once
     interrupted: bool = False
 
     @property
@@ -159,6 +165,12 @@ def durations_text(rank: RankResult) -> str:
     text = (f"{len(steps)} traced steps (spread {rank.step_spread:.1%}), per-operator medians"
             + (f" scaled to a typical step's total ({scales})" if scales else "")) if len(steps) > 1 \
         else "one traced step"
+    if rank.micro_batches:
+        text += (f" of {rank.micro_batches} micro-batches"
+                 + (" (the run's full step)" if rank.micro_batches == rank.full_micro_batches else
+                    f" (an epoch's short last step; the run's full step takes {rank.full_micro_batches})")
+                 + (f", {', '.join(rank.steps_left_out)} of other micro-batches left out" if rank.steps_left_out
+                    else ""))
     if rank.untraced_step_us:
         measured = {"calibrated": "half the cost of recording one op, which the tracer measured on this machine",
                     "untraced CPU time": "so the training thread's ops take its CPU time in an untraced step "
@@ -174,7 +186,7 @@ def durations_text(rank: RankResult) -> str:
                  f"{rank.untraced_step_us / 1000:.1f} ms, run.json); critical path of the .et as written {rank.critical_path_us / 1000:.1f} ms (its "
                  "collectives at their least-waited traced duration)")
     else:
-        text += "; profiler cost not removed (no untraced step times in run.json)"
+        text += f"; profiler cost not removed ({rank.profiler_cost_kept or 'no untraced step times in run.json'})"
     if rank.run_queue_wait_us or rank.untraced_run_queue_wait_us:
         text += (f"; the training thread waited for a core {rank.run_queue_wait_us / 1000:.1f} ms per traced step "
                  f"and {rank.untraced_run_queue_wait_us / 1000:.1f} ms per untraced step (run.json)")
@@ -200,6 +212,20 @@ def durations_text(rank: RankResult) -> str:
         else:
             text += ", time its ops' durations hold"
     return text
+
+
+def et_durations_text(ranks: list[RankResult]) -> str:
+    """What the converted ranks' .et durations are, in a few words: per-operator medians or one step's, with the
+    profiler's cost removed or kept (on which ranks, when they differ)."""
+    medians = [r.rank for r in ranks if len(r.traced_steps_us) > 1]
+    what = ("per-operator medians over the traced steps" if len(medians) == len(ranks) else
+            "the traced step's durations" if not medians else
+            f"per-operator medians on rank(s) {', '.join(map(str, medians))}, one traced step's durations on the others")
+    kept = [r.rank for r in ranks if not r.untraced_step_us]
+    unmeasured = "no untraced step of the traced step's work to measure it against"
+    cost = ("removed" if not kept else f"kept: {unmeasured}" if len(kept) == len(ranks) else
+            f"removed, but kept on rank(s) {', '.join(map(str, kept))}: {unmeasured}")
+    return f"the .et itself holds {what} with the profiler's cost {cost}"
 
 
 STATUS_MARKS = {"ok": "✅ ok", "failed": "❌ failed", "refused": "⛔ refused", "interrupted": "⏸ interrupted"}
@@ -261,6 +287,7 @@ def render_run_summary(result: RunResult) -> str:
         lines += ["", "## Failures", ""]
         lines += [f"- rank {r.rank}: {r.error}" for r in failures]
     lines += ["", "## Checks", ""]
+    converted = [r for r in result.ranks if r.ok]
     if result.agreement_problems:
         lines.append("- ❌ the ranks are not one run, or their collectives disagree (a simulator would deadlock or "
                      "simulate a job that never ran); no .et of this run is kept:")
@@ -277,8 +304,9 @@ def render_run_summary(result: RunResult) -> str:
     lines.append("- ratio = critical path of the .et's graph with the traced durations of its step (collectives at "
                  "their traced durations, one after another in a process group as the .et runs them: two that "
                  "overlapped count once) / that traced step (`" + STEP_PREFIX + "N` in the device trace, or the traced "
-                 "span when there is none): near 1.0, replaying the graph gives back the step it came from; the .et "
-                 "itself holds per-operator medians with the profiler's cost removed (see the details)")
+                 "span when there is none): near 1.0, replaying the graph gives back the step it came from"
+                 + (f"; {et_durations_text(converted)} (see the details)" if converted else ""))
+    lines += [f"- {warning}" for warning in result.warnings]
     for r in result.ranks:
         for warning in r.warnings:
             lines.append(f"- rank {r.rank}: {warning}")
@@ -405,6 +433,8 @@ def render_table(results: list[RunResult]) -> str:
                 out.append(f"error: {r.error}")
         for problem in result.agreement_problems:
             out.append(f"error: {result.run.folder}: {problem}; no .et kept")
+        for warning in result.warnings:
+            out.append(f"warning: {result.run.name}: {warning}")
         for r in result.ranks:
             for warning in r.warnings:
                 out.append(f"warning: {result.run.name} rank {r.rank}: {warning}")
