@@ -252,6 +252,8 @@ def test_flat_seed_layout_converts_to_name_dot_rank_et(tmp_path, capsys):
 
 
 def test_read_only_run_folder_is_converted_into_converted_name(tmp_path, capsys, monkeypatch):
+    """The summary there names the workload by an absolute path: the fallback folder had been recorded as
+    converted/<name>, which holds only in the folder the conversion ran in."""
     folder = gpt2_run(tmp_path / "traces" / "gpt2_ro")
     folder.chmod(0o555)
     monkeypatch.chdir(tmp_path)
@@ -261,25 +263,13 @@ def test_read_only_run_folder_is_converted_into_converted_name(tmp_path, capsys,
         folder.chmod(0o755)
     assert f"is not writable: writing to {tmp_path / 'converted' / 'gpt2_ro'}" in capsys.readouterr().out
     assert sorted(p.name for p in folder.iterdir()) == ["device.0.json.gz", "host.0.json"]
-    et = tmp_path / "converted" / "gpt2_ro" / "gpt2_ro.0.et"
-    assert et.is_file() and et.stat().st_mode & 0o044, "an ordinary readable file, not mkstemp's 0600"
-
-
-def test_the_summary_of_a_read_only_run_names_its_workload_by_an_absolute_path(tmp_path, capsys, monkeypatch):
-    """The fallback folder was recorded as converted/<name>, which holds only in the folder the conversion ran in,
-    while the summary recorded the trace folder as given (here absolute)."""
-    folder = gpt2_run(tmp_path / "traces" / "gpt2_ro")
-    folder.chmod(0o555)
-    monkeypatch.chdir(tmp_path)
-    try:
-        assert cli.main([str(folder), "--no-progress"]) == 0
-    finally:
-        folder.chmod(0o755)
     out_dir = tmp_path / "converted" / "gpt2_ro"
+    et = out_dir / "gpt2_ro.0.et"
+    assert et.is_file() and et.stat().st_mode & 0o044, "an ordinary readable file, not mkstemp's 0600"
     summary = (out_dir / "CONVERSION_SUMMARY.md").read_text()
     assert f"by trace_tools from `{folder}`" in summary
     assert f"--workload-configuration={out_dir / 'gpt2_ro'}`" in summary
-    assert json.dumps(str(out_dir / "gpt2_ro.0.et")) in summary  # the rank's et_path in the status block
+    assert json.dumps(str(et)) in summary  # the rank's et_path in the status block
 
 
 def test_the_summary_names_a_trace_folder_given_relative_by_its_absolute_path(tmp_path, monkeypatch):
