@@ -121,7 +121,7 @@ class TracingArguments:
                                                    f"{DEFAULT_ACTIVE_STEPS})")
     trace_after_steps: Optional[int] = flag(None, "steps run untraced after the window and timed as the wait steps "
                                                   "are, so the untraced pace is sampled on both sides of the window "
-                                                  "(default: as many as the wait steps)")
+                                                  "(default: as many as the wait steps, at least 1)")
 
     def window(self, max_steps: Optional[int]) -> "tuple[int, int, int]":
         """(wait, warmup, active) steps: the flags given, the defaults for the others; a --max-steps shorter than the
@@ -176,14 +176,6 @@ class RunConfig:
             raise ConfigError(f"--max-steps {max_steps} is shorter than the trace window of {sum(window)} steps (wait "
                               f"{window[0]} + warmup {window[1]} + active {window[2]}{shortest}); raise --max-steps "
                               "or lower the --trace-*-steps")
-        if self.tracing.enable_tracing and not self.timed_untraced_steps():
-            # The conversion takes the profiler's cost out of the .et against the untraced pace (the run's first step,
-            # its start-up, is not used): with none timed, the .et keeps it, about 2x a GPT-2 tiny step
-            after = (f"--trace-after-steps {self.trace_after_steps}" if max_steps is None else
-                     f"--max-steps {max_steps} (no untraced step after the window)")
-            raise ConfigError(f"--trace-wait-steps {window[0]} and {after} time no untraced step after the run's "
-                              "first, so the .et would keep the profiler's cost: give --trace-wait-steps 2 or more, "
-                              "or --trace-after-steps 1 or more")
 
     @property
     def trace_window(self) -> "tuple[int, int, int]":
@@ -191,10 +183,11 @@ class RunConfig:
 
     @property
     def trace_after_steps(self) -> int:
-        """Untraced steps timed after the window: --trace-after-steps, else as many as the wait steps. Not part of
-        the window: a --max-steps that ends the run sooner leaves the tracer fewer to time."""
+        """Untraced steps timed after the window: --trace-after-steps, else as many as the wait steps and at least one
+        (wait 0 times none before the window). Not part of the window: a --max-steps that ends the run sooner leaves
+        the tracer fewer to time."""
         after = self.tracing.trace_after_steps
-        return after if after is not None else self.trace_window[0]
+        return after if after is not None else max(1, self.trace_window[0])
 
     def timed_untraced_steps(self) -> int:
         """Untraced steps the tracer times that the conversion uses: the wait steps but the run's first, and the
