@@ -1132,3 +1132,19 @@ def test_the_command_line_prints_the_bound_of_a_cpu_run_unless_told_not_to(tmp_p
     quiet = run_cli(shared, "--bandwidth", "100Gbit/s", "--no-cpu-bound")
     assert quiet.returncode == 0 and "without the communication" not in quiet.stdout
     assert "without the communication" not in (shared / "SIMULATION.md").read_text()
+
+
+def test_the_measured_step_says_when_its_untraced_steps_lie_far_from_their_median(converted, tmp_path):
+    """A prediction is compared with the median untraced step: where the steps it is the median of lie typically
+    further from it than the fidelity bound, the measurement names the ranks so, and a ratio is read with that."""
+    info = json.loads((BUNDLED / "run.json").read_text())
+    info["ranks"][0]["untraced_step_wall_time_s"] = [0.300, 0.030, 0.042]
+    info["ranks"][1]["untraced_step_wall_time_s"] = [0.300, 0.030, 0.031, 0.090]
+    info["untraced_steps"] = [0, 1, 2, 6]
+    folder = tmp_path / "run"
+    folder.mkdir()
+    (folder / "run.json").write_text(json.dumps(info))
+    steps, source = measured_steps(folder)
+    assert steps == {0: pytest.approx(36.0), 1: pytest.approx(31.0)}
+    assert source.endswith("; the untraced steps lie typically further than 10% from their median on rank 0 17% "
+                           "(2 steps), so the measured step is not known to that bound")

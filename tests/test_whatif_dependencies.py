@@ -811,3 +811,30 @@ def test_ranks_that_shared_cores_are_warned_of(tmp_path, ranks_on_machine, threa
     if warned:
         assert (f"the {ranks_on_machine} ranks on this machine ran {ranks_on_machine * threads} compute threads "
                 f"({threads} intra-op thread(s) each) on {cpus} CPU(s)") in said[0]
+
+
+@pytest.mark.parametrize("untraced_s, warned", [
+    ([0.300, 0.030, 0.042], True),          # two steps 40% apart: their median is 17% from each
+    ([0.300, 0.030, 0.031, 0.087], False),  # one unusual step (the first after the window) among three
+    ([0.300, 0.030], False),                # one step: nothing to tell it by
+])
+def test_untraced_steps_far_from_their_median_are_warned_of(tmp_path, untraced_s, warned):
+    """The untraced steps' median is what the profiler's cost is measured against and what simulate.py compares a
+    prediction with: when a typical untraced step lies further from it than the fidelity bound, the conversion says
+    so and names the steps; one unusual step among three moves neither the median nor the warning."""
+    folder = _three_steps_one_slow(tmp_path, 1.0)
+    (folder / "run.json").write_text(json.dumps({"ranks": [{
+        "rank": 0, "step_wall_time_s": [0.04, 0.04, 0.04], "untraced_step_wall_time_s": untraced_s}]}))
+    result = convert_rank(folder / "host.0.json", folder / "device.0.json", folder / "run.0.et")
+    samples = untraced_s[1:]  # the run's first step, its start-up, is no sample
+    assert result.untraced_steps_us == pytest.approx([t * 1e6 for t in samples])
+    assert result.untraced_step_us == pytest.approx(sorted(samples)[len(samples) // 2] * 1e6
+                                                    if len(samples) % 2 else sum(samples) / 2 * 1e6)
+    loose = [w for w in result.warnings if "from their median" in w]
+    assert bool(loose) == warned
+    if warned:
+        assert loose[0].startswith("the 2 untraced steps run.json timed (30.0, 42.0 ms) lie typically 16.7% from "
+                                   "their median 36.0 ms (more than 10%)")
+    text = durations_text(result)
+    assert {1: "one untraced step", 2: "median of 2 untraced steps, typically 16.7% from it",
+            3: "median of 3 untraced steps, typically 3.2% from it"}[len(samples)] in text

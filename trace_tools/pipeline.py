@@ -271,6 +271,9 @@ def _correct_for_profiler(linked, result: RankResult, info, rank: int, micro_bat
     if GPU_OP not in linked.kind:
         _check_ranks_had_their_own_cores(times, result)
     result.untraced_step_us = times.untraced_median_us
+    result.untraced_steps_us = [round(t, 1) for t in times.untraced_us]
+    result.untraced_deviation = round(times.untraced_deviation, 4)
+    _check_untraced_steps_agree(times, result)
     waits = times.run_queue_median_us
     cost = remove_recording_overhead(linked, times.traced_median_us, times.untraced_median_us, times.recording_cpu_us,
                                      times.recording_cost_per_op_us, times.untraced_op_time_us,
@@ -287,6 +290,23 @@ def _correct_for_profiler(linked, result: RankResult, info, rank: int, micro_bat
         result.cores_shared, result.run_queue_removed_us = True, removed
         result.collective_start_wait_us = times.collective_start_wait_us or 0.0
     _note_run_queue_wait(times, result, corrected=removed is not None)
+
+
+def _check_untraced_steps_agree(times: StepTimes, result: RankResult) -> None:
+    """Warn when a typical untraced step lies further from their median than the fidelity bound: that median is
+    what the profiler's cost is measured against and what a simulation is compared with, so neither is then known
+    to the bound. Two untraced steps 30% apart give a median 15% from each; one unusual step among three does
+    not count (StepTimes.untraced_deviation)."""
+    if times.untraced_deviation <= STEP_SPREAD_BOUND:
+        return
+    steps = ", ".join(f"{t / 1000:.1f}" for t in times.untraced_us)
+    result.warnings.append(
+        f"the {len(times.untraced_us)} untraced steps {RUN_INFO} timed ({steps} ms) lie typically "
+        f"{times.untraced_deviation:.1%} from their median {times.untraced_median_us / 1000:.1f} ms (more than "
+        f"{STEP_SPREAD_BOUND:.0%}): the untraced step the profiler's cost is measured against, and simulate.py "
+        "compares with, is not known to that bound; time more untraced steps (--trace-wait-steps, "
+        "--trace-after-steps) " + ("on a quieter machine" if times.machine_busy is not False else
+                                   "or trace again"))
 
 
 def _why_no_untraced_time(info, rank: int, micro_batches: int | None) -> str:

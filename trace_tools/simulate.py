@@ -22,7 +22,7 @@ from .atomic import atomic_output, folder_held, write_text_atomic
 from .command_line import ArgumentParser, StopSignal
 from .discover import read_run_info
 from .layout import CONVERSION_SUMMARY, RUN_INFO, SIMULATION_FILE, SIMULATION_WORK_DIR, et_name, et_sets
-from .step_timing import step_times_of
+from .step_timing import STEP_SPREAD_BOUND, step_times_of
 from .summary import converted_from, reconvert_command, records_set, unrecorded_et_file
 from .validate import CLOCK_LIMIT_NS, collectives_agree, group_members, validate_et
 
@@ -577,6 +577,17 @@ def _median_seconds(value) -> float | None:
     return statistics.median(numbers) if numbers else None
 
 
+def _untraced_spread_note(samples: dict) -> str:
+    """The ranks whose untraced steps lie further from their median than the fidelity bound: their measured step,
+    and a predicted / measured ratio against it, is not known to that bound (StepTimes.untraced_deviation)."""
+    loose = [f"rank {rank} {times.untraced_deviation:.0%} ({len(times.untraced_us)} steps)"
+             for rank, times in sorted(samples.items()) if times.untraced_deviation > STEP_SPREAD_BOUND]
+    if not loose:
+        return ""
+    return (f"; the untraced steps lie typically further than {STEP_SPREAD_BOUND:.0%} from their median on "
+            + ", ".join(loose) + ", so the measured step is not known to that bound")
+
+
 def measured_steps(folder: Path) -> tuple[dict[int, float], str]:
     """Measured step per rank in ms, and where it comes from: run.json's untraced steps (what the .et durations
     estimate: the run's first step, its start-up, left out as the conversion leaves it out, trace_tools.step_timing),
@@ -604,11 +615,12 @@ def measured_steps(folder: Path) -> tuple[dict[int, float], str]:
             other_run = True
             continue
         entries = info.get("ranks") or []
-        untraced = {entry["rank"]: times.untraced_median_us / 1e3 for entry in entries
-                    if (times := step_times_of(info, entry["rank"])) is not None}
-        if untraced:
-            return untraced, ("untraced steps after the run's first, median per rank (`untraced_step_wall_time_s` "
-                              f"in {candidate}){note}")
+        samples = {entry["rank"]: times for entry in entries
+                   if (times := step_times_of(info, entry["rank"])) is not None}
+        if samples:
+            return ({rank: times.untraced_median_us / 1e3 for rank, times in samples.items()},
+                    "untraced steps after the run's first, median per rank (`untraced_step_wall_time_s` "
+                    f"in {candidate}){_untraced_spread_note(samples)}{note}")
         traced = {entry["rank"]: seconds * 1e3 for entry in entries
                   if (seconds := _median_seconds(entry.get("step_wall_time_s"))) is not None}
         if traced:

@@ -137,6 +137,17 @@ class StepTimes:
     def untraced_median_us(self) -> float:
         return statistics.median(self.untraced_us)
 
+    @property
+    def untraced_deviation(self) -> float:
+        """How far a typical untraced step lies from their median, as a share of it (the median absolute deviation;
+        0 for one step). The median is what the .et durations are corrected towards and what simulate.py compares
+        a prediction with: one unusual step among three (the first after the window, 1.0-1.3x and once 2.9x the
+        others) does not move it or this, but two steps that differ by 2d give a median d from each of them."""
+        middle = self.untraced_median_us
+        if len(self.untraced_us) < 2 or middle <= 0:
+            return 0.0
+        return statistics.median(abs(t - middle) for t in self.untraced_us) / middle
+
 
 def _mean_per_step(untraced: list[float] | None, traced: list[float] | None) -> float | None:
     """The mean over the untraced steps, or over the traced ones when no untraced step measured it; None if neither

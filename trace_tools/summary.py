@@ -48,6 +48,8 @@ class RankResult:
     gpu_ops_without_launch: int = 0        # GPU ops whose launching runtime call is not in the device trace
     wait_us: float = 0.0
     untraced_step_us: float = 0.0          # measured before the profiler's window (run.json); 0 when unknown
+    untraced_steps_us: list = field(default_factory=list)  # the untraced steps it is the median of
+    untraced_deviation: float = 0.0        # their median absolute deviation / their median
     # median time the training thread waited for a core in a traced / an untraced step (run.json); 0 when unknown
     run_queue_wait_us: float = 0.0
     untraced_run_queue_wait_us: float = 0.0
@@ -158,6 +160,16 @@ def ratio_text(rank: RankResult) -> str:
     return f"{replay_critical_path_us(rank) / rank.traced_step_us:.3f}"
 
 
+def _untraced_samples_text(rank: RankResult) -> str:
+    """How many untraced steps the untraced step is the median of, and how far they lie from it."""
+    count = len(rank.untraced_steps_us)
+    if count == 0:  # a summary written before the samples were recorded
+        return "median of the untraced steps"
+    if count == 1:
+        return "one untraced step"
+    return f"median of {count} untraced steps, typically {rank.untraced_deviation:.1%} from it"
+
+
 def durations_text(rank: RankResult) -> str:
     """What the durations of the .et are: which step, medians over how many, and the profiler's cost removed."""
     steps = rank.traced_steps_us
@@ -183,7 +195,7 @@ def durations_text(rank: RankResult) -> str:
                          "slowest, whose CPU time is that much more than the slowest rank's median")
         text += (f"; profiler cost removed: {rank.recording_overhead_us / 1000:.1f} ms per step "
                  f"({rank.overhead_per_op_us:.1f} µs per op, {measured}; untraced step "
-                 f"{rank.untraced_step_us / 1000:.1f} ms, run.json); critical path of the .et as written {rank.critical_path_us / 1000:.1f} ms (its "
+                 f"{rank.untraced_step_us / 1000:.1f} ms, {_untraced_samples_text(rank)} in run.json); critical path of the .et as written {rank.critical_path_us / 1000:.1f} ms (its "
                  "collectives at their least-waited traced duration)")
     else:
         text += f"; profiler cost not removed ({rank.profiler_cost_kept or 'no untraced step times in run.json'})"
