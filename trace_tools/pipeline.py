@@ -33,7 +33,8 @@ from .load import (PAST_WINDOW_END, UNUSABLE_TIME, TraceError, is_structural, lo
 from .repair import NO_OPERATORS_PROBLEM
 from .step_timing import (STEP_SPREAD_BOUND, MicroBatches, StepTimes, micro_batches_of, read_run_json, step_times_of,
                           untraced_steps_after_the_first)
-from .summary import RankResult, RunResult, et_fingerprint, read_previous_results, write_run_summary
+from .summary import (RankResult, RunResult, et_fingerprint, file_fingerprint, read_previous_results,
+                      write_run_summary)
 from .validate import collectives_agree, validate_et
 
 logger = logging.getLogger(__name__)
@@ -143,12 +144,6 @@ def host_repair_note(data: bytes) -> str:
         dropped = f", {marker['dropped_bytes']} bytes dropped" if marker.get("dropped_bytes") else ""
         return f"repaired by fix_host_traces.py: truncated, {marker.get('kept_nodes', '?')} nodes kept{dropped}"
     return "repaired by fix_host_traces.py"
-
-
-def file_fingerprint(path: str | Path) -> dict[str, Any]:
-    """Name, size and modification time: what says a trace is still the one a result was made from."""
-    st = os.stat(path)
-    return {"name": Path(path).name, "size": st.st_size, "mtime_ns": st.st_mtime_ns}
 
 
 def input_fingerprints(host_path: str | Path, device_path: str | Path) -> dict[str, dict[str, Any]]:

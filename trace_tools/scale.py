@@ -33,12 +33,12 @@ from chakra.schema.protobuf.et_def_pb2 import (
 from chakra.src.third_party.utils.protolib import encodeMessage
 
 from .atomic import folder_held, write_text_atomic
-from .layout import CONVERSION_SUMMARY, ET_FILE_RE, PREVIOUS_RUN_DIR, RUN_INFO, et_name, et_sets
+from .layout import ET_FILE_RE, et_name, et_sets
 from .link import COMM_TYPE_NAMES, COMMUNICATION_CPU_ATTR
 from .load import json_kind
-from .pipeline import _writable, fallback_output_dir, file_fingerprint
-from .summary import (converted_from, et_fingerprint, format_bytes, read_previous_results, read_status_comment,
-                      status_comment, unrecorded_et_file)
+from .pipeline import _writable, fallback_output_dir
+from .summary import (ConvertedRun, et_fingerprint, format_bytes, read_status_comment, run_info_files, status_comment,
+                      unrecorded_et_file)
 from .validate import (CLOCK_LIMIT_NS, EtFormatError, SerializedMessage, collectives_agree, iter_et_messages,
                        read_et_metadata, validate_et)
 
@@ -305,81 +305,6 @@ def _process_groups(meta: dict) -> list[dict]:
     except orjson.JSONDecodeError:
         return []
     return [g for g in groups if isinstance(g, dict)] if isinstance(groups, list) else []
-
-
-@dataclass
-class ConvertedRun:
-    """What a folder's CONVERSION_SUMMARY.md recorded of the run its .et files were made from: the run id the traces
-    carry (identity.run_id) and the run.json the conversion read (inputs.run_info: name, size, mtime), the records
-    convert_remaining.py tells changed traces and run.json by. Both empty for an older summary, or none."""
-
-    folder: Path
-    traces: Path | None = None  # the trace folder the conversion read run.json in
-    run_ids: set[str] = field(default_factory=set)
-    run_info: list[dict] = field(default_factory=list)
-
-    @classmethod
-    def recorded_in(cls, folder: Path) -> ConvertedRun:
-        run = cls(Path(folder), converted_from(Path(folder)))
-        for result in (read_previous_results(folder) or {}).values():
-            if (result.identity or {}).get("run_id"):
-                run.run_ids.add(str(result.identity["run_id"]))
-            recorded = (result.inputs or {}).get("run_info")
-            if recorded and recorded not in run.run_info:
-                run.run_info.append(recorded)
-        return run
-
-    @property
-    def recorded(self) -> bool:
-        return bool(self.run_ids or self.run_info)
-
-    def holds(self, path: Path, info) -> bool | None:
-        """Whether the run.json at `path` (its content `info`, None when unreadable) is this run's: the file the
-        conversion read, or one with the traces' run id (True); another run's, or without run ids a file in the
-        trace folder other than the one read there (False); None when nothing recorded tells (a copy without a run
-        id beside the .et files is taken as it is)."""
-        if not self.recorded:
-            return None
-        try:
-            if file_fingerprint(path) in self.run_info:
-                return True
-        except OSError:
-            return None
-        found = info.get("run_id") if isinstance(info, dict) else None
-        if found and self.run_ids:
-            return str(found) in self.run_ids
-        in_traces = self.traces is not None and self.traces.is_dir() and path.parent.resolve() == self.traces.resolve()
-        return False if self.run_info and in_traces else None
-
-    def other_run(self, path: Path, info) -> str | None:
-        """Why the run.json at `path` is not this run's (holds() is False), or None."""
-        if self.holds(path, info) is not False:
-            return None
-        found = info.get("run_id") if isinstance(info, dict) else None
-        if found and self.run_ids:
-            return (f"another run's (run_id {found}; the .et files in {self.folder} were made from run "
-                    f"{', '.join(sorted(self.run_ids))})")
-        return (f"not the run.json the .et files in {self.folder} were converted with (its size or time differ from "
-                f"those {CONVERSION_SUMMARY} recorded, and it has no run id to tell)")
-
-
-def run_info_files(folder: Path) -> tuple[list[Path], Path | None]:
-    """The run.json files that may be the one of the .et files in folder, and where the run's earlier files would
-    be: beside the .et files, in the trace folder CONVERSION_SUMMARY.md names, and in that folder's
-    .previous/<name>/, where the tracer moves a run traced again under the same name (the last is the run's only
-    when ConvertedRun.holds says so)."""
-    traces = converted_from(Path(folder))
-    candidates = [folder / RUN_INFO]
-    previous = None
-    if traces is not None:
-        previous = traces.parent / PREVIOUS_RUN_DIR / traces.name / RUN_INFO
-        candidates += [traces / RUN_INFO, previous]
-    seen, found = set(), []
-    for path in candidates:
-        if path.is_file() and path.resolve() not in seen:
-            seen.add(path.resolve())
-            found.append(path)
-    return found, previous
 
 
 def find_run_info(source: SourceSet) -> tuple[Path | None, list[str]]:

@@ -23,7 +23,8 @@ from .command_line import ArgumentParser, StopSignal
 from .discover import read_run_info
 from .layout import CONVERSION_SUMMARY, RUN_INFO, SIMULATION_FILE, SIMULATION_WORK_DIR, et_name, et_sets
 from .step_timing import STEP_SPREAD_BOUND, step_times_of
-from .summary import converted_from, reconvert_command, records_set, unrecorded_et_file
+from .summary import (ConvertedRun, converted_from, reconvert_command, records_set, run_info_files,
+                      unrecorded_et_file)
 from .validate import CLOCK_LIMIT_NS, collectives_agree, group_members, validate_et
 
 ASTRA_SIM_ENV = "ASTRA_SIM"
@@ -592,11 +593,9 @@ def measured_steps(folder: Path) -> tuple[dict[int, float], str]:
     """Measured step per rank in ms, and where it comes from: run.json's untraced steps (what the .et durations
     estimate: the run's first step, its start-up, left out as the conversion leaves it out, trace_tools.step_timing),
     else its traced steps, else the traced step in CONVERSION_SUMMARY.md. run.json is the one of the run the .et
-    files were made from (scale.run_info_files: beside them, in their trace folder, or, that run traced again
+    files were made from (summary.run_info_files: beside them, in their trace folder, or, that run traced again
     since, in its .previous/ folder). A damaged run.json, or another run's, is passed over, and the source says so,
     as it says where run.json was looked for when there is none."""
-    from .scale import ConvertedRun, run_info_files
-
     traces = converted_from(folder)
     run = ConvertedRun.recorded_in(folder)
     candidates, previous = run_info_files(folder)

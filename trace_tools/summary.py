@@ -4,6 +4,7 @@ from __future__ import annotations
 import datetime
 import hashlib
 import json
+import os
 import re
 import shlex
 from dataclasses import asdict, dataclass, field
@@ -12,7 +13,7 @@ from typing import Any, Iterable
 
 from .atomic import write_text_atomic
 from .discover import FLAT_FILE, Run
-from .layout import CONVERSION_SUMMARY, STEP_PREFIX, TRACE_FILE_RE, et_name
+from .layout import CONVERSION_SUMMARY, PREVIOUS_RUN_DIR, RUN_INFO, STEP_PREFIX, TRACE_FILE_RE, et_name
 
 STATUS_MARKER = "trace_tools-status"  # CONVERSION_SUMMARY.md's machine-readable block (status_comment)
 
@@ -357,6 +358,12 @@ def read_previous_results(output_dir: Path) -> dict[int, RankResult] | None:
     return {int(rank): rank_result_from_dict(data) for rank, data in status.items()}
 
 
+def file_fingerprint(path: str | Path) -> dict[str, Any]:
+    """Name, size and modification time: what says a trace is still the one a result was made from."""
+    st = os.stat(path)
+    return {"name": Path(path).name, "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
 def et_fingerprint(path: str | Path, name: str | None = None) -> dict[str, Any]:
     """Name, size and SHA-256 of a written .et: it is still the file a summary describes (whatever its mtime)."""
     data = Path(path).read_bytes()
@@ -451,3 +458,78 @@ def render_table(results: list[RunResult]) -> str:
             for warning in r.warnings:
                 out.append(f"warning: {result.run.name} rank {r.rank}: {warning}")
     return "\n".join(out)
+
+
+@dataclass
+class ConvertedRun:
+    """What a folder's CONVERSION_SUMMARY.md recorded of the run its .et files were made from: the run id the traces
+    carry (identity.run_id) and the run.json the conversion read (inputs.run_info: name, size, mtime), the records
+    convert_remaining.py tells changed traces and run.json by. Both empty for an older summary, or none."""
+
+    folder: Path
+    traces: Path | None = None  # the trace folder the conversion read run.json in
+    run_ids: set[str] = field(default_factory=set)
+    run_info: list[dict] = field(default_factory=list)
+
+    @classmethod
+    def recorded_in(cls, folder: Path) -> ConvertedRun:
+        run = cls(Path(folder), converted_from(Path(folder)))
+        for result in (read_previous_results(folder) or {}).values():
+            if (result.identity or {}).get("run_id"):
+                run.run_ids.add(str(result.identity["run_id"]))
+            recorded = (result.inputs or {}).get("run_info")
+            if recorded and recorded not in run.run_info:
+                run.run_info.append(recorded)
+        return run
+
+    @property
+    def recorded(self) -> bool:
+        return bool(self.run_ids or self.run_info)
+
+    def holds(self, path: Path, info) -> bool | None:
+        """Whether the run.json at `path` (its content `info`, None when unreadable) is this run's: the file the
+        conversion read, or one with the traces' run id (True); another run's, or without run ids a file in the
+        trace folder other than the one read there (False); None when nothing recorded tells (a copy without a run
+        id beside the .et files is taken as it is)."""
+        if not self.recorded:
+            return None
+        try:
+            if file_fingerprint(path) in self.run_info:
+                return True
+        except OSError:
+            return None
+        found = info.get("run_id") if isinstance(info, dict) else None
+        if found and self.run_ids:
+            return str(found) in self.run_ids
+        in_traces = self.traces is not None and self.traces.is_dir() and path.parent.resolve() == self.traces.resolve()
+        return False if self.run_info and in_traces else None
+
+    def other_run(self, path: Path, info) -> str | None:
+        """Why the run.json at `path` is not this run's (holds() is False), or None."""
+        if self.holds(path, info) is not False:
+            return None
+        found = info.get("run_id") if isinstance(info, dict) else None
+        if found and self.run_ids:
+            return (f"another run's (run_id {found}; the .et files in {self.folder} were made from run "
+                    f"{', '.join(sorted(self.run_ids))})")
+        return (f"not the run.json the .et files in {self.folder} were converted with (its size or time differ from "
+                f"those {CONVERSION_SUMMARY} recorded, and it has no run id to tell)")
+
+
+def run_info_files(folder: Path) -> tuple[list[Path], Path | None]:
+    """The run.json files that may be the one of the .et files in folder, and where the run's earlier files would
+    be: beside the .et files, in the trace folder CONVERSION_SUMMARY.md names, and in that folder's
+    .previous/<name>/, where the tracer moves a run traced again under the same name (the last is the run's only
+    when ConvertedRun.holds says so)."""
+    traces = converted_from(Path(folder))
+    candidates = [folder / RUN_INFO]
+    previous = None
+    if traces is not None:
+        previous = traces.parent / PREVIOUS_RUN_DIR / traces.name / RUN_INFO
+        candidates += [traces / RUN_INFO, previous]
+    seen, found = set(), []
+    for path in candidates:
+        if path.is_file() and path.resolve() not in seen:
+            seen.add(path.resolve())
+            found.append(path)
+    return found, previous
