@@ -463,21 +463,45 @@ def test_every_device_trace_and_run_json_carry_one_run_id(tmp_path):
 
 # ---- broken traces: the message says what happened --------------------------------------------------------------
 def test_repaired_host_trace_is_flagged_in_the_et_the_table_the_summary_and_the_report(tmp_path, capsys):
+    """Cut inside the last of three traced steps, a repaired host trace gives an .et of the two whole ones."""
     from trace_tools.report import write_report
 
-    folder = corpus.copy_run(GPT2, tmp_path / "gpt2")
-    text = (folder / "host.0.json").read_bytes()
-    (folder / "host.0.json").write_bytes(text[:len(text) // 2])
-    assert repair_host_trace(folder / "host.0.json").status == "repaired"
+    folder = corpus.copy_run(corpus.GPT2_BUCKETS, tmp_path / "gpt2")
+    for rank in (0, 1):
+        text = (folder / f"host.{rank}.json").read_bytes()
+        (folder / f"host.{rank}.json").write_bytes(text[:len(text) * 9 // 10])
+        assert repair_host_trace(folder / f"host.{rank}.json").status == "repaired"
     code, output = convert(folder, capsys)
     assert code == 0
     assert "ok (repaired host trace)" in output.splitlines()[2]
     assert any(line.startswith("warning: gpt2 rank 0: ") and "repaired by fix_host_traces.py: closed the node list"
                in line for line in output.splitlines())
+    assert any(line.startswith("warning: gpt2 rank 0: the host trace ends inside ProfilerStep#6: ")
+               and line.endswith("so that step is left out and the .et is made of ProfilerStep#4, ProfilerStep#5")
+               for line in output.splitlines())
     assert "✅ ok, host trace repaired" in (folder / "CONVERSION_SUMMARY.md").read_text()
     assert metadata(folder / "gpt2.0.et")["host_trace_repaired"].startswith("repaired by fix_host_traces.py: closed")
     report = write_report(folder, use_hta=False).read_text()
     assert "**Repaired host traces:**" in report and "- rank 0: repaired by fix_host_traces.py" in report
+
+
+def test_host_traces_cut_inside_the_only_step_are_refused_naming_the_collectives_they_lost(tmp_path, capsys):
+    """Both ranks' host traces cut inside the one traced step, before DDP's all-reduce: the repaired traces agree
+    with each other (no collective on either rank), but an .et of them would simulate the step with no
+    communication at any network speed. The device trace still holds the step's later operators: each rank is
+    refused, naming the step and the collective it lost, and no .et is written."""
+    folder = corpus.copy_run(GPT2_2R, tmp_path / "cut")
+    for rank in (0, 1):
+        text = (folder / f"host.{rank}.json").read_bytes()
+        (folder / f"host.{rank}.json").write_bytes(text[:len(text) * 3 // 5])
+        assert repair_host_trace(folder / f"host.{rank}.json").status == "repaired"
+    code, output = convert(folder, capsys)
+    assert code == 1
+    for rank in (0, 1):
+        [line] = [e for e in errors(output) if e.startswith(f"error: {folder / f'host.{rank}.json'}: ")]
+        assert "ends inside ProfilerStep#2: " in line and "start after its last node, among them c10d::allreduce_ " \
+            "(the host trace was cut short" in line
+    assert not list(folder.glob("*.et"))
 
 
 def test_duplicate_ids_dropped_by_a_repair_are_recorded_in_the_trace(tmp_path):

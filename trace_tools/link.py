@@ -512,6 +512,7 @@ def _select_step(linked: LinkedTrace, match: list[int], matched: list[int],
     span_end = max(ts[k] + dur[k] for k in ops)
     traced = sorted((k for k, name in enumerate(names) if name.startswith(STEP_PREFIX)
                      and ts[k] < span_end and ts[k] + dur[k] > span_start), key=lambda k: ts[k])
+    traced = _steps_the_host_trace_holds(linked, traced, {match[h] for h in matched}, span_end)
     steps = _steps_of_the_full_step(traced, dev, micro_batches)
     linked.stats["steps_in_device_trace"] = sum(1 for name in names if name.startswith(STEP_PREFIX))
     linked.stats["step_durations_us"] = [round(dur[k], 1) for k in steps]
@@ -531,6 +532,40 @@ def _select_step(linked: LinkedTrace, match: list[int], matched: list[int],
         lo, hi = ts[chosen], ts[chosen] + dur[chosen]
         matched[:] = [h for h in matched if lo <= ts[match[h]] < hi or (match[h] == chosen)]
     return [chosen]
+
+
+# The operators by which a rank calls a collective (torch.distributed's c10d ops; the backends' annotations)
+COLLECTIVE_CALL_PREFIXES = ("c10d::", "gloo:", "nccl:")
+
+
+def _steps_the_host_trace_holds(linked: LinkedTrace, traced: list[int], matched_ops: set[int],
+                                host_end: float) -> list[int]:
+    """The traced steps whose every operator the host trace holds. The execution trace observer records each
+    operator the step runs, in order, so a device-trace operator that starts inside a step after the host trace's
+    last operator has ended is one the host trace lost: a host trace cut short (a process killed while writing it,
+    a copy cut off, closed by fix_host_traces.py), whose .et would lack the rest of that step, its collectives
+    included, and simulate no communication for them. Such a step is left out (stats "steps_cut"); with no whole
+    step left, TraceError."""
+    dev = linked.device
+    ts, dur, names = dev.cpu_ts, dev.cpu_dur, dev.cpu_names
+    if not traced:
+        return traced
+    last = traced[-1]  # only the step the host trace ends in can be cut: the later ones are not among `traced`
+    lost = [k for k in range(len(names)) if ts[last] <= ts[k] < ts[last] + dur[last] and ts[k] >= host_end
+            and k not in matched_ops and not dev.cpu_is_annotation[k]]
+    if not lost:
+        return traced
+    collectives = sorted({names[k] for k in lost if names[k].startswith(COLLECTIVE_CALL_PREFIXES)})
+    linked.stats["steps_cut"] = [[names[last], len(lost)]]
+    whole = traced[:-1]
+    if whole:
+        return whole
+    raise TraceError(linked.host.path,
+                     f"ends inside {names[last]}: {len(lost)} operators the device trace has in that step start after "
+                     f"its last node" + (f", among them {', '.join(collectives)}" if collectives else "")
+                     + " (the host trace was cut short: a process killed while writing it, or closed by "
+                     "fix_host_traces.py); an .et of it would lack them, so no whole traced step is left: trace "
+                     "the run again")
 
 
 def _median_step(steps: list[int], dur: list[float], ts: list[float]) -> int:

@@ -256,6 +256,11 @@ def _correct_for_profiler(linked, result: RankResult, info, rank: int, micro_bat
     count = micro_batches.of(linked.step_name) if micro_batches is not None else None
     times = step_times_of(info, rank, count)
     _note_micro_batches(linked, result, micro_batches, count, times is not None, info, rank)
+    for name, lost in linked.stats.get("steps_cut", []):
+        used = ", ".join(linked.device.cpu_names[k] for k in linked.traced_steps)
+        result.warnings.append(f"the host trace ends inside {name}: {lost} operators the device trace has in that "
+                               "step start after its last node (cut short), so that step is left out and the .et "
+                               f"is made of {used}")
     if result.step_spread > STEP_SPREAD_BOUND:
         result.warnings.append(f"the {len(result.traced_steps_us)} traced steps differ by {result.step_spread:.1%} "
                                f"(more than {STEP_SPREAD_BOUND:.0%}; the .et holds their per-operator medians): "

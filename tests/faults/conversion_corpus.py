@@ -35,6 +35,7 @@ from typing import Callable
 REPO = Path(__file__).resolve().parents[2]
 CPU = REPO / "tests" / "data" / "cpu"
 GPT2_1R, GPT2_2R, BERT_2R = CPU / "gpt2_tiny_1r", CPU / "gpt2_tiny_2r", CPU / "bert_tiny_2r"
+GPT2_BUCKETS = CPU / "gpt2_2x128_2r_buckets"  # three traced steps, a 2-layer GPT-2 of two DDP buckets
 OUTCOMES = ("clear", "misleading", "traceback", "wrong_ok", "lost")
 TRACEBACK_MARKS = ("Traceback (most recent call last)", "internal error")
 
@@ -297,7 +298,10 @@ def host_truncated(work: Path):
 
 
 @case
-def host_truncated_repaired_is_flagged(work: Path):
+def host_truncated_inside_its_only_step_is_refused(work: Path):
+    """A host trace cut short inside the one traced step lost the rest of that step, its all-reduce among it: the
+    repair closes the node list, and the conversion refuses the rank (an .et of it would simulate no communication)
+    rather than writing it."""
     folder = copy_run(GPT2_1R, work / "run")
     text = (folder / "host.0.json").read_bytes()
     (folder / "host.0.json").write_bytes(text[:len(text) * 3 // 5])
@@ -305,9 +309,28 @@ def host_truncated_repaired_is_flagged(work: Path):
     if repaired.rc != 0:
         return expect_ok(repaired)
     proc = convert(folder)
-    outcome = expect_ok(proc)
-    if outcome[0] != "clear":
-        return outcome
+    outcome = expect_error(proc, "host.0.json", "ends inside ProfilerStep#", "cut short")
+    if outcome[0] == "clear" and et_files(folder):
+        return "wrong_ok", f"refused, but left {et_files(folder)}"
+    return outcome
+
+
+@case
+def host_truncated_repaired_is_flagged(work: Path):
+    """A host trace cut short inside the last of three traced steps: the .et is made of the two whole ones, and the
+    table, the summary, the .et's metadata and a warning say the host trace was repaired and the step left out."""
+    folder = copy_run(GPT2_BUCKETS, work / "run")
+    for rank in (0, 1):
+        text = (folder / f"host.{rank}.json").read_bytes()
+        (folder / f"host.{rank}.json").write_bytes(text[:len(text) * 9 // 10])
+    repaired = fix(folder)
+    if repaired.rc != 0:
+        return expect_ok(repaired)
+    proc = convert(folder)
+    outcome = expect_warning(proc, "ends inside ProfilerStep#6", "that step is left out",
+                             "made of ProfilerStep#4, ProfilerStep#5")
+    if outcome[0] != "clear" or proc.rc != 0:
+        return outcome if outcome[0] != "clear" else ("misleading", f"exit {proc.rc}")
     rows = [line for line in proc.out.splitlines() if line.split()[:2] == ["run", "0"]]
     if not rows or "repaired" not in rows[0]:
         return "wrong_ok", "the table shows a plain ok for a repaired host trace"
