@@ -621,3 +621,37 @@ def test_ctrl_c_stops_parallel_workers_with_one_line_and_no_partial_file(tmp_pat
     assert not list(folder.glob(".*")), "no partial file of a stopped worker"
     done = {rank for rank, result in (read_previous_results(folder) or {}).items() if result.ok}
     assert et_names(folder) == [f"bert.{rank}.et" for rank in sorted(done)]
+
+
+def test_a_trace_beside_its_uncompressed_twin_is_named_as_passed_over(tmp_path, capsys):
+    """host.0.json and host.0.json.gz both in the folder (`gunzip -k`, then one edited): the conversion reads the
+    uncompressed one and says which one it passed over, once for the run."""
+    folder = corpus.copy_run(GPT2_2R, tmp_path / "both", plain=False)
+    (folder / "host.0.json").write_bytes(corpus.unzip(folder / "host.0.json.gz"))
+    code, output = convert(folder, capsys)
+    assert code == 0
+    assert [line for line in output.splitlines() if "passed over" in line] == [
+        f"warning: both: {folder / 'host.0.json.gz'}: passed over for host.0.json beside it, which is converted "
+        "(both name the same trace); remove the one that is not this run's"]
+
+
+def test_a_folder_of_runs_with_one_that_cannot_be_looked_into_converts_the_others(tmp_path, capsys, monkeypatch):
+    """A folder of runs beside a folder this user may not read (another user's, /proc's): the scan passes over
+    what it cannot look at, as it passes over any other folder without traces, instead of a PermissionError
+    traceback."""
+    corpus.copy_run(GPT2_2R, tmp_path / "runs" / "gpt2")
+    locked = tmp_path / "runs" / "locked"
+    (locked / "inner").mkdir(parents=True)
+    real_is_dir, real_is_file = Path.is_dir, Path.is_file
+
+    def refuse(real):
+        def check(self):
+            if locked in self.parents:
+                raise PermissionError(13, "Permission denied", str(self))
+            return real(self)
+        return check
+    monkeypatch.setattr(Path, "is_dir", refuse(real_is_dir))
+    monkeypatch.setattr(Path, "is_file", refuse(real_is_file))
+    code, output = convert(tmp_path / "runs", capsys)
+    assert code == 0 and "Traceback" not in output
+    assert sorted(p.name for p in (tmp_path / "runs" / "gpt2").glob("*.et")) == ["gpt2.0.et", "gpt2.1.et"]

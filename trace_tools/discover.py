@@ -25,6 +25,7 @@ class Run:
     world_size: int | None = None
     run_id: str | None = None  # the tracer's run id in run.json (each device trace carries it too)
     run_info_problem: str | None = None  # why run.json beside the traces cannot be read (None: fine, or none there)
+    passed_over: list[Path] = field(default_factory=list)  # x.json.gz beside the x.json converted in its place
 
     @property
     def ranks(self) -> list[int]:
@@ -67,11 +68,31 @@ class Run:
         return self.folder / (host_trace_name(rank) if kind == "host" else device_trace_name(rank))
 
 
-def _prefer(existing: Path | None, candidate: Path) -> Path:
-    # Both x.json and x.json.gz: the uncompressed one is the one a repair may have rewritten.
+def _prefer(run: Run, existing: Path | None, candidate: Path) -> Path:
+    """Of x.json and x.json.gz, the uncompressed one (what `gunzip -k` leaves to be read or edited, and what older
+    repairs wrote); the other is recorded in run.passed_over, so that the conversion says which one it read."""
     if existing is None:
         return candidate
-    return existing if existing.suffix == ".json" else candidate
+    kept, other = (existing, candidate) if existing.suffix == ".json" else (candidate, existing)
+    run.passed_over.append(other)
+    return kept
+
+
+def _is_file(path: Path) -> bool:
+    """Whether path is a regular file; False for one that cannot be looked at (no permission), which a scan of a
+    folder of runs passes over as it passes over any other non-trace."""
+    try:
+        return path.is_file()
+    except OSError:
+        return False
+
+
+def _subfolders(path: Path) -> list[Path]:
+    """The visible folders in path, sorted; none when path cannot be listed or looked into (no permission)."""
+    try:
+        return sorted(p for p in path.iterdir() if not p.name.startswith(".") and p.is_dir())
+    except OSError:
+        return []
 
 
 def _scan_folder(folder: Path) -> list[Run]:
@@ -82,20 +103,20 @@ def _scan_folder(folder: Path) -> list[Run]:
     except OSError:
         return []
     for path in entries:
-        if not path.is_file() or path.name.startswith("."):
+        if path.name.startswith(".") or not _is_file(path):
             continue
         match = TRACE_FILE_RE.match(path.name)
         if match:
             rank = int(match.group("rank"))
             table = tracer.hosts if match.group("kind") == "host" else tracer.devices
-            table[rank] = _prefer(table.get(rank), path)
+            table[rank] = _prefer(tracer, table.get(rank), path)
             continue
         match = FLAT_FILE.match(path.name)
         if match:
             run = flat.setdefault(match.group("name"), Run(name=match.group("name"), folder=folder))
             rank = int(match.group("rank") or 0)
             table = run.hosts if match.group("kind") == "host" else run.devices
-            table[rank] = _prefer(table.get(rank), path)
+            table[rank] = _prefer(run, table.get(rank), path)
     runs = []
     if tracer.hosts or tracer.devices:
         info = folder / RUN_INFO
@@ -218,10 +239,10 @@ def find_runs(paths: list[str | Path]) -> list[Run]:
         add(here)
         if here:
             continue
-        for child in sorted(p for p in path.iterdir() if p.is_dir() and not p.name.startswith(".")):
+        for child in _subfolders(path):
             found = _scan_folder(child)
             if not found:
-                for grandchild in sorted(p for p in child.iterdir() if p.is_dir() and not p.name.startswith(".")):
+                for grandchild in _subfolders(child):
                     add(_scan_folder(grandchild))
             add(found)
     return runs

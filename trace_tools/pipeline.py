@@ -828,19 +828,23 @@ def _convert_runs(runs, output_dir, jobs, emit_merged, progress, only, previous)
 
 
 def run_warnings(run: Run) -> list[str]:
-    """Warnings about the whole run from its run.json, said once rather than per rank: a run.json that times no
-    untraced step after the run's first (the first holds its start-up, which the conversion leaves out), so that
-    every rank's .et keeps the profiler's cost (on a CPU, over 2x a GPT-2 tiny step)."""
+    """Warnings about the whole run, said once rather than per rank: a trace file passed over for its uncompressed
+    twin (discover._prefer), and a run.json that times no untraced step after the run's first (the first holds its
+    start-up, which the conversion leaves out), so that every rank's .et keeps the profiler's cost (on a CPU, over
+    2x a GPT-2 tiny step)."""
+    passed_over = [f"{path}: passed over for {path.with_suffix('').name} beside it, which is converted (both "
+                   "name the same trace); remove the one that is not this run's" for path in run.passed_over]
     if run.run_info_problem or not (run.folder / RUN_INFO).is_file():
-        return []
+        return passed_over
     info = read_run_json(run.folder)
     if not isinstance(info, dict) or any(untraced_steps_after_the_first(info, rank) for rank in run.ranks):
-        return []
+        return passed_over
     numbers = info.get("untraced_steps")
     timed = (f" (untraced_steps {numbers})" if isinstance(numbers, list) else "")
-    return [f"{run.folder / RUN_INFO} times no untraced step after the run's first{timed}, the first holding the "
-            "run's start-up, so every .et keeps the profiler's cost (its ops take their traced time, the recording "
-            "included): trace with --trace-wait-steps 2 or more, or --trace-after-steps 1 or more"]
+    return passed_over + [
+        f"{run.folder / RUN_INFO} times no untraced step after the run's first{timed}, the first holding the run's "
+        "start-up, so every .et keeps the profiler's cost (its ops take their traced time, the recording included): "
+        "trace with --trace-wait-steps 2 or more, or --trace-after-steps 1 or more"]
 
 
 def _convert_in_pool(tasks: list, jobs: int, done: Callable[[str, RankResult], None], bar) -> None:
