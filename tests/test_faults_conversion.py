@@ -322,8 +322,8 @@ def test_a_conversion_into_a_folder_another_one_is_writing_into_stops_with_one_l
     with pipeline.only_conversion_in(folder):
         code, output = convert(folder, capsys)
     assert code == 1
-    assert errors(output) == [f"error: {folder}: another conversion or a trace_report.py is using this folder now; "
-                              "wait for it to end"]
+    assert errors(output) == [f"error: {folder}: another conversion, a trace_report.py or a simulate.py is using this "
+                              "folder now; wait for it to end"]
     assert et_names(folder) == [] and not (folder / "CONVERSION_SUMMARY.md").exists()
     assert convert(folder, capsys)[0] == 0  # the lock went with the first
 

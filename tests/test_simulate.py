@@ -129,6 +129,27 @@ def test_one_npu_is_refused_because_the_analytical_network_needs_two():
         Network(1, 1.0)
 
 
+def test_a_latency_of_minus_zero_is_zero():
+    network = Network(2, 1.0, latency_ns=-0.0)
+    assert network.describe().endswith(", 0 ns latency, ring collectives")
+    assert "latency: [ 0.0 ]" in network_yaml(network)
+
+
+@pytest.mark.parametrize("collective, npus", [("doubleBinaryTree", 3), ("halvingDoubling", 6),
+                                              ("oneHalvingDoubling", 5), ("doubleBinaryTree", 12)])
+def test_algorithms_astra_sim_runs_on_powers_of_two_only_are_refused_on_other_counts(collective, npus):
+    # ASTRA-sim segfaulted (doubleBinaryTree) or left every rank unfinished (halving-doubling) on 3, 5 and 6 NPUs
+    with pytest.raises(SimulationError) as error:
+        Network(npus, 1.0, collective=collective)
+    assert str(error.value).startswith(f"--collective {collective}: needs a power-of-two number of NPUs (got {npus})")
+
+
+@pytest.mark.parametrize("collective, npus", [("doubleBinaryTree", 4), ("halvingDoubling", 8), ("ring", 3),
+                                              ("direct", 6), ("oneRing", 5), ("oneDirect", 3)])
+def test_algorithms_are_taken_on_the_npu_counts_astra_sim_runs_them_on(collective, npus):
+    assert Network(npus, 1.0, collective=collective).npus == npus
+
+
 # --- the converted run ----------------------------------------------------------------------------------------
 
 def test_the_et_set_is_found_by_the_converters_naming(converted):
@@ -395,6 +416,27 @@ def test_the_command_line_checks_the_network_flags_before_looking_for_astra_sim(
     assert proc.returncode == 2 and proc.stderr.startswith(says), proc.stderr
 
 
+def test_a_power_of_two_algorithm_on_three_npus_is_one_usage_error_line(converted, tmp_path):
+    proc = run_cli(converted, "--bandwidth", "1Gbit/s", "--ranks", "3", "--collective", "doubleBinaryTree",
+                   "--astra-sim", tmp_path / "never run")
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stderr.startswith("error: --collective doubleBinaryTree: needs a power-of-two number of NPUs (got 3)")
+
+
+def test_a_one_rank_run_is_refused_naming_the_run_not_a_flag_that_was_not_given(tmp_path):
+    """The refusal said "--ranks 1: ..." to a command line without --ranks."""
+    folder = tmp_path / "gpt2_tiny_1r"
+    shutil.copytree(BUNDLED.parent / "gpt2_tiny_1r", folder)
+    proc = subprocess.run([sys.executable, "convert_to_et.py", str(folder), "--jobs", "1", "--no-progress"], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    proc = run_cli(folder, "--bandwidth", "1Gbit/s", "--astra-sim", finishing_astra_sim(tmp_path, 1))
+    assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stderr.startswith(f"error: {folder / 'gpt2_tiny_1r.0.et'}: a one-rank run; ASTRA-sim's analytical "
+                                  "network needs at least 2 NPUs"), proc.stderr
+    assert "--ranks" not in proc.stderr and not (folder / "SIMULATION.md").exists()
+
+
 def test_more_ranks_than_traced_needs_the_scaler(converted, monkeypatch, tmp_path):
     fake = tmp_path / "astra"
     fake.write_text("#!/bin/sh\nexit 0\n")
@@ -498,6 +540,18 @@ def test_a_simulator_that_fails_is_reported_with_its_own_message(converted, tmp_
     assert "communicator group 3" in (tmp_path / "w" / "astra-sim.out").read_text()
 
 
+def test_a_simulator_killed_by_a_signal_is_reported_by_the_signal_not_its_last_info_line(converted, tmp_path):
+    # doubleBinaryTree on 3 NPUs: "exit status -11: [...] [info] ring of node 0, id: 0"
+    fake = tmp_path / "astra"
+    fake.write_text("#!/bin/sh\necho '[2026-12-02 17:28:10.736] [system::topology::RingTopology] [info] ring of "
+                    "node 0, id: 0'\nkill -SEGV $$\n")
+    fake.chmod(0o755)
+    with pytest.raises(SimulationError) as error:
+        simulate_workload(converted / "gpt2_tiny_2r", 2, bandwidth_gbs=1.0, binary=fake, work_dir=tmp_path / "w")
+    assert str(error.value) == (f"{fake}: killed by SIGSEGV (ASTRA-sim crashed) (all output: "
+                                f"{tmp_path / 'w' / 'astra-sim.out'})")
+
+
 def test_a_rank_that_never_finishes_is_an_error(converted, tmp_path):
     fake = tmp_path / "astra"
     fake.write_text("#!/bin/sh\necho 'sys[0] finished, 1000 cycles, exposed communication 10 cycles.'\n")
@@ -590,7 +644,8 @@ def test_more_ranks_of_a_set_named_as_a_prefix_scale_that_set(converted, tmp_pat
     result = simulate_run(folder / "straggler", ranks=4, bandwidth_gbs=1.0, binary=fake, work_dir=tmp_path / "w",
                           communication_cpu_bound=False)
     assert result.workload.name == "straggler_4npus"
-    assert (tmp_path / "w" / "workload.txt").read_text().strip().endswith("/scaled_4/straggler_4npus")
+    # named relative to the work folder it runs in, which is renamed into place after the simulation
+    assert (tmp_path / "w" / "workload.txt").read_text().strip() == "--workload-configuration=scaled_4/straggler_4npus"
     # The summary's critical paths are those of gpt2_tiny_2r, not of this set.
     assert result.critical_path_ms == {}
 
@@ -694,10 +749,14 @@ def test_two_sets_of_a_folder_scale_one_after_the_other_to_the_same_ranks(conver
 
 
 @pytest.mark.parametrize("flags, says", [
-    (["--bandwidth", "10Gbit/s", "--latency", "1e30"], "error: --latency 1e+30: a collective of 900,352 bytes over 2 "
-                                                       "NPUs would take at least 1e+30 ns"),
+    (["--bandwidth", "10Gbit/s", "--latency", "1e30"], "error: --latency 1e+30: the 2 collectives of a step (900,360 "
+                                                       "bytes) over 2 NPUs would take at least 1.6e+31 ns on this "
+                                                       "network (16 link latencies one after another"),
     (["--bandwidth", "10Gbit/s", "--latency", "1e16"], "error: --latency 1e+16: "),
-    (["--bandwidth", "1e-300"], "error: --bandwidth 1e-300: a collective of 900,352 bytes over 2 NPUs would take"),
+    # one latency per collective passed this; a 2-NPU ring runs 8 one after another in each (below)
+    (["--bandwidth", "10Gbit/s", "--latency", "1.2e15"], "error: --latency 1.2e+15: "),
+    (["--bandwidth", "1e-300"], "error: --bandwidth 1e-300: the 2 collectives of a step (900,360 bytes) over 2 NPUs "
+                                "would take"),
     (["--bandwidth", "1e-11"], "error: --bandwidth 1e-11: "),
 ])
 def test_a_network_whose_collectives_outlast_astra_sims_clock_is_refused_before_it_runs(converted, tmp_path, flags,
@@ -713,9 +772,46 @@ def test_a_network_whose_collectives_outlast_astra_sims_clock_is_refused_before_
 
 
 def test_the_longest_collectives_astra_sims_clock_counts_are_simulated(converted, tmp_path):
-    simulate.check_clock_range(Network(2, 1e-10, 500.0), 900_352)  # 4.2e15 ns: ASTRA-sim simulated it (8.4e15 ns)
-    simulate.check_clock_range(Network(2, 1.0, 1e15), 900_352)
-    simulate.check_clock_range(Network(2, 1e-300, 1e300), 0)  # no collective over the network: nothing to time
+    step = simulate.network_collectives(converted / "gpt2_tiny_2r.0.et")
+    assert step == [("all-reduce", 900_352), ("all-reduce", 8)]
+    simulate.check_clock_range(Network(2, 1e-10, 500.0), step)  # 4.2e15 ns: ASTRA-sim simulated it (8.4e15 ns)
+    simulate.check_clock_range(Network(2, 1.0, 5e14), step)  # 16 latencies: 8e15 ns
+    simulate.check_clock_range(Network(2, 1e-300, 1e300), [])  # no collective over the network: nothing to time
+
+
+@pytest.mark.parametrize("algorithm, kind, npus, latencies", [
+    # measured with a 1 MiB collective on a FullyConnected network, 4 chunks (preferred-dataset-splits)
+    ("ring", "all-reduce", 2, 8), ("ring", "all-reduce", 3, 16), ("ring", "all-reduce", 8, 56),
+    ("oneRing", "all-reduce", 6, 40), ("ring", "all-gather", 8, 28), ("ring", "reduce-scatter", 3, 8),
+    ("ring", "all-to-all", 4, 24), ("ring", "all-to-all", 8, 112),
+    ("direct", "all-reduce", 8, 8), ("direct", "all-gather", 3, 4), ("oneDirect", "all-reduce", 5, 8),
+    ("halvingDoubling", "all-reduce", 4, 16), ("halvingDoubling", "all-reduce", 8, 24),
+    ("oneHalvingDoubling", "reduce-scatter", 8, 12),
+    ("doubleBinaryTree", "all-reduce", 2, 5), ("doubleBinaryTree", "all-reduce", 4, 13),
+    ("doubleBinaryTree", "all-reduce", 8, 21),
+])
+def test_the_latencies_astra_sim_runs_one_after_another_are_those_measured(algorithm, kind, npus, latencies):
+    assert simulate.serial_latencies(algorithm, kind, npus) == latencies
+
+
+def test_a_ring_of_more_npus_outlasts_the_clock_at_a_latency_two_npus_take(converted):
+    """A ring all-reduce over N NPUs runs 2(N-1) steps for each of its 4 chunks: 8 latencies at 2 NPUs, 56 at 8."""
+    step = simulate.network_collectives(converted / "gpt2_tiny_2r.0.et")
+    simulate.check_clock_range(Network(2, 10.0, 5e14), step)
+    with pytest.raises(SimulationError, match=r"^--latency 5e\+14: the 2 collectives of a step \(900,360 bytes\) "
+                                              r"over 8 NPUs would take at least 5\.6e\+16 ns on this network \(112 "
+                                              "link latencies one after another"):
+        simulate.check_clock_range(Network(8, 10.0, 5e14), step)
+    simulate.check_clock_range(Network(8, 10.0, 5e14, collective="direct"), step)  # 16 latencies
+
+
+@needs_astra_sim
+def test_the_step_at_the_latency_the_clock_check_lets_through_is_simulated(converted, tmp_path):
+    """The bound counts what ASTRA-sim does: at 5e14 ns a link the step's 16 latencies take 8e15 ns, and it finishes
+    (at 1e15, 1.6e16 ns, its ranks stop unfinished: "unreleased nodes")."""
+    result = simulate_run(converted, bandwidth_gbs=10.0, latency_ns=5e14, work_dir=tmp_path / "w",
+                          communication_cpu_bound=False)
+    assert all(16 * 5e14 <= ns < 16 * 5e14 + 1e9 for ns in result.per_rank_ns), result.per_rank_ns
 
 
 def with_open_files_limit(soft: int, hard: int | None = None):
@@ -814,7 +910,149 @@ def test_sigterm_stops_astra_sim_too_and_says_so_in_one_line(converted, tmp_path
     assert proc.returncode == 128 + signal.SIGTERM
     assert err.startswith("interrupted: simulate.py stopped by SIGTERM; ASTRA-sim was stopped") and err.count("\n") == 1
     assert not process_runs(astra_pid)  # killed, not left running for minutes (26 at 1024 NPUs)
-    assert not (folder / "SIMULATION.md").exists()
+    assert not (folder / "SIMULATION.md").exists() and not list(folder.glob(".astra-sim.*"))
+
+
+def sleeping_astra_sim(folder: Path) -> tuple[Path, Path]:
+    """A stand-in for ASTRA-sim that writes its pid and sleeps: (the binary, its pid file)."""
+    fake = folder / "sleeping_astra"
+    fake.write_text(f"#!/bin/sh\necho $$ > {folder / 'pid'}\nexec sleep 60\n")
+    fake.chmod(0o755)
+    return fake, folder / "pid"
+
+
+def start_simulation(folder: Path, fake: Path, pid_file: Path) -> tuple[subprocess.Popen, int]:
+    """simulate.py started on folder, once its ASTRA-sim runs: (simulate.py, ASTRA-sim's pid)."""
+    proc = subprocess.Popen([sys.executable, "simulate.py", str(folder), "--bandwidth", "1Gbit/s", "--astra-sim",
+                             str(fake)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for _ in range(600):
+        if pid_file.is_file() and pid_file.read_text().strip():
+            return proc, int(pid_file.read_text())
+        time.sleep(0.05)
+    proc.kill()
+    raise AssertionError(f"the stand-in ASTRA-sim never started: {proc.communicate()}")
+
+
+def test_astra_sim_ends_when_simulate_py_is_killed_outright(converted, tmp_path):
+    """kill -9 of simulate.py left ASTRA-sim running as an orphan (minutes at 1024 NPUs), in a work folder the next
+    simulation replaced under it."""
+    if not sys.platform.startswith("linux"):
+        pytest.skip("PR_SET_PDEATHSIG is Linux's")
+    folder = tmp_path / "run"
+    shutil.copytree(converted, folder, ignore=shutil.ignore_patterns("astra-sim", "SIMULATION.md"))
+    proc, astra_pid = start_simulation(folder, *sleeping_astra_sim(tmp_path))
+    proc.kill()
+    proc.communicate(timeout=30)
+    try:
+        assert not process_runs(astra_pid)
+    finally:
+        if process_runs(astra_pid, 0):
+            os.kill(astra_pid, signal.SIGKILL)
+    # the killed simulation's staging folder is removed by the next one, which succeeds
+    assert [p.name for p in folder.glob(".astra-sim.staging-*")]
+    done = run_cli(folder, "--bandwidth", "1Gbit/s", "--astra-sim", finishing_astra_sim(tmp_path, 2), "--no-cpu-bound")
+    assert done.returncode == 0, done.stderr
+    assert not list(folder.glob(".astra-sim.*"))
+
+
+def test_a_conversion_waits_for_a_simulation_and_a_simulation_for_a_conversion(converted, tmp_path):
+    """A conversion started during a simulation removed astra-sim/ under ASTRA-sim; a simulation during a
+    conversion said rank 1 "was not converted (interrupted ...)"."""
+    fcntl = pytest.importorskip("fcntl")
+    folder = tmp_path / "run"
+    shutil.copytree(converted, folder, ignore=shutil.ignore_patterns("astra-sim", "SIMULATION.md"))
+    proc, _ = start_simulation(folder, *sleeping_astra_sim(tmp_path))
+    try:
+        conversion = subprocess.run([sys.executable, "convert_to_et.py", str(folder), "--jobs", "1", "--no-progress"],
+                                    cwd=REPO, capture_output=True, text=True, timeout=300)
+    finally:
+        proc.terminate()
+        proc.communicate(timeout=30)
+    assert conversion.returncode != 0 and "using this folder now" in conversion.stderr, conversion.stderr
+    assert {p.name for p in folder.glob("*.et")} == {"gpt2_tiny_2r.0.et", "gpt2_tiny_2r.1.et"}
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # as convert_to_et.py holds it while it writes the .et files
+        with pytest.raises(SimulationError) as error:
+            simulate_run(folder, bandwidth_gbs=1.0, binary=finishing_astra_sim(tmp_path, 2))
+    finally:
+        os.close(fd)
+    assert str(error.value) == (f"{folder}: a conversion is writing into this folder now; simulate the run when it "
+                                "has ended")
+
+
+def test_a_failed_or_stopped_simulation_leaves_the_files_simulation_md_describes(converted, tmp_path):
+    """After SIGTERM or a failure, astra-sim/ held the stopped run's configuration while SIMULATION.md described the
+    run before it: the ASTRA-sim command SIMULATION.md records then failed. It also runs from a path with a space."""
+    folder = tmp_path / "with space" / "run"
+    shutil.copytree(converted, folder, ignore=shutil.ignore_patterns("astra-sim", "SIMULATION.md"))
+    finishing = finishing_astra_sim(tmp_path, 2)
+    done = run_cli(folder, "--bandwidth", "1Gbit/s", "--latency", "700", "--astra-sim", finishing, "--no-cpu-bound")
+    assert done.returncode == 0, done.stderr
+    work, record = folder / "astra-sim", folder / "SIMULATION.md"
+    recorded = record.read_text()
+
+    failing = tmp_path / "failing astra"
+    failing.write_text("#!/bin/sh\necho '[2026-01-01 00:00:00.000] [workload] [critical] out of memory'\nexit 1\n")
+    failing.chmod(0o755)
+    failed = run_cli(folder, "--bandwidth", "1Gbit/s", "--latency", "900", "--astra-sim", failing, "--no-cpu-bound")
+    assert failed.returncode == 1 and failed.stderr.count("\n") == 1, failed.stderr
+    kept = folder / "astra-sim.failed" / "astra-sim.out"
+    assert failed.stderr.rstrip().endswith(f"out of memory (all output: {kept})") and "out of memory" in kept.read_text()
+
+    proc, _ = start_simulation(folder, *sleeping_astra_sim(tmp_path))
+    proc.terminate()
+    proc.communicate(timeout=30)
+    assert proc.returncode == 128 + signal.SIGTERM
+
+    assert record.read_text() == recorded
+    assert yaml.safe_load((work / "network.yml").read_text())["latency"] == [700.0]
+    assert not list(folder.glob(".astra-sim.*"))  # no staging folder left
+    line = next(line for line in recorded.splitlines() if line.startswith("- ASTRA-sim: "))
+    again = subprocess.run(["sh", "-c", line[len("- ASTRA-sim: `"):-1]], capture_output=True, text=True, timeout=60)
+    assert again.returncode == 0 and "sys[1] finished" in again.stdout, again.stderr
+    assert (work / "workload.txt").read_text().strip() == f"--workload-configuration={folder / 'gpt2_tiny_2r'}"
+    # a simulation that succeeds again takes the failed one's output away
+    assert run_cli(folder, "--bandwidth", "1Gbit/s", "--astra-sim", finishing, "--no-cpu-bound").returncode == 0
+    assert not kept.parent.exists()
+
+
+@needs_astra_sim
+def test_the_recorded_astra_sim_command_of_a_scaled_simulation_runs_again(converted, tmp_path):
+    """The scaled set lies in the work folder, staged elsewhere and renamed into place: the command names it
+    relative to the folder it runs in."""
+    pytest.importorskip("trace_tools.scale")
+    folder = tmp_path / "run"
+    shutil.copytree(converted, folder, ignore=shutil.ignore_patterns("astra-sim", "SIMULATION.md"))
+    done = run_cli(folder, "--bandwidth", "10Gbit/s", "--ranks", "4", "--no-cpu-bound")
+    assert done.returncode == 0, done.stderr
+    line = next(line for line in (folder / "SIMULATION.md").read_text().splitlines()
+                if line.startswith("- ASTRA-sim: "))
+    assert "--workload-configuration=scaled_4/gpt2_tiny_2r_4npus " in line
+    again = subprocess.run(["sh", "-c", line[len("- ASTRA-sim: `"):-1]], capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0 and "sys[3] finished" in again.stdout, again.stdout[-500:] + again.stderr
+
+
+def test_a_set_the_summary_does_not_record_has_no_measured_step(converted, tmp_path):
+    """Another set copied into a converted run's folder was compared with that run's run.json, and a scaled set said
+    "none found (no usable run.json, no CONVERSION_SUMMARY.md)"."""
+    pytest.importorskip("trace_tools.scale")
+    folder = tmp_path / "gpt2_tiny_2r"
+    shutil.copytree(converted, folder, ignore=shutil.ignore_patterns("astra-sim", "SIMULATION.md"))
+    for path in scaled(converted, tmp_path / "slow", 2, name="straggler", slow={1: 3.0}).parent.glob("*.et"):
+        shutil.copy(path, folder)
+    fake = finishing_astra_sim(tmp_path, 2)
+    result = simulate_run(folder / "straggler", bandwidth_gbs=1.0, binary=fake, communication_cpu_bound=False)
+    assert result.measured_ms == {} and result.critical_path_ms == {}
+    assert result.measured_source == "none: straggler is not the set CONVERSION_SUMMARY.md records"
+    own = simulate_run(folder, bandwidth_gbs=1.0, binary=fake, communication_cpu_bound=False)
+    assert set(own.measured_ms) == {0, 1} and "run.json" in own.measured_source
+    four = scaled(converted, tmp_path / "four", 4)
+    result = simulate_run(four.parent, bandwidth_gbs=1.0, binary=finishing_astra_sim(tmp_path, 4),
+                          communication_cpu_bound=False)
+    assert result.measured_ms == {}
+    assert result.measured_source == ("none: gpt2_tiny_2r_4npus was scaled to 4 ranks by scale_et.py "
+                                      "(SCALE_SUMMARY.md); no step was measured at that scale")
 
 
 def test_the_copy_without_communication_cpu_keeps_a_scaled_sets_hard_links(tmp_path):

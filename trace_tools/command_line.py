@@ -1,10 +1,13 @@
 """The argument parser of every command line on the conversion side and of the benchmarks: a bad flag is refused in
 one `error:` line that says what is wrong and where the help is (exit status 2), as the trainers refuse theirs
-(utils/run_config.RunArgumentParser), instead of argparse's usage block followed by the error."""
+(utils/run_config.RunArgumentParser), instead of argparse's usage block followed by the error; and how a command's
+child processes end with it."""
 from __future__ import annotations
 
 import argparse
+import ctypes
 import signal
+import sys
 import threading
 from typing import NoReturn
 
@@ -45,3 +48,16 @@ class StopSignal:
     @property
     def exit_code(self) -> int:
         return 128 + signal.SIGTERM if self.by_sigterm else 130
+
+
+def die_with_parent() -> bool:
+    """Ask Linux to SIGKILL this process when its parent ends (prctl PR_SET_PDEATHSIG), for a child that must not
+    outlive a command killed outright (kill -9, the OOM killer): the conversion's workers, ASTRA-sim under
+    simulate.py. False where it cannot."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(1, signal.SIGKILL, 0, 0, 0) == 0  # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return False

@@ -1,7 +1,6 @@
 """Convert runs: each rank's host + device trace to a validated .et, ranks in parallel, with a summary per run."""
 from __future__ import annotations
 
-import ctypes
 import gc
 import glob
 import logging
@@ -22,6 +21,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .atomic import atomic_path, folder_held
+from .command_line import die_with_parent
 from .convert import write_et, write_merged_json
 from .core_sharing import share_cores
 from .discover import Run
@@ -577,21 +577,10 @@ def _worker_setup(parent: int) -> None:
     the folder's lock (folder_held; they inherit its descriptor) against every later conversion, and rename .et files
     into a folder whose summary calls their ranks interrupted."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    if not _die_with_parent():
+    if not die_with_parent():
         threading.Thread(target=_exit_when_orphaned, args=(parent,), name="parent-watch", daemon=True).start()
     if os.getppid() != parent:  # the parent died before the worker could ask to die with it
         os._exit(1)
-
-
-def _die_with_parent() -> bool:
-    """Ask Linux to SIGKILL this process when its parent ends (prctl PR_SET_PDEATHSIG); False where it cannot."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        return libc.prctl(1, signal.SIGKILL, 0, 0, 0) == 0  # 1: PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        return False
 
 
 def _exit_when_orphaned(parent: int) -> None:
@@ -723,8 +712,8 @@ def _made_from(result: RankResult, run: Run, rank: int) -> bool:
 def only_conversion_in(folder: Path):
     """Hold the folder for one conversion: a second one into it at the same time (each removing the other's
     partial files), or a report reading it, stops with an OutputError instead."""
-    return folder_held(folder, lambda: OutputError(folder, "another conversion or a trace_report.py is using this "
-                                                           "folder now; wait for it to end"))
+    return folder_held(folder, lambda: OutputError(folder, "another conversion, a trace_report.py or a simulate.py "
+                                                           "is using this folder now; wait for it to end"))
 
 
 

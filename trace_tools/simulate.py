@@ -9,6 +9,7 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -18,8 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
-from .atomic import atomic_output, folder_held, write_text_atomic
-from .command_line import ArgumentParser, StopSignal
+from .atomic import atomic_output, atomic_path, folder_held, process_is_alive, write_text_atomic
+from .command_line import ArgumentParser, StopSignal, die_with_parent
 from .discover import read_run_info
 from .layout import CONVERSION_SUMMARY, RUN_INFO, SIMULATION_FILE, SIMULATION_WORK_DIR, et_name, et_sets
 from .step_timing import STEP_SPREAD_BOUND, step_times_of
@@ -36,8 +37,12 @@ NETWORK_FILE, SYSTEM_FILE, MEMORY_FILE, COMM_GROUP_FILE = "network.yml", "system
 OUTPUT_FILE = "astra-sim.out"
 LOG_DIR = "log"  # ASTRA-sim's --logging-folder in the work folder: it appends, so each run starts it anew
 SCALED_DIR = "scaled_{ranks}"  # in the work folder: the set scaled from the traced one for --ranks N
-SCALED_DIR_RE = re.compile(r"scaled_\d+")
 WITHOUT_COMMUNICATION_CPU_DIR = "without_communication_cpu"  # in the work folder: the .et copies and their simulation
+# Beside the work folder: a simulation writes into .astra-sim.staging-<pid>-<random>/, renamed over the work folder
+# only when it succeeds (so the work folder stays the one SIMULATION.md describes); one that failed in ASTRA-sim is
+# kept as astra-sim.failed/ for its output.
+STAGING_RE = re.compile(r"\.(?P<work>.+)\.staging-(?P<pid>\d+)-.*")
+FAILED_SUFFIX = ".failed"
 
 TOPOLOGIES = ("Ring", "FullyConnected", "Switch")  # the analytical backend's building blocks
 COLLECTIVES = ("ring", "direct", "halvingDoubling", "doubleBinaryTree", "oneRing", "oneDirect", "oneHalvingDoubling")
@@ -45,6 +50,10 @@ COLLECTIVES = ("ring", "direct", "halvingDoubling", "doubleBinaryTree", "oneRing
 # is an all-reduce only. Those collective types fall back to these algorithms.
 NOT_IMPLEMENTED = {"all-to-all": ({"halvingDoubling", "oneHalvingDoubling", "doubleBinaryTree"}, "direct"),
                    "all-gather": ({"doubleBinaryTree"}, "ring"), "reduce-scatter": ({"doubleBinaryTree"}, "ring")}
+# Algorithms ASTRA-sim runs only on a power-of-two number of NPUs. Measured with astra-sim 518bd513ae11 on 3, 5 and 6
+# NPUs: doubleBinaryTree segfaults, halvingDoubling and oneHalvingDoubling leave every rank unfinished ("unreleased
+# nodes"); at 2, 4 and 8 they run. ring, direct, oneRing and oneDirect run at any count.
+POWER_OF_TWO_ONLY = ("halvingDoubling", "oneHalvingDoubling", "doubleBinaryTree")
 DEFAULT_LATENCY_NS = 500.0
 # One collective in flight at a time, split into 4 chunks: the configuration whose 2-NPU ring matched a real gloo
 # all-reduce within 1-6% (issue 9). "roofline-enabled": 0 replays every compute node for its traced duration.
@@ -73,6 +82,10 @@ ASTRA_SIM_OTHER_FILES = 5
 
 class SimulationError(Exception):
     """A problem said in one line that names the flag or file; the command line prints it as `error: ...`."""
+
+
+ONE_NPU_PROBLEM = ("ASTRA-sim's analytical network needs at least 2 NPUs (a one-rank run has no communication: its "
+                   "step is the critical path in CONVERSION_SUMMARY.md)")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -144,13 +157,15 @@ class Network:
         self.topology = _canonical(self.topology, TOPOLOGIES, "--topology")
         self.collective = _canonical(self.collective, COLLECTIVES, "--collective")
         if self.npus < 2:
-            raise SimulationError(f"--ranks {self.npus}: ASTRA-sim's analytical network needs at least 2 NPUs (a "
-                                  "one-rank run has no communication: its step is the critical path in "
-                                  "CONVERSION_SUMMARY.md)")
+            raise SimulationError(f"--ranks {self.npus}: {ONE_NPU_PROBLEM}")
+        if self.collective in POWER_OF_TWO_ONLY and self.npus & (self.npus - 1):
+            raise SimulationError(f"--collective {self.collective}: needs a power-of-two number of NPUs (got "
+                                  f"{self.npus}); ring and direct run at any count")
         if not (math.isfinite(self.bandwidth_gbs) and self.bandwidth_gbs > 0):
             raise SimulationError(f"--bandwidth {self.bandwidth_gbs}: must be more than 0")
         if not (math.isfinite(self.latency_ns) and self.latency_ns >= 0):
             raise SimulationError(f"--latency {self.latency_ns}: must be 0 or more (nanoseconds)")
+        self.latency_ns = float(self.latency_ns) + 0.0  # -0 is 0 ns, and printed so
 
     def algorithms(self) -> dict[str, str]:
         """The algorithm of each collective type: the chosen one, or a fallback where ASTRA-sim has none."""
@@ -328,6 +343,7 @@ class SimulationResult:
     # The slowest rank's step with the communication threads' CPU nodes at 0 µs (CPU runs; None: no such nodes, or
     # not simulated): see without_communication_cpu
     without_communication_cpu_ms: float | None = None
+    simulation_file: Path | None = None  # SIMULATION.md, when simulate_run wrote it
 
     @property
     def per_rank_ms(self) -> list[float]:
@@ -351,8 +367,10 @@ def write_configs(work_dir: Path, network: Network, groups: dict[str, list[int]]
     return flags
 
 
-def _failure_line(output: str) -> str:
-    """The first line of ASTRA-sim's output that says what went wrong (a critical or error log line, an exception)."""
+def _failure_line(output: str, returncode: int = 0) -> str:
+    """What went wrong: the first line of ASTRA-sim's output that says so (a critical or error log line, an
+    exception), else the signal that killed it (its last line is then only where it was, an info line), else its last
+    line."""
     lines = [line.strip() for line in output.splitlines() if line.strip()]
     for line in lines:
         if re.search(r"\[(critical|error|C|E)\]|\[Error\]|what\(\)|terminate called|Assertion", line):
@@ -366,7 +384,28 @@ def _failure_line(output: str) -> str:
             if "removed before call stoi" in line:
                 line += " (a collective's pg_name that is not a number: ASTRA-sim takes it as a communicator id)"
             return line[-300:]
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        return f"killed by {name}" + (" (ASTRA-sim crashed)" if name in ("SIGSEGV", "SIGBUS", "SIGABRT", "SIGFPE",
+                                                                         "SIGILL") else "")
     return lines[-1][-300:] if lines else "no output"
+
+
+def _ending_with(parent: int):
+    """preexec_fn that makes ASTRA-sim end with simulate.py (pid `parent`) on Linux: killed outright (kill -9, the
+    OOM killer), simulate.py cannot stop it, and an orphan would run on for minutes, in a work folder the next
+    simulation replaces under it. None elsewhere (no such request; Ctrl-C and SIGTERM still stop it)."""
+    if not sys.platform.startswith("linux"):
+        return None
+
+    def end_with_simulate_py() -> None:
+        die_with_parent()  # as the conversion's workers do
+        if os.getppid() != parent:  # simulate.py died before the request took hold
+            os._exit(1)
+    return end_with_simulate_py
 
 
 def open_file_limit_problem(npus: int) -> str | None:
@@ -414,16 +453,17 @@ def open_files_for(npus: int, binary: Path) -> Iterator[None]:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
-def largest_network_collective(path: Path) -> int:
-    """The bytes of the largest collective in the .et that ASTRA-sim runs over the network (all-reduce, all-gather,
-    reduce-scatter, all-to-all; a broadcast replays its traced duration); 0 when there is none."""
+def network_collectives(path: Path) -> list[tuple[str, int]]:
+    """(collective type, bytes) of every collective in the .et that ASTRA-sim runs over the network (all-reduce,
+    all-gather, reduce-scatter, all-to-all; a broadcast replays its traced duration), in the file's order."""
     from chakra.schema.protobuf.et_def_pb2 import (ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, COMM_COLL_NODE,
                                                    REDUCE_SCATTER, Node)
 
     from .validate import EtFormatError, iter_et_messages
 
-    networked = {ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, ALL_TO_ALL}
-    largest, node = 0, Node()
+    networked = {ALL_REDUCE: "all-reduce", ALL_GATHER: "all-gather", REDUCE_SCATTER: "reduce-scatter",
+                 ALL_TO_ALL: "all-to-all"}
+    collectives, node = [], Node()
     try:
         messages = iter_et_messages(path)
         next(messages, None)  # the metadata
@@ -434,31 +474,66 @@ def largest_network_collective(path: Path) -> int:
                 continue
             attrs = {a.name: getattr(a, a.WhichOneof("value")) for a in node.attr if a.WhichOneof("value")}
             if attrs.get("comm_type") in networked:
-                largest = max(largest, int(attrs.get("comm_size") or 0))
+                collectives.append((networked[attrs["comm_type"]], int(attrs.get("comm_size") or 0)))
     except (EtFormatError, OSError) as e:
         raise SimulationError(f"{path}: cannot read the .et ({e})") from None
     except Exception as e:  # protobuf decode errors
         raise SimulationError(f"{path}: not a Chakra .et ({e})") from None
-    return largest
+    return collectives
 
 
-def check_clock_range(network: Network, collective_bytes: int) -> None:
-    """Refuse a --latency or --bandwidth with which one collective alone outlasts ASTRA-sim's clock (CLOCK_LIMIT_NS):
-    it would be simulated as free, or the ranks would stop unfinished. However the algorithm splits a collective of
-    B bytes over N NPUs, each NPU receives at least B/N bytes through one link after at least one link's latency."""
-    if not collective_bytes:
-        return
+def serial_latencies(algorithm: str, kind: str, npus: int) -> int:
+    """The link latencies ASTRA-sim puts one after another in one collective: it splits the collective into
+    preferred-dataset-splits chunks and, with one chunk active at a time, runs the algorithm's steps chunk after
+    chunk, each step a message that crosses at least one link. Measured with a 1 MiB collective on a FullyConnected
+    network (one link a message; a Ring topology takes more hops for direct and tree messages):
+
+    ring, oneRing: all-reduce 2(N-1) steps a chunk (reduce-scatter, then all-gather), all-gather and reduce-scatter
+    N-1, all-to-all N(N-1)/2. direct, oneDirect: 2, 1, 1. halvingDoubling: 2 log2 N, log2 N. doubleBinaryTree
+    all-reduce: 5, 13, 21 at 2, 4, 8 NPUs, the chunks pipelined down and up the tree (2 log2 N a chunk, less 3)."""
+    splits = SYSTEM_DEFAULTS["preferred-dataset-splits"]
+    base = algorithm[3].lower() + algorithm[4:] if algorithm.startswith("one") else algorithm
+    log2 = max(1, (npus - 1).bit_length())
+    if base == "doubleBinaryTree":  # an all-reduce only (NOT_IMPLEMENTED)
+        return 2 * log2 * splits - 3
+    steps = {
+        "ring": {"all-reduce": 2 * (npus - 1), "all-to-all": npus * (npus - 1) // 2},
+        "direct": {"all-reduce": 2},
+        "halvingDoubling": {"all-reduce": 2 * log2},
+    }[base]
+    default = {"ring": npus - 1, "direct": 1, "halvingDoubling": log2}[base]
+    return splits * steps.get(kind, default)
+
+
+def step_floor(network: Network, collectives: list[tuple[str, int]]) -> tuple[int, float]:
+    """(link latencies, transfer ns) that the collectives take at least one after another on this network (an NPU
+    runs one collective at a time): each its serial_latencies, and at least B/N of its B bytes through one link."""
+    algorithms = network.algorithms()
     bytes_per_ns = network.bandwidth_gbs * GIB / 1e9
-    transfer_ns = collective_bytes / network.npus / bytes_per_ns
-    floor_ns = network.latency_ns + transfer_ns
+    latencies = sum(serial_latencies(algorithms[kind], kind, network.npus) for kind, _ in collectives)
+    return latencies, sum(size for _, size in collectives) / network.npus / bytes_per_ns
+
+
+def check_clock_range(network: Network, collectives: list[tuple[str, int]]) -> None:
+    """Refuse a --latency or --bandwidth with which a rank's collectives (network_collectives of its .et) outlast
+    ASTRA-sim's clock (CLOCK_LIMIT_NS): it would simulate them as free, or stop with the ranks unfinished."""
+    if not collectives:
+        return
+    latencies, transfer_ns = step_floor(network, collectives)
+    latency_ns = latencies * network.latency_ns
+    floor_ns = latency_ns + transfer_ns
     if floor_ns < CLOCK_LIMIT_NS:
         return
-    flag = (f"--latency {network.latency_ns:g}" if network.latency_ns >= transfer_ns
+    flag = (f"--latency {network.latency_ns:g}" if latency_ns >= transfer_ns
             else f"--bandwidth {network.bandwidth_gbs:g}")
-    raise SimulationError(f"{flag}: a collective of {collective_bytes:,} bytes over {network.npus} NPUs would take "
-                          f"at least {floor_ns:.3g} ns on this network, beyond the 2^53 ns (104 days) ASTRA-sim's "
-                          "clock counts (it would simulate the collective as free, or stop); give a network of "
-                          "real-world latency and bandwidth")
+    count = len(collectives)
+    what = (f"a collective of {collectives[0][1]:,} bytes" if count == 1 else
+            f"the {count} collectives of a step ({sum(size for _, size in collectives):,} bytes)")
+    raise SimulationError(f"{flag}: {what} over {network.npus} NPUs would take at least {floor_ns:.3g} ns on this "
+                          f"network ({latencies:,} link latencies one after another, {transfer_ns:.3g} ns of "
+                          "transfer), beyond the 2^53 ns (104 days) ASTRA-sim's clock counts (it "
+                          "would simulate the collectives as free, or stop); give a network of real-world latency and "
+                          "bandwidth")
 
 
 def simulate_workload(workload_prefix: Path, ranks: int, *, bandwidth_gbs: float,
@@ -480,15 +555,21 @@ def simulate_workload(workload_prefix: Path, ranks: int, *, bandwidth_gbs: float
     if missing:
         raise SimulationError(f"{missing[0]}: missing ({len(missing)} of the {ranks} ranks' .et files are)")
     binary = find_astra_sim(binary) if binary is not None else find_astra_sim()
-    check_clock_range(network, largest_network_collective(paths[0]))
+    check_clock_range(network, network_collectives(paths[0]))
     work_dir = Path(work_dir) if work_dir is not None else Path(tempfile.mkdtemp(prefix="astra-sim-"))
     flags = write_configs(work_dir, network, process_groups(workload, ranks))
-    command = [str(binary), f"--workload-configuration={workload}", *flags, f"--logging-folder={LOG_DIR}"]
+    # A set inside the work folder (scaled there) is named relative to it, as the configuration files are: the
+    # command stays right when the folder is renamed into place (simulate_run).
+    try:
+        named = workload.relative_to(work_dir.absolute())
+    except ValueError:
+        named = workload
+    command = [str(binary), f"--workload-configuration={named}", *flags, f"--logging-folder={LOG_DIR}"]
     shutil.rmtree(work_dir / LOG_DIR, ignore_errors=True)  # ASTRA-sim appends: the log would hold every earlier run
     try:
         with open_files_for(ranks, binary):
             proc = subprocess.run(command, cwd=work_dir, capture_output=True, text=True, errors="replace",
-                                  timeout=timeout_s)
+                                  timeout=timeout_s, preexec_fn=_ending_with(os.getpid()))
     except subprocess.TimeoutExpired as e:
         raise SimulationError(f"{binary}: still running after {timeout_s:g} s; stopped") from e
     output = proc.stdout + proc.stderr
@@ -497,7 +578,8 @@ def simulate_workload(workload_prefix: Path, ranks: int, *, bandwidth_gbs: float
     for match in FINISHED_RE.finditer(output):
         finished[int(match.group(1))] = (int(match.group(2)), int(match.group(3)))
     if proc.returncode != 0:
-        raise SimulationError(f"{binary}: exit status {proc.returncode}: {_failure_line(output)} (all output: "
+        status = f"exit status {proc.returncode}: " if proc.returncode > 0 else ""
+        raise SimulationError(f"{binary}: {status}{_failure_line(output, proc.returncode)} (all output: "
                               f"{work_dir / OUTPUT_FILE})")
     unfinished = [r for r in range(ranks) if r not in finished]
     if not finished and output.strip() and not ASTRA_SIM_LOG_RE.search(output):
@@ -589,13 +671,16 @@ def _untraced_spread_note(samples: dict) -> str:
             + ", ".join(loose) + ", so the measured step is not known to that bound")
 
 
-def measured_steps(folder: Path) -> tuple[dict[int, float], str]:
+def measured_steps(folder: Path, name: str | None = None) -> tuple[dict[int, float], str]:
     """Measured step per rank in ms, and where it comes from: run.json's untraced steps (what the .et durations
     estimate: the run's first step, its start-up, left out as the conversion leaves it out, trace_tools.step_timing),
     else its traced steps, else the traced step in CONVERSION_SUMMARY.md. run.json is the one of the run the .et
     files were made from (summary.run_info_files: beside them, in their trace folder, or, that run traced again
     since, in its .previous/ folder). A damaged run.json, or another run's, is passed over, and the source says so,
-    as it says where run.json was looked for when there is none."""
+    as it says where run.json was looked for when there is none. With `name`, the set simulated: only the set
+    CONVERSION_SUMMARY.md records has the run's steps (another set in the folder, a scaled one, has none)."""
+    if name is not None and not records_set(folder, name):
+        return {}, f"none: {unmeasured_set(folder, name)}"
     traces = converted_from(folder)
     run = ConvertedRun.recorded_in(folder)
     candidates, previous = run_info_files(folder)
@@ -635,6 +720,22 @@ def measured_steps(folder: Path) -> tuple[dict[int, float], str]:
                     + (f" or in {traces}, the trace folder {CONVERSION_SUMMARY} names" if elsewhere else ""))
         return steps, f"traced step ({CONVERSION_SUMMARY} in {folder}){note}"
     return {}, f"none found (no usable run.json, no CONVERSION_SUMMARY.md){note}"
+
+
+def unmeasured_set(folder: Path, name: str) -> str:
+    """Why the set `name`, which the folder's CONVERSION_SUMMARY.md does not record, has no measured step: the run's
+    run.json and traced step are another set's (a set copied in beside the converted one), or it was scaled."""
+    try:
+        from .scale import read_scale_status
+    except ImportError:
+        read_scale_status = None
+    scale = read_scale_status(folder) if read_scale_status is not None else None
+    if scale and scale.get("name") == name:
+        return (f"{name} was scaled to {scale.get('ranks')} ranks by scale_et.py (SCALE_SUMMARY.md); no step was "
+                "measured at that scale")
+    if (folder / CONVERSION_SUMMARY).is_file():
+        return f"{name} is not the set {CONVERSION_SUMMARY} records"
+    return f"no {CONVERSION_SUMMARY} in {folder} records {name}, so no run.json or traced step is known to be its"
 
 
 def check_against_summary(workload: Path, ranks: int) -> None:
@@ -697,34 +798,53 @@ def check_unrecorded_set(workload: Path, ranks: int) -> None:
 
 def simulate_run(run_dir: Path, *, ranks: int | None = None, work_dir: Path | None = None,
                  communication_cpu_bound: bool = True, assume_data_parallel: bool = False,
-                 **network) -> SimulationResult:
+                 invocation: str | None = None, **network) -> SimulationResult:
     """Simulate a converted run (its <name>.<rank>.et set) on the given network, with `ranks` NPUs (default: as
     many as were traced; more are made by trace_tools.scale.scale_run first, which assume_data_parallel lets scale
     a run that has no run.json saying it is data-parallel). The result carries the measured step
     per rank and the critical path of each rank's .et when the run folder records them, and (communication_cpu_bound,
-    on a CPU run) the step simulated again without the communication threads' CPU time (without_communication_cpu)."""
+    on a CPU run) the step simulated again without the communication threads' CPU time (without_communication_cpu).
+
+    ASTRA-sim's files go to a staging folder beside work_dir (default <run>/astra-sim/), renamed over work_dir only
+    when the simulation succeeds, together with SIMULATION.md when `invocation` (the command line it records) is
+    given: work_dir keeps the files of the simulation SIMULATION.md describes, whatever stops a later one."""
     run_dir = Path(run_dir)
-    workload, traced = find_workload(run_dir)
-    check_against_summary(workload, traced)
-    folder = workload.parent
-    work_dir = Path(work_dir) if work_dir is not None else folder / WORK_DIR_NAME
-    if ranks is None:
-        ranks = traced
-    if ranks < traced:
-        raise SimulationError(f"--ranks {ranks}: the run has {traced} traced ranks; simulate at least as many")
-    problem = open_file_limit_problem(ranks)
-    if problem:  # before the scaled set's N files are written
-        raise SimulationError(f"--ranks {ranks}: {problem}")
-    try:
-        work_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise SimulationError(f"{work_dir}: cannot write ASTRA-sim's files there ({e.strerror or e})") from None
-    # One simulation at a time in a work folder: a second one would rewrite network.yml and the .et copies while the
-    # first one's ASTRA-sim reads them (a result for the other's network).
-    with folder_held(work_dir, lambda: SimulationError(f"{work_dir}: another simulation of this run is running there "
-                                                       "now; wait for it to end")):
-        return _simulate_run(workload, traced, ranks, work_dir, communication_cpu_bound, network,
-                             assume_data_parallel=assume_data_parallel)
+    folder = run_dir if run_dir.is_dir() else run_dir.parent
+    if not folder.is_dir():
+        find_workload(run_dir)  # says what is missing
+    # Simulations and reports side by side, none while a conversion rewrites the .et files (pipeline's lock): it
+    # would call the ranks still to come interrupted, and remove the files under ASTRA-sim.
+    with folder_held(folder, lambda: SimulationError(f"{folder}: a conversion is writing into this folder now; "
+                                                     "simulate the run when it has ended"), shared=True):
+        workload, traced = find_workload(run_dir)
+        check_against_summary(workload, traced)
+        folder = workload.parent
+        work_dir = Path(work_dir) if work_dir is not None else folder / WORK_DIR_NAME
+        if ranks is None:
+            if traced < 2:
+                raise SimulationError(f"{workload.parent / et_name(workload.name, 0)}: a one-rank run; "
+                                      f"{ONE_NPU_PROBLEM}")
+            ranks = traced
+        if ranks < traced:
+            raise SimulationError(f"--ranks {ranks}: the run has {traced} traced ranks; simulate at least as many")
+        # the network ASTRA-sim cannot run (a power-of-two algorithm on 3 NPUs) refused before any file is written
+        Network(ranks, **{key: network[key] for key in ("bandwidth_gbs", "latency_ns", "topology", "collective")
+                          if key in network})
+        problem = open_file_limit_problem(ranks)
+        if problem:  # before the scaled set's N files are written
+            raise SimulationError(f"--ranks {ranks}: {problem}")
+        try:
+            work_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise SimulationError(f"{work_dir}: cannot write ASTRA-sim's files there ({e.strerror or e})") from None
+        # One simulation at a time in a work folder: two would replace it under each other.
+        with folder_held(work_dir, lambda: SimulationError(f"{work_dir}: another simulation of this run is running "
+                                                           "there now; wait for it to end")), \
+                staged(work_dir) as staging:
+            result = _simulate_run(workload, traced, ranks, staging, communication_cpu_bound, network,
+                                   assume_data_parallel=assume_data_parallel)
+            publish(result, staging, work_dir, invocation)
+        return result
 
 
 def _simulate_run(workload: Path, traced: int, ranks: int, work_dir: Path, communication_cpu_bound: bool,
@@ -736,45 +856,116 @@ def _simulate_run(workload: Path, traced: int, ranks: int, work_dir: Path, commu
         except ImportError as e:
             raise SimulationError(f"--ranks {ranks}: more ranks than the {traced} traced needs trace_tools.scale, "
                                   f"which this checkout does not have: scaling is unavailable ({e})") from e
-        scaled_dir = work_dir / SCALED_DIR.format(ranks=ranks)
-        # Scaled anew from the set as it is now: an earlier simulation's set may be of another set of the folder.
-        shutil.rmtree(scaled_dir, ignore_errors=True)
         try:
             # The prefix, not the folder: a folder of several sets would otherwise scale the one named after it.
-            workload = Path(scale_run(workload, ranks, output_dir=scaled_dir,
+            workload = Path(scale_run(workload, ranks, output_dir=work_dir / SCALED_DIR.format(ranks=ranks),
                                       assume_data_parallel=assume_data_parallel))
         except ScaleError as e:
             raise SimulationError(f"--ranks {ranks}: {e}") from e
     result = simulate_workload(workload, ranks, work_dir=work_dir, **network)
-    remove_other_scaled_sets(work_dir, keep=workload)
     # A scaled set simulated as it is was still traced on fewer ranks: SIMULATION.md says so.
     result.traced_ranks, result.run_folder = traced_world_size(workload) or traced, folder
-    bound_dir = work_dir / WITHOUT_COMMUNICATION_CPU_DIR
-    shutil.rmtree(bound_dir, ignore_errors=True)  # an earlier simulation's copies are of an earlier .et set
     if communication_cpu_bound:
+        bound_dir = work_dir / WITHOUT_COMMUNICATION_CPU_DIR
         zeroed = without_communication_cpu(workload, ranks, bound_dir)
         if zeroed is not None:
             result.without_communication_cpu_ms = simulate_workload(zeroed, ranks, work_dir=bound_dir,
                                                                     **network).step_ms
-    result.measured_ms, result.measured_source = measured_steps(folder)
+    result.measured_ms, result.measured_source = measured_steps(folder, traced_name)
     status = _summary_status(folder, traced_name)  # another set's critical path is not this one's
     result.critical_path_ms = {rank: s["critical_path_us"] / 1e3 for rank, s in status.items()
                                if s["critical_path_us"]}
     return result
 
 
-def remove_other_scaled_sets(work_dir: Path, keep: Path) -> None:
-    """Remove the sets earlier simulations scaled to other rank counts (scaled_<N>/): the work folder holds the
-    inputs of the last simulation, which SIMULATION.md describes, not one set per --ranks ever given."""
+@contextmanager
+def staged(work_dir: Path) -> Iterator[Path]:
+    """A new staging folder beside work_dir for one simulation's files, removed when the block ends (publish renames
+    it over work_dir first when the simulation succeeds); a simulation that failed in ASTRA-sim is kept as
+    <work_dir>.failed/ (keep_failed)."""
+    remove_dead_staging(work_dir)
+    staging = Path(tempfile.mkdtemp(prefix=f".{work_dir.name}.staging-{os.getpid()}-", dir=work_dir.parent)).absolute()
     try:
-        entries = list(os.scandir(work_dir))
+        yield staging
+    except SimulationError as e:
+        raise SimulationError(keep_failed(staging, work_dir, str(e))) from None
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def remove_dead_staging(work_dir: Path) -> None:
+    """The staging folders of simulations that were killed (kill -9, a power cut) before they could remove them."""
+    try:
+        entries = list(os.scandir(work_dir.parent))
     except OSError:
         return
     for entry in entries:
-        path = Path(entry.path)
-        if SCALED_DIR_RE.fullmatch(entry.name) and entry.is_dir(follow_symlinks=False) \
-                and path.resolve() != keep.parent.resolve():
-            shutil.rmtree(path, ignore_errors=True)
+        match = STAGING_RE.fullmatch(entry.name)
+        if match and match["work"] == work_dir.name and not process_is_alive(int(match["pid"])):
+            shutil.rmtree(entry.path, ignore_errors=True)
+
+
+def keep_failed(staging: Path, work_dir: Path, problem: str) -> str:
+    """The problem of a simulation that failed, its staging folder kept as <work_dir>.failed/ when the problem
+    points into it (ASTRA-sim's output), else removed; work_dir keeps the last simulation that succeeded."""
+    if str(staging) not in problem:
+        return problem
+    failed = work_dir.with_name(work_dir.name + FAILED_SUFFIX)
+    shutil.rmtree(failed, ignore_errors=True)
+    try:
+        os.rename(staging, failed)
+    except OSError:
+        return problem
+    return problem.replace(str(staging), str(failed))
+
+
+@contextmanager
+def signals_deferred() -> Iterator[None]:
+    """Ctrl-C and SIGTERM wait until the block ends (where signals can be blocked): the work folder and SIMULATION.md
+    are replaced together."""
+    held = {signal.SIGINT, signal.SIGTERM}
+    if not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def publish(result: SimulationResult, staging: Path, work_dir: Path, invocation: str | None) -> None:
+    """Rename the staged simulation over work_dir (the earlier one removed) and, with an invocation, write
+    SIMULATION.md beside the .et set; the result's paths are made those of work_dir."""
+    result.work_dir = work_dir
+    try:
+        result.workload = work_dir / result.workload.relative_to(staging)
+    except ValueError:
+        pass
+    replaced = staging.with_name(staging.name + ".replaced")  # STAGING_RE's: removed after a kill too
+    with signals_deferred():
+        if invocation is not None:
+            with atomic_path(result.run_folder / SIMULATION_FILE) as tmp:
+                tmp.write_text(render_simulation(result, invocation), encoding="utf-8")
+                _replace_folder(staging, work_dir, replaced)
+            result.simulation_file = result.run_folder / SIMULATION_FILE
+        else:
+            _replace_folder(staging, work_dir, replaced)
+    shutil.rmtree(replaced, ignore_errors=True)
+    shutil.rmtree(work_dir.with_name(work_dir.name + FAILED_SUFFIX), ignore_errors=True)  # an earlier failure's
+
+
+def _replace_folder(new: Path, old: Path, aside: Path) -> None:
+    os.chmod(new, 0o777 & ~_umask())  # mkdtemp makes 0700 folders
+    if old.is_dir():
+        os.rename(old, aside)
+    os.rename(new, old)
+
+
+def _umask() -> int:
+    umask = os.umask(0)
+    os.umask(umask)
+    return umask
 
 
 def _ms(value: float | None) -> str:
@@ -836,7 +1027,7 @@ def render_simulation(result: SimulationResult, invocation: str) -> str:
         *([f"- {bound_line(result)}"] if result.without_communication_cpu_ms is not None else []),
         f"- measured: {result.measured_source}",
         f"- command: `{invocation}`",
-        f"- ASTRA-sim, run in `{result.work_dir}`: `{shlex.join(result.command)}`",
+        f"- ASTRA-sim: `cd {shlex.quote(str(Path(result.work_dir).absolute()))} && {shlex.join(result.command)}`",
         "",
         "| " + " | ".join(rows[0]) + " |",
         "|" + "|".join("---:" for _ in rows[0]) + "|",
@@ -856,12 +1047,6 @@ def bound_line(result: SimulationResult) -> str:
     return (f"without the communication threads' CPU time: {result.without_communication_cpu_ms:,.1f} ms. That time "
             "was measured on the traced network, and gloo spends less CPU per byte on a faster one: simulated on a "
             "network faster than the traced one, the real step lies between the two.")
-
-
-def write_simulation(result: SimulationResult, folder: Path, invocation: str) -> Path:
-    path = Path(folder) / SIMULATION_FILE
-    write_text_atomic(path, render_simulation(result, invocation))
-    return path
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -915,8 +1100,7 @@ def _main(args: argparse.Namespace, invocation: str) -> int:
         result = simulate_run(Path(args.run), ranks=args.ranks, bandwidth_gbs=bandwidth, latency_ns=args.latency,
                               topology=args.topology, collective=args.collective, binary=binary,
                               communication_cpu_bound=not args.no_cpu_bound,
-                              assume_data_parallel=args.assume_data_parallel)
-        path = write_simulation(result, result.run_folder, invocation)
+                              assume_data_parallel=args.assume_data_parallel, invocation=invocation)
     except SimulationError as e:
         print(f"error: {e}", file=sys.stderr)
         # A bad flag or $ASTRA_SIM is the user's setting (a usage error); anything else is the run's or ASTRA-sim's
@@ -930,5 +1114,5 @@ def _main(args: argparse.Namespace, invocation: str) -> int:
     print(f"predicted step: {result.step_ms:,.1f} ms")
     if result.without_communication_cpu_ms is not None:
         print(bound_line(result))
-    print(f"simulation: {path}")
+    print(f"simulation: {result.simulation_file}")
     return 0

@@ -267,7 +267,8 @@ def render_run_summary(result: RunResult) -> str:
         f"Converted {datetime.datetime.now().strftime('%Y-%m-%d %H:%M:%S')} by trace_tools from "
         f"`{run.folder.resolve()}`: {ok} of {len(result.ranks)} ranks converted{state}.",
         "",
-        f"ASTRA-sim: `--workload-configuration={result.output_dir / run.name}` (reads `{run.name}.<rank>.et`).",
+        f"ASTRA-sim: `{shlex.quote(f'--workload-configuration={result.output_dir / run.name}')}` "
+        f"(reads `{run.name}.<rank>.et`).",
         "",
         "| rank | status | nodes | communication | traced step (µs) | critical path (µs) | ratio | host ops matched | conversion (s) |",
         "|---:|---|---|---|---:|---:|---:|---|---:|",
