@@ -18,6 +18,7 @@ from chakra.src.third_party.utils.protolib import encodeMessage
 
 from conversion_helpers import read_et_with_protolib
 from trace_tools import cli, simulate
+from trace_tools.layout import made_from_et_files
 from trace_tools.simulate import (GIB, Network, SimulationError, find_astra_sim, find_workload, measured_steps,
                                   network_yaml, parse_bandwidth, process_groups, simulate_run, simulate_workload,
                                   system_config, write_configs)
@@ -999,6 +1000,7 @@ def test_a_failed_or_stopped_simulation_leaves_the_files_simulation_md_describes
     assert failed.returncode == 1 and failed.stderr.count("\n") == 1, failed.stderr
     kept = folder / "astra-sim.failed" / "astra-sim.out"
     assert failed.stderr.rstrip().endswith(f"out of memory (all output: {kept})") and "out of memory" in kept.read_text()
+    assert made_from_et_files(kept.parent.name)  # a new conversion or trace window moves it with the .et files
 
     proc, _ = start_simulation(folder, *sleeping_astra_sim(tmp_path))
     proc.terminate()

@@ -29,6 +29,7 @@ PREVIOUS_RUN_DIR = ".previous"
 REPORT_FILE_RE = re.compile(r"report\.(md|json)|report_(breakdown|top_ops|collectives|timeline_rank\d+)\.png")
 SIMULATION_FILE = "SIMULATION.md"
 SIMULATION_WORK_DIR = "astra-sim"  # simulate.py's: the network and system files it wrote, ASTRA-sim's output and logs
+SIMULATION_FAILED_DIR = SIMULATION_WORK_DIR + ".failed"  # simulate.py's files of a simulation ASTRA-sim failed
 # What a conversion made of a run's traces, besides its .et files (with the files above, rank 0's tracer moves them
 # aside with the traces they came from).
 DERIVED_FILES = (RUN_INFO, CONVERSION_SUMMARY)
@@ -39,7 +40,8 @@ PG_INIT_NODE = "## process_group:init ##"
 def made_from_et_files(name: str) -> bool:
     """Whether a file of this name in a converted run's folder describes its .et files (a report, a simulation and
     its folder)."""
-    return name in (SIMULATION_FILE, SIMULATION_WORK_DIR) or REPORT_FILE_RE.fullmatch(name) is not None
+    return name in (SIMULATION_FILE, SIMULATION_WORK_DIR, SIMULATION_FAILED_DIR) or \
+        REPORT_FILE_RE.fullmatch(name) is not None
 
 
 def derived_file(name: str) -> bool:

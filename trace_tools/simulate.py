@@ -22,7 +22,8 @@ from typing import Iterator
 from .atomic import atomic_output, atomic_path, folder_held, process_is_alive, write_text_atomic
 from .command_line import ArgumentParser, StopSignal, die_with_parent
 from .discover import read_run_info
-from .layout import CONVERSION_SUMMARY, RUN_INFO, SIMULATION_FILE, SIMULATION_WORK_DIR, et_name, et_sets
+from .layout import (CONVERSION_SUMMARY, RUN_INFO, SIMULATION_FAILED_DIR, SIMULATION_FILE, SIMULATION_WORK_DIR, et_name,
+                     et_sets)
 from .step_timing import STEP_SPREAD_BOUND, step_times_of
 from .summary import (ConvertedRun, converted_from, reconvert_command, records_set, run_info_files,
                       unrecorded_et_file)
@@ -42,7 +43,7 @@ WITHOUT_COMMUNICATION_CPU_DIR = "without_communication_cpu"  # in the work folde
 # only when it succeeds (so the work folder stays the one SIMULATION.md describes); one that failed in ASTRA-sim is
 # kept as astra-sim.failed/ for its output.
 STAGING_RE = re.compile(r"\.(?P<work>.+)\.staging-(?P<pid>\d+)-.*")
-FAILED_SUFFIX = ".failed"
+FAILED_SUFFIX = SIMULATION_FAILED_DIR[len(SIMULATION_WORK_DIR):]  # astra-sim.failed/
 
 TOPOLOGIES = ("Ring", "FullyConnected", "Switch")  # the analytical backend's building blocks
 COLLECTIVES = ("ring", "direct", "halvingDoubling", "doubleBinaryTree", "oneRing", "oneDirect", "oneHalvingDoubling")
