@@ -49,8 +49,11 @@ def main(argv: list[str] | None = None) -> int:
                   f"one its {SUMMARY_NAME} describes)", file=sys.stderr)
             return stop.exit_code
     extra = f", {result.copies} copies" if result.copies else ""
-    print(f"wrote {result.ranks} ranks from {result.source.ranks} traced: {len(result.written)} files, "
+    through = f" (through the {result.source.ranks}-rank scaled set)" if result.source_scaled else ""
+    print(f"wrote {result.ranks} ranks from {result.traced_ranks} traced{through}: {len(result.written)} files, "
           f"{result.links} hard links{extra}, {result.new_bytes / 1e6:.1f} MB, {result.seconds:.2f} s")
+    for note in result.slow_notes:
+        print(f"note: {note}")
     if result.note:
         print(f"note: {result.note}")
     print(f"summary: {result.output_dir / SUMMARY_NAME}")

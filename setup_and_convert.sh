@@ -32,8 +32,10 @@ Options:
 Steps: pick an environment (--python; else an existing chakra-venv/; else the active virtual environment or
 $ROOT/.venv when it has the conversion packages; else install_chakra_tools.sh creates chakra-venv/, about 30 MB),
 fix_host_traces.py (repairs host traces, keeping <file>.orig), convert_to_et.py (link, convert, validate,
-CONVERSION_SUMMARY.md). With -- --report, the environment also gets matplotlib for the figures.
-Everything after -- goes to convert_to_et.py, e.g. -- --emit-merged --output-dir converted
+CONVERSION_SUMMARY.md). With -- --report, the environment also gets matplotlib for the figures. The last line
+names the Python for the commands that follow (scale_et.py, simulate.py, trace_report.py).
+Everything after -- goes to convert_to_et.py (and to the convert_remaining.py retry printed when a rank fails),
+e.g. -- --emit-merged --output-dir converted
 Exit status: convert_to_et.py's (non-zero when a rank failed; the others are still converted); 1 when a folder
 is missing, holds no traces, a host trace cannot be repaired or the environment cannot be made; 2 bad usage.
 EOF
@@ -169,6 +171,20 @@ pick_python() {
     PYTHON="$VENV/bin/python"
 }
 
+# The interpreter for the commands that follow a conversion (scale_et.py, simulate.py, trace_report.py): the
+# environment picked here (.venv, chakra-venv/, --python) is the one that has their packages. Shell-quoted, relative
+# to the current folder when it is below it, with the activate line that makes it python3 when it is a venv's.
+follow_up_python() {
+    local python="$PYTHON" activate
+    case "$python" in "$PWD"/*) python="${python#"$PWD"/}" ;; esac
+    activate="$(dirname "$python")/activate"
+    if [ "$python" != "$(basename "$python")" ] && [ -f "$activate" ]; then
+        echo "$(printf '%q' "$python") (or python3 after: source $(printf '%q' "$activate"))"
+    else
+        printf '%q\n' "$python"
+    fi
+}
+
 main() {
     parse_args "$@"
     check_dirs
@@ -189,8 +205,9 @@ main() {
     local convert_rc=0
     "${convert[@]}" || convert_rc=$?
     if [ "$convert_rc" = 1 ]; then  # ranks failed; 2 is a usage error, which convert_to_et.py has said
+        # convert_remaining.py takes convert_to_et.py's options (--jobs and those after --): the same --output-dir
         local retry
-        retry=$(printf '%q ' "$PYTHON" "$ROOT/convert_remaining.py" "${DIRS[@]}")
+        retry=$(printf '%q ' "$PYTHON" "$ROOT/convert_remaining.py" "${convert[@]:2}")
         echo "error: convert_to_et.py exit $convert_rc; failed ranks are listed above and in CONVERSION_SUMMARY.md;" \
              "retry them with: ${retry% }" >&2
     fi
@@ -202,6 +219,7 @@ main() {
         exit "$fix_rc"
     fi
     say "Done"
+    say "Python for scale_et.py, simulate.py and trace_report.py: $(follow_up_python)"
 }
 
 main "$@"

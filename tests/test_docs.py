@@ -159,6 +159,9 @@ class Run:
     setup: list[Setup] = field(default_factory=list)
     slow: bool = False
     timeout: int = 300
+    # A documented command (setup_and_convert.sh) this one follows: run first as after the main job (.venv, no
+    # chakra-venv/), then this one with python3 the Python that command's last line names.
+    after: str = ""
 
 
 def files(*patterns: str) -> Check:
@@ -369,12 +372,12 @@ RUN: dict[str, Run] = {
         Run([says("sys[0] finished", "sys[1] finished")], setup=[astra_sim_built, converted, astra_configs_written]),
     # README.md and docs/CHAKRA_SETUP.md: scale-out
     SCALE_SOURCE: Run([converted_run("outputs/gpt2_tiny_2r", "gpt2_tiny_2r", 2), says("==> Done")]),
-    "chakra-venv/bin/python scale_et.py outputs/gpt2_tiny_2r --ranks 1024":
+    "python3 scale_et.py outputs/gpt2_tiny_2r --ranks 1024":
         Run([scaled_set("outputs/gpt2_tiny_2r_1024npus", "gpt2_tiny_2r_1024npus", 1024),
-             says("wrote 1024 ranks from 2 traced: 2 files, 1022 hard links")], setup=[doc_command_ran(SCALE_SOURCE)]),
-    "chakra-venv/bin/python scale_et.py outputs/gpt2_tiny_2r --ranks 1024 --slow 3:1.5":
+             says("wrote 1024 ranks from 2 traced: 2 files, 1022 hard links")], after=SCALE_SOURCE),
+    "python3 scale_et.py outputs/gpt2_tiny_2r --ranks 1024 --slow 3:1.5":
         Run([scaled_set("outputs/gpt2_tiny_2r_1024npus", "gpt2_tiny_2r_1024npus", 1024),
-             says("wrote 1024 ranks from 2 traced: 3 files, 1021 hard links")], setup=[doc_command_ran(SCALE_SOURCE)]),
+             says("wrote 1024 ranks from 2 traced: 3 files, 1021 hard links")], after=SCALE_SOURCE),
     # docs/TRAINING.md
     "python gpt2/train.py --model-name tiny --max-steps 20 --save-dir checkpoints/smoke-gpt2":
         Run([files("checkpoints/smoke-gpt2/final_model/config.json"), says("done: 20 steps")], slow=True),
@@ -408,7 +411,7 @@ NETWORK = "needs the network (PyPI, download.pytorch.org or GitHub)"
 BENCHMARK = "the full benchmark takes 10 to 40 minutes here; tests/test_bench.py runs each benchmark with --quick"
 
 NOT_RUNNABLE: dict[str, str] = {
-    "chakra-venv/bin/python simulate.py outputs/gpt2_tiny_2r --ranks 1024 --bandwidth 100Gbit/s":
+    "python3 simulate.py outputs/gpt2_tiny_2r --ranks 1024 --bandwidth 100Gbit/s":
         "ASTRA-sim itself takes about 26 minutes for 1024 NPUs on 2 cores (docs/BENCHMARKS.md); "
         "tests/test_simulate.py runs the same --ranks path on 8 NPUs where $ASTRA_SIM is built",
     # docs/BENCHMARKS.md
@@ -619,6 +622,12 @@ def test_readme_starts_with_the_two_fresh_machine_commands():
         ["./run_all_profiling.sh", "./run_tests.sh"]
 
 
+def test_readme_commands_name_no_chakra_venv():
+    """README's commands follow the main job, which leaves .venv and no chakra-venv/ (setup_and_convert.sh then uses
+    .venv): `chakra-venv/bin/python scale_et.py ...` after it was exit 127."""
+    assert [c.key for c in doc_commands([REPO / "README.md"]) if "chakra-venv/" in c.key] == []
+
+
 def test_every_table_separator_row_follows_its_header_row():
     """A table pasted into BENCHMARKS.md had left five lone separator rows above its header, twice: Markdown shows
     them as rows of dashes."""
@@ -745,6 +754,24 @@ def _run_params() -> list:
             for key, run in sorted(RUN.items())]
 
 
+def python_named_after(key: str, root: Path) -> str:
+    """Run the documented command `key` in the sandbox as the main job leaves it (.venv, no chakra-venv/), and
+    return the line that makes python3 the Python its last line names for the commands that follow."""
+    (root / "chakra-venv").unlink()
+    command = next(c for c in doc_commands() if c.key == key)
+    result = subprocess.run(["bash", "-c", command.text], cwd=root, env=command_env(root), stdin=subprocess.DEVNULL,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, f"{command.where}: {key}\n{(result.stdout + result.stderr)[-4000:]}"
+    last = result.stdout.splitlines()[-1]
+    named = re.fullmatch(r"==> Python for scale_et\.py, simulate\.py and trace_report\.py: \.venv/bin/python "
+                         r"\(or python3 after: (source \.venv/bin/activate)\)", last)
+    assert named, f"{key}: its last line names no .venv Python for the next commands: {last}"
+    prefix = subprocess.run(["bash", "-c", f"{named.group(1)} && python3 -c 'import sys; print(sys.prefix)'"],
+                            cwd=root, env=command_env(root), capture_output=True, text=True, check=True).stdout
+    assert Path(prefix.strip()) == (root / ".venv").resolve(), f"python3 after {named.group(1)} is {prefix}"
+    return named.group(1) + "\n"
+
+
 @pytest.mark.parametrize("key", _run_params())
 def test_documented_command_succeeds(key, sandbox):
     run = RUN[key]
@@ -753,8 +780,9 @@ def test_documented_command_succeeds(key, sandbox):
         pytest.fail(f"{key!r} is in RUN but in no doc")
     for setup in run.setup:
         setup(sandbox)
+    activate = python_named_after(run.after, sandbox) if run.after else ""
     command = commands[0]
-    result = subprocess.run(["bash", "-c", command.text], cwd=sandbox, env=command_env(sandbox),
+    result = subprocess.run(["bash", "-c", activate + command.text], cwd=sandbox, env=command_env(sandbox),
                             stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=run.timeout)
     output = result.stdout + result.stderr
     assert result.returncode == 0, f"{command.where}: {key}\nexit {result.returncode}\n{output[-4000:]}"

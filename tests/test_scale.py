@@ -187,6 +187,69 @@ def test_a_scaled_set_that_the_traced_ranks_do_not_divide_scales_again_by_traced
     assert [metadata_of(Path(f"{result.prefix}.{r}.et"))["source_rank"] for r in range(8)] == [0, 1] * 4
 
 
+def compute_scales(prefix: Path, ranks: int) -> dict[int, float]:
+    return {r: meta["compute_scale"] for r in range(ranks)
+            if "compute_scale" in (meta := metadata_of(Path(f"{prefix}.{r}.et")))}
+
+
+def test_a_scaled_set_scaled_again_keeps_its_straggler_on_one_rank_and_says_so(gpt2_run, tmp_path, capsys):
+    """6 ranks with --slow 3:1.5 scaled to 12 slowed ranks 3 and 9 (output rank r replayed rank r mod 6 of the
+    6-rank set), said "from 6 traced" and listed traced ranks 2-5, rank 3 "as traced"."""
+    assert scale_et.main([str(gpt2_run), "--ranks", "6", "--slow", "3:1.5", "--output-dir", str(tmp_path / "six")]) == 0
+    capsys.readouterr()
+    assert scale_et.main([str(tmp_path / "six"), "--ranks", "12", "--output-dir", str(tmp_path / "twelve")]) == 0
+    out = capsys.readouterr().out
+    prefix = tmp_path / "twelve" / f"{GPT2_2R}_6npus_12npus"
+    assert compute_scales(prefix, 12) == {3: 1.5}
+    assert [metadata_of(Path(f"{prefix}.{r}.et"))["source_rank"] for r in range(12)] == [0, 1] * 6
+    assert {metadata_of(Path(f"{prefix}.{r}.et"))["traced_world_size"] for r in range(12)} == {2}
+    assert os.stat(f"{prefix}.9.et").st_ino == os.stat(f"{prefix}.1.et").st_ino  # rank 9 replays rank 1 as traced
+    assert out.startswith("wrote 12 ranks from 2 traced (through the 6-rank scaled set): 3 files, 9 hard links")
+    assert "note: the scaled source's --slow 3:1.5 is kept: rank 3 is slowed again, and no other rank" in out
+    summary = (tmp_path / "twelve" / scale.SUMMARY_NAME).read_text()
+    assert "(a scaled set of 6 ranks, traced on 2) to 12 ranks" in summary
+    rows = [line for line in summary.splitlines() if line.startswith("| ") and "replay" not in line]
+    assert rows == ["| 0, 2, 4, ... (6 ranks: r mod 2 = 0) | 0 | as traced | shared (hard links) |",
+                    "| 1, 3, 5, ... (6 ranks: r mod 2 = 1) | 1 | as traced | shared (hard links) |",
+                    "| 3 | 1 | x1.5 (--slow 3:1.5) | its own |"]
+    assert "`traced_world_size` 2" in summary and "- the scaled source's --slow 3:1.5 is kept" in summary
+
+
+@pytest.mark.parametrize("flags, slowed, note", [
+    ([], {3: 1.5}, "the scaled source's --slow 5:2 is dropped: there is no rank 5 among 4"),
+    (["--slow", "3:1"], {}, "the scaled source's --slow 3:1.5 is replaced by this command's --slow 3:1"),
+    (["--slow", "3:3"], {3: 3.0}, "the scaled source's --slow 3:1.5 is replaced by this command's --slow 3:3"),
+])
+def test_a_scaled_sets_stragglers_are_kept_dropped_or_replaced_explicitly(gpt2_run, tmp_path, capsys, flags, slowed,
+                                                                         note):
+    """4 ranks from the 6-rank set had kept its slowed rank 3 (and its rank 5's file, slowed, as no rank) and
+    listed rank 3 as "as traced"."""
+    six = scale_run(gpt2_run, 6, output_dir=tmp_path / "six", slow={3: 1.5, 5: 2.0})
+    assert scale_et.main([str(six.parent), "--ranks", "4", "--output-dir", str(tmp_path / "four"), *flags]) == 0
+    out = capsys.readouterr().out
+    four = tmp_path / "four" / f"{GPT2_2R}_6npus_4npus"
+    assert compute_scales(four, 4) == slowed
+    assert [metadata_of(Path(f"{four}.{r}.et"))["source_rank"] for r in range(4)] == [0, 1, 0, 1]
+    assert f"note: {note}" in out and f"- {note}" in (four.parent / scale.SUMMARY_NAME).read_text()
+    assert "| 3 | 1 | as traced" not in (four.parent / scale.SUMMARY_NAME).read_text()
+    # The command SCALE_SUMMARY.md gives to write the set again writes this set, not the source's stragglers.
+    again = scale.scale_again_command(four.parent, scale.read_scale_status(four.parent))
+    assert again.endswith("".join(f" --slow {r}:{f:g}" for r, f in (slowed or {3: 1}).items()))
+
+
+def test_a_traced_rank_only_a_straggler_replays_is_scaled_back_to_its_traced_durations(gpt2_run, tmp_path):
+    """2 ranks with --slow 1:3 scaled to 4 had slowed ranks 1 and 3: the set has no file of traced rank 1 as traced,
+    so rank 3 copied the straggler's. It is the set scaled from the converted run with --slow 1:3, node for node."""
+    two = scale_run(gpt2_run, 2, output_dir=tmp_path / "two", slow={1: 3.0})
+    again = scale_set(two.parent, 4, output_dir=tmp_path / "again")
+    direct = scale_run(gpt2_run, 4, output_dir=tmp_path / "direct", slow={1: 3.0})
+    assert compute_scales(again.prefix, 4) == compute_scales(direct, 4) == {1: 3.0}
+    for r in range(4):
+        _, nodes = read_et_with_protolib(Path(f"{again.prefix}.{r}.et"))
+        _, expected = read_et_with_protolib(Path(f"{direct}.{r}.et"))
+        assert [(n.id, n.duration_micros) for n in nodes] == [(n.id, n.duration_micros) for n in expected], r
+
+
 def test_summary_says_what_was_scaled_and_how_to_run_it(gpt2_run, tmp_path):
     result = scale_set(gpt2_run, 16, output_dir=tmp_path)
     summary = (tmp_path / "SCALE_SUMMARY.md").read_text()

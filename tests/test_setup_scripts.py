@@ -6,6 +6,7 @@ import os
 import re
 import shlex
 import shutil
+import site
 import subprocess
 import sys
 import time
@@ -347,6 +348,48 @@ def test_setup_and_convert_names_the_retry_only_for_failed_ranks_and_quotes_it(t
         assert proc.returncode == 1 and len(retry) == 1, proc.stderr
         command = retry[0].split("retry them with: ", 1)[1]
         assert shlex.split(command) == [sys.executable, str(REPO / "convert_remaining.py"), str(run_dir)]
+
+
+@needs_converter
+def test_the_retry_of_a_failed_rank_keeps_the_conversion_options_and_converts_into_the_same_folder(tmp_path):
+    """The retry dropped the options after --: followed, it converted rank 1 into the run folder and left the
+    --output-dir folder with rank 0 alone."""
+    run_dir, out = tmp_path / "sc" / "run1", tmp_path / "converted out"
+    shutil.copytree(DATA / "gpt2_tiny_2r", run_dir)
+    device_1 = run_dir / "device.1.json.gz"
+    kept = device_1.read_bytes()
+    device_1.unlink()
+    proc = run([SETUP, "--python", sys.executable, "--jobs", "1", run_dir, "--", "--output-dir", out, "--no-progress"],
+               cwd=tmp_path, timeout=600)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    [retry] = [line.split("retry them with: ", 1)[1] for line in proc.stderr.splitlines() if "retry them with" in line]
+    assert shlex.split(retry) == [sys.executable, str(REPO / "convert_remaining.py"), "--jobs", "1", str(run_dir),
+                                  "--output-dir", str(out), "--no-progress"]
+    device_1.write_bytes(kept)  # the rank's trace copied again, then the retry as printed
+    again = subprocess.run(["bash", "-c", retry], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert sorted(p.name for p in out.glob("*.et")) == ["run1.0.et", "run1.1.et"]
+    assert not list(run_dir.glob("*.et"))
+
+
+@needs_converter
+def test_setup_and_convert_ends_naming_the_python_for_the_commands_that_follow(tmp_path):
+    """After the main job it used .venv and said so, and the README's next command, chakra-venv/bin/python
+    scale_et.py, did not exist (exit 127): its last line now names the interpreter."""
+    shutil.copytree(DATA / "gpt2_tiny_1r", tmp_path / "outputs" / "gpt2_tiny_1r")
+    venv = tmp_path / "env"  # a venv of its own (with an activate script) that sees this interpreter's packages
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    [purelib] = venv.glob("lib/python*/site-packages")
+    (purelib / "running_environment.pth").write_text("".join(f"{p}\n" for p in site.getsitepackages()))
+    proc = run([SETUP, "--python", venv / "bin" / "python", "outputs", "--", "--no-progress"], cwd=tmp_path,
+               timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    last = proc.stdout.splitlines()[-1]
+    assert last == ("==> Python for scale_et.py, simulate.py and trace_report.py: env/bin/python "
+                    "(or python3 after: source env/bin/activate)")
+    follow = subprocess.run(["bash", "-c", "source env/bin/activate && python3 -c 'import sys; print(sys.prefix)'"],
+                            cwd=tmp_path, capture_output=True, text=True, check=True)
+    assert follow.stdout.strip() == str(venv)
 
 
 @needs_converter

@@ -140,7 +140,9 @@ def scale_again_command(folder: Path, status: dict) -> str:
     """The scale_et.py command that writes the set SCALE_SUMMARY.md describes again, into the same folder."""
     words = ["scale_et.py", str(status.get("source")), "--ranks", str(status.get("ranks")), "--output-dir",
              str(folder), "--name", str(status.get("name"))]
-    for rank, factor in sorted((status.get("slow") or {}).items(), key=lambda item: int(item[0])):
+    slow = {int(rank): factor for rank, factor in (status.get("slow") or {}).items()}
+    slow.update({rank: 1 for rank in status.get("unslowed") or []})  # a scaled source's straggler made as traced
+    for rank, factor in sorted(slow.items()):
         words += ["--slow", f"{rank}:{factor:g}"]
     return shlex.join(words)
 
@@ -388,11 +390,11 @@ def check_data_parallel(source: SourceSet, sources: list[SourceEt], assume: bool
 # ---------------------------------------------------------------------------------------------------------------
 def scaled_metadata(metadata: GlobalMetadata, ranks: int, traced_ranks: int, source_rank: int,
                     compute_scale: float) -> GlobalMetadata:
-    """The source's metadata with world size N, the traced rank it replays, `scaled`, and one world group.
+    """The source's metadata with world size N, the traced rank it replays, `scaled`, one world group, and the
+    rank's compute_scale against the traced run when it is not 1.
     No `rank`: the output rank is the file name, so every rank replaying one traced rank can share one file."""
     old = {a.name: getattr(a, a.WhichOneof("value")) for a in metadata.attr if a.WhichOneof("value")}
     attrs = [a for a in metadata.attr if a.name not in SCALE_ATTRS]
-    previous_scale = old.get("compute_scale", 1.0)
     world_group = {"pg_name": WORLD_GROUP, "pg_desc": "default_pg", "ranks": [], "group_size": ranks,
                    "group_count": 1}
     backend = next((g.get("backend_config") for g in _process_groups(old) if g.get("backend_config")), None)
@@ -406,8 +408,8 @@ def scaled_metadata(metadata: GlobalMetadata, ranks: int, traced_ranks: int, sou
                                                                    old.get("world_size", traced_ranks))),
         AttributeProto(name="process_groups", string_val=orjson.dumps([world_group]).decode()),
     ]
-    if compute_scale != 1.0 or previous_scale != 1.0:
-        attrs.append(AttributeProto(name="compute_scale", double_val=compute_scale * previous_scale))
+    if compute_scale != 1.0:
+        attrs.append(AttributeProto(name="compute_scale", double_val=compute_scale))
     return GlobalMetadata(version=metadata.version, attr=attrs)
 
 
@@ -435,21 +437,26 @@ def with_duration_scaled(blob: bytes, factor: float) -> bytes:
 
 def write_scaled_et(source: SourceEt, out_path: Path, *, ranks: int, traced_ranks: int, source_rank: int,
                     compute_scale: float = 1.0) -> Path:
-    """Write one scaled .et: collectives in the N-rank world group, compute durations times compute_scale, the
-    communication threads' CPU nodes also times the bytes a rank moves in a ring of N against one of the traced
-    ranks ((N-1)/N of the buffer each way in an all-reduce, all-gather or reduce-scatter), every other node byte for
-    byte as in the source."""
+    """Write one scaled .et: collectives in the N-rank world group, compute durations compute_scale times the traced
+    ones, the communication threads' CPU nodes also times the bytes a rank moves in a ring of N against one of the
+    source's ranks ((N-1)/N of the buffer each way in an all-reduce, all-gather or reduce-scatter), every other node
+    byte for byte as in the source. traced_ranks: the source set's world size.
+
+    A source that is a straggler's file of a scaled set (its own compute_scale) is scaled by the ratio: from a factor
+    above 1 that gives back the traced durations exactly (each was rounded to the µs once, by less than half a µs
+    times the factor)."""
+    factor = compute_scale / source.meta.get("compute_scale", 1.0)
     rewrite: dict[int, bytes] = {i: _in_world_group(source.blobs[i]) for i in source.comm_indices}
     moved = ((ranks - 1) / ranks) / ((traced_ranks - 1) / traced_ranks) if traced_ranks > 1 else 1.0
-    rewrite.update({i: with_duration_scaled(source.blobs[i], compute_scale * moved) for i in source.communication_cpu_indices})
+    rewrite.update({i: with_duration_scaled(source.blobs[i], factor * moved) for i in source.communication_cpu_indices})
     metadata = scaled_metadata(source.metadata, ranks, traced_ranks, source_rank, compute_scale)
     with open(out_path, "xb", buffering=1 << 20) as f:
         encodeMessage(f, metadata)
         for i, blob in enumerate(source.blobs):
             if i in rewrite:
                 blob = rewrite[i]
-            elif compute_scale != 1.0 and source.node_types[i] == COMP_NODE:
-                blob = with_duration_scaled(blob, compute_scale)
+            elif factor != 1.0 and source.node_types[i] == COMP_NODE:
+                blob = with_duration_scaled(blob, factor)
             encodeMessage(f, SerializedMessage(blob))
     return out_path
 
@@ -475,9 +482,14 @@ class ScaleResult:
     output_dir: Path
     name: str
     ranks: int
-    source_of_rank: list[int]
-    slow: dict[int, float]
+    source_of_rank: list[int]  # output rank -> the rank of the source set whose file it replays
+    slow: dict[int, float]  # every straggler of the new set: this command's --slow and those kept from a scaled source
     parallelism: str
+    traced_ranks: int = 0  # the ranks the run was traced on (a scaled source's traced_world_size)
+    source_scaled: bool = False  # the source is a set scale_et.py wrote
+    traced_of_rank: list[int] = field(default_factory=list)  # output rank -> the traced rank it replays
+    slow_notes: list[str] = field(default_factory=list)  # what became of a scaled source's own --slow
+    unslowed: list[int] = field(default_factory=list)  # a scaled source's stragglers given --slow RANK:1 here
     written: list[str] = field(default_factory=list)  # file names of the distinct files written
     links: int = 0
     copies: int = 0
@@ -536,6 +548,62 @@ def parse_slow(items: list[str]) -> dict[int, float]:
     return slow
 
 
+@dataclass
+class TracedRanks:
+    """The traced run behind a source set: the ranks it was traced on, the rank of the set whose file replays each
+    of them (as traced where the set has such a file), and the set's own stragglers (a scaled set's --slow:
+    {rank: compute_scale})."""
+
+    count: int
+    file_rank: list[int]
+    earlier_slow: dict[int, float]
+    scaled: bool = False
+
+
+def traced_ranks_of(source_set: SourceSet, sources: list[SourceEt], file_of_rank: list[int]) -> TracedRanks:
+    """A converted set replays itself; a scaled set replays the ranks it was traced on (its files' source_rank and
+    traced_world_size), each through a file that is not a straggler's where it has one (else a straggler's, which
+    write_scaled_et scales back), so scaling it again scales the traced run again instead of copying a slowed file
+    to other ranks."""
+    k = source_set.ranks
+    metas = [sources[file_of_rank[s]].meta for s in range(k)]
+    if not metas[0].get("scaled"):
+        return TracedRanks(k, list(range(k)), {})
+    count = metas[0].get("traced_world_size")
+    if not isinstance(count, int) or count < 1:
+        raise ScaleError(source_set.paths[0], f"a scaled .et with no traced_world_size ({count!r}); scale the "
+                         "converted run it was scaled from instead")
+    earlier = {s: float(meta["compute_scale"]) for s, meta in enumerate(metas)
+               if meta.get("compute_scale", 1.0) != 1.0}
+    file_rank: dict[int, int] = {}
+    for s in sorted(range(k), key=lambda s: s in earlier):  # a file as traced first
+        file_rank.setdefault(metas[s].get("source_rank"), s)
+    missing = [t for t in range(count) if t not in file_rank]
+    if missing:
+        raise ScaleError(source_set.folder, f"no rank of this scaled set replays traced rank {missing[0]} of its "
+                         f"traced_world_size {count}; scale the converted run instead")
+    return TracedRanks(count, [file_rank[t] for t in range(count)], earlier, scaled=True)
+
+
+def stragglers(earlier: dict[int, float], given: dict[int, float], slow: dict[int, float],
+               ranks: int) -> tuple[dict[int, float], list[str]]:
+    """The new set's stragglers, and what became of each of a scaled source's (earlier, by rank): this command's
+    --slow (slow, as checked; given, as typed: `--slow 3:1` names rank 3 too), plus every earlier straggler whose
+    rank the new set still has and this command does not name again."""
+    kept, notes = dict(slow), []
+    for rank, factor in sorted(earlier.items()):
+        flag = f"--slow {rank}:{factor:g}"
+        if rank in given:
+            notes.append(f"the scaled source's {flag} is replaced by this command's --slow {rank}:{given[rank]:g}")
+        elif rank < ranks:
+            kept[rank] = factor
+            notes.append(f"the scaled source's {flag} is kept: rank {rank} is slowed again, and no other rank "
+                         f"(--slow {rank}:1 replays it as traced)")
+        else:
+            notes.append(f"the scaled source's {flag} is dropped: there is no rank {rank} among {ranks}")
+    return dict(sorted(kept.items())), notes
+
+
 def scale_run(source: Path, ranks: int, *, output_dir: Path | None = None, name: str | None = None,
               slow: dict[int, float] | None = None, assume_data_parallel: bool = False) -> Path:
     """Write `<name>.<r>.et` for r in 0..ranks-1 from the converted run at `source`; returns the workload prefix
@@ -560,7 +628,8 @@ def scale_set(source: str | Path, ranks: int, *, output_dir: str | Path | None =
         if folder.is_dir() else contextlib.nullcontext()
     with held:
         source_set = find_source_set(source)
-    slow = check_slow(slow, ranks)
+    given_slow = dict(slow or {})
+    slow = check_slow(given_slow, ranks)
     if not name:  # the source's name with what --name refuses (spaces, other letters) made "_"
         name = DEFAULT_NAME.format(name=re.sub(f"[^{NAME_CHARACTERS}]", "_", source_set.name).lstrip(".") or "run",
                                    ranks=ranks)
@@ -590,31 +659,28 @@ def scale_set(source: str | Path, ranks: int, *, output_dir: str | Path | None =
     check_against_conversion(source_set)
 
     sources, file_of_rank = _read_sources(source_set)
-    k = source_set.ranks
-    replays = [sources[file_of_rank[s]].meta for s in range(k)]
-    traced = replays[0].get("traced_world_size") if replays[0].get("scaled") else None
-    if ranks < (traced or k):
+    traced = traced_ranks_of(source_set, sources, file_of_rank)
+    if ranks < traced.count:
         # Fewer ranks would drop traced ranks and the spread measured between them, and one rank would keep
         # collectives that ASTRA-sim's analytical network (2 NPUs at least) cannot run: scaling only adds ranks.
-        raise ScaleError("--ranks", f"must be at least the {traced or k} traced ranks (got {ranks}): scaling makes "
+        raise ScaleError("--ranks", f"must be at least the {traced.count} traced ranks (got {ranks}): scaling makes "
                          "more ranks from the traced ones; simulate the traced set as it is")
     distinct = [sources[i] for i in sorted(set(file_of_rank))]
     parallelism, warnings = check_data_parallel(source_set, distinct, assume_data_parallel)
     for warning in warnings:
         logger.warning(warning)
 
-    source_of_rank = [r % k for r in range(ranks)]
-    if traced and k % traced:
-        # A scaled set of k ranks that k traced ranks do not divide (2 traced, scaled to 3: 0, 1, 0): r mod k would
-        # not replay traced rank r mod traced. Take a rank of the set that does, and is not a straggler of --slow.
-        first = {}
-        for s in reversed(range(k)):
-            if replays[s].get("compute_scale", 1.0) == 1.0:
-                first[replays[s].get("source_rank")] = s
-        source_of_rank = [s if replays[s].get("source_rank") == r % traced else first.get(r % traced, s)
-                          for r, s in enumerate(source_of_rank)]
+    # Output rank r replays traced rank r mod T through a file of the source that replays it as traced (a scaled
+    # source's straggler is never copied to other ranks); the stragglers are this command's --slow and those of a
+    # scaled source whose rank still exists, each on its own rank once.
+    traced_of_rank = [r % traced.count for r in range(ranks)]
+    source_of_rank = [traced.file_rank[t] for t in traced_of_rank]
+    slow, slow_notes = stragglers(traced.earlier_slow, given_slow, slow, ranks)
+    unslowed = sorted(r for r in traced.earlier_slow if r < ranks and r not in slow)  # given --slow RANK:1
     result = ScaleResult(source=source_set, output_dir=out_dir, name=name, ranks=ranks, source_of_rank=source_of_rank,
-                         slow=slow, parallelism=parallelism, warnings=warnings, note=note)
+                         slow=slow, parallelism=parallelism, traced_ranks=traced.count, traced_of_rank=traced_of_rank,
+                         source_scaled=traced.scaled, slow_notes=slow_notes, unslowed=unslowed, warnings=warnings,
+                         note=note)
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -642,7 +708,7 @@ def scale_set(source: str | Path, ranks: int, *, output_dir: str | Path | None =
 
 def _read_sources(source_set: SourceSet) -> tuple[list[SourceEt], list[int]]:
     """The distinct files of the set, and the index in them of each rank's file: ranks sharing one file (a scaled set
-    as source) are read once; output rank r replays file r mod k."""
+    as source) are read once."""
     sources: list[SourceEt] = []
     file_of_rank: list[int] = []
     by_inode: dict[tuple[int, int], int] = {}
@@ -671,7 +737,7 @@ def _write_set(result: ScaleResult, sources: list[SourceEt], file_of_rank: list[
             result.content_of_rank.append(base_rank[index])
             continue
         path = staging / et_name(result.name, r)
-        write_scaled_et(sources[index], path, ranks=ranks, traced_ranks=k, source_rank=source_rank,
+        write_scaled_et(sources[index], path, ranks=ranks, traced_ranks=k, source_rank=result.traced_of_rank[r],
                         compute_scale=result.slow.get(r, 1.0))
         distinct[r] = path
         result.content_of_rank.append(r)
@@ -745,16 +811,16 @@ def _ranges(ranks: list[int]) -> str:
     return ", ".join(parts)
 
 
-def _outputs_of(result: ScaleResult, source_rank: int) -> str:
-    ranks = [r for r, s in enumerate(result.source_of_rank) if s == source_rank]
-    k = result.source.ranks
-    if len(ranks) > 3 and k > 1 and ranks == list(range(source_rank, result.ranks, k)):
-        return f"{source_rank}, {source_rank + k}, {source_rank + 2 * k}, ... ({len(ranks)} ranks: r mod {k} = {source_rank})"
+def _outputs_of(result: ScaleResult, traced_rank: int) -> str:
+    ranks = [r for r, t in enumerate(result.traced_of_rank) if t == traced_rank]
+    k = result.traced_ranks
+    if len(ranks) > 3 and k > 1 and ranks == list(range(traced_rank, result.ranks, k)):
+        return f"{traced_rank}, {traced_rank + k}, {traced_rank + 2 * k}, ... ({len(ranks)} ranks: r mod {k} = {traced_rank})"
     return _ranges(ranks) + f" ({len(ranks)} rank{'s' if len(ranks) != 1 else ''})"
 
 
 def render_scale_summary(result: ScaleResult) -> str:
-    source, ranks, k = result.source, result.ranks, result.source.ranks
+    source, ranks, k = result.source, result.ranks, result.traced_ranks
     kinds = Counter(comm_type for _, comm_type, _ in result.collectives)
     comm = ", ".join(f"{count} {kind}" for kind, count in sorted(kinds.items())) or "none"
     total = sum(size for _, _, size in result.collectives)
@@ -762,7 +828,9 @@ def render_scale_summary(result: ScaleResult) -> str:
         f"# Scale summary: {result.name}",
         "",
         f"Scaled {datetime.datetime.now().strftime('%Y-%m-%d %H:%M:%S')} by trace_tools from `{source.prefix}` "
-        f"({k} traced rank{'s' if k != 1 else ''}) to {ranks} ranks in {result.seconds:.2f} s.",
+        + (f"(a scaled set of {source.ranks} ranks, traced on {k})" if result.source_scaled
+           else f"({k} traced rank{'s' if k != 1 else ''})")
+        + f" to {ranks} ranks in {result.seconds:.2f} s.",
         "",
         f"ASTRA-sim: `--workload-configuration={result.prefix}` (reads `{result.name}.<rank>.et` for rank 0 to "
         f"{ranks - 1}); the network must have {ranks} NPUs (the product of `npus_count`).",
@@ -770,13 +838,17 @@ def render_scale_summary(result: ScaleResult) -> str:
         "| output ranks | replay traced rank | compute | file |",
         "|---|---:|---|---|",
     ]
-    for s in sorted(set(result.source_of_rank)):
-        lines.append(f"| {_outputs_of(result, s)} | {s} | as traced | shared (hard links) |")
+    for t in sorted(set(result.traced_of_rank)):
+        lines.append(f"| {_outputs_of(result, t)} | {t} | as traced | shared (hard links) |")
     for r, factor in sorted(result.slow.items()):
-        lines.append(f"| {r} | {result.source_of_rank[r]} | x{factor:g} (--slow {r}:{factor:g}) | its own |")
+        lines.append(f"| {r} | {result.traced_of_rank[r]} | x{factor:g} (--slow {r}:{factor:g}) | its own |")
     if result.slow:
         lines.append("")
         lines.append("Slowed ranks are listed twice: the shared row counts them, but they have their own file.")
+    if result.slow_notes:
+        lines += ["", "The scaled source's stragglers (a scaled set scaled again replays the traced ranks, each "
+                      "straggler on its own rank):", ""]
+        lines += [f"- {note}" for note in result.slow_notes]
     files = (f"{len(result.written)} distinct file{'s' if len(result.written) != 1 else ''} written, "
              f"{result.links} hard links" + (f", {result.copies} copies (the file system refused hard links)"
                                              if result.copies else "") + f"; {format_bytes(result.new_bytes)} of new disk")
@@ -817,6 +889,7 @@ def render_scale_summary(result: ScaleResult) -> str:
             lines.append(f"- {result.note}")
     status = {"name": result.name, "ranks": ranks, "source": str(source.prefix), "traced_ranks": k,
               "source_of_rank": "r mod traced_ranks", "slow": {str(r): f for r, f in result.slow.items()},
+              "unslowed": result.unslowed,
               "parallelism": result.parallelism, "files_written": len(result.written), "links": result.links,
               "copies": result.copies, "new_bytes": result.new_bytes, "seconds": round(result.seconds, 3),
               "files": [{"name": fingerprint["name"], "size": fingerprint["size"], "sha256": fingerprint["sha256"],
