@@ -704,3 +704,28 @@ def test_a_squad_file_is_passed_as_one_whatever_the_case_of_its_suffix(squad_fil
     path = tmp_path / name
     path.write_bytes(squad_file.read_bytes())
     assert dataset_arguments(str(path), "cpu") == ["--squad-file", str(path)]
+
+
+def test_a_data_file_goes_to_the_flag_its_content_needs_whatever_its_suffix(squad_file, tmp_path):
+    """A JSONL corpus named .json went to --squad-file (train.py: "pass it with --dataset-path", which the user had
+    done) and a SQuAD file named .jsonl to --dataset-path."""
+    from utils.launch.plan import dataset_arguments
+    corpus, squad = tmp_path / "corpus.json", tmp_path / "squad.jsonl"
+    corpus.write_text('\n{"text": "첫 문장 one"}\n{"text": "second"}\n', encoding="utf-8")
+    squad.write_bytes(squad_file.read_bytes())
+    pretty = tmp_path / "pretty.jsonl"  # a SQuAD document spread over lines, as editors save it
+    pretty.write_text(json.dumps(json.loads(squad_file.read_text()), indent=2))
+    assert dataset_arguments(str(corpus), "cpu") == ["--dataset-path", str(corpus)]
+    assert dataset_arguments(str(squad), "cpu") == ["--squad-file", str(squad)]
+    assert dataset_arguments(str(pretty), "cpu") == ["--squad-file", str(pretty)]
+
+
+@pytest.mark.parametrize("content", ["", "\n  \n"])
+def test_an_empty_data_file_is_refused_in_one_line_before_anything_runs(tmp_path, content):
+    empty = tmp_path / "corpus.jsonl"
+    empty.write_text(content)
+    result = launch("run_gpt2_quick.sh", "--dry-run", "--dataset-path", str(empty), env=machine())
+    assert result.returncode == 1
+    assert [line for line in result.stdout.splitlines() if "Dataset" in line] == \
+        [f"❌ Dataset: {empty} is empty (--dataset-path)"]
+    assert torchrun_commands(result.stdout) == []

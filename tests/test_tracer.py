@@ -3,6 +3,7 @@ import errno
 import gc
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -12,7 +13,10 @@ import pytest
 import torch
 
 from utils import chakra_tracer
-from utils.chakra_tracer import ChakraTracer, NullTracer, TraceError, build_tracer, check_trace_file
+from trace_tools.discover import read_run_info
+from utils.chakra_tracer import (ChakraTracer, NullTracer, TraceDirLock, TraceError, build_tracer, check_trace_file,
+                                 claim_trace_dir)
+from utils.distributed import DistributedContext
 from utils.host_memory import reason_to_leave_malloc_alone
 from utils.run_config import parse_run_config
 
@@ -137,6 +141,7 @@ def test_run_json_holds_run_info_versions_and_step_times(one_rank_gpt2):
     assert info["model"] == "gpt2" and info["model_config"] == {"n_layer": 2}
     assert info["batch_size_per_rank"] == 2 and info["sequence_length"] == 16 and info["precision"] == "fp32"
     assert info["world_size"] == 1 and info["traced_steps"] == [2]
+    assert info["first_log_step"] == 1 and info["resumed_from"] is None  # the log's step 3 is traced step 2
     assert info["untraced_steps"] == [0, 3]  # the wait step, and as many after the window (step 4 is not timed)
     assert info["versions"]["torch"] == torch.__version__
     assert info["versions"]["transformers"]
@@ -467,6 +472,41 @@ def test_the_tracers_messages_number_steps_as_the_log_does_after_a_resume(tmp_pa
     assert "the trace window (steps 14-16) was cut short after step 14 (the run ended at step 14)" in caplog.text
 
 
+def test_run_json_of_a_resumed_run_gives_the_logs_numbering_and_the_checkpoint_it_resumed_from(tmp_path):
+    """Resumed from checkpoint-10, the log said 'tracing steps 14-16' while run.json said traced_steps [3, 4, 5],
+    with nothing to tell the two numberings apart; the conversion side reads the new keys without complaint."""
+    args = parse_tracing_args("--enable-tracing", "--trace-output-dir", str(tmp_path), "--trace-name", "resumed",
+                              "--trace-wait-steps", "2", "--trace-warmup-steps", "1", "--trace-active-steps", "3")
+    tracer = build_tracer(args, rank=0, world_size=1, local_rank=0, device="cpu", run_info={"model": "m"},
+                          first_log_step=11, resumed_from=tmp_path / "ckpt" / "checkpoint-10")
+    train(tiny_mlp(), tracer, steps=9)
+    info, problem = read_run_info(tmp_path / "resumed" / "run.json")
+    assert problem is None
+    assert info["traced_steps"] == [3, 4, 5] and info["first_log_step"] == 11
+    assert [info["first_log_step"] + step for step in info["traced_steps"]] == [14, 15, 16]
+    assert info["resumed_from"] == str(tmp_path / "ckpt" / "checkpoint-10")
+
+
+def test_the_window_is_published_after_the_last_timed_step_while_the_run_goes_on(tmp_path):
+    """A window complete at step 14 was published only when the run ended: a crash, kill -9 or non-finite loss
+    at step 5000 lost it."""
+    tracer = ChakraTracer(tmp_path, "early", wait_steps=1, warmup_steps=1, active_steps=1, after_steps=2,
+                          run_info={"model": "m"})
+    folder = tmp_path / "early"
+    with pytest.raises(RuntimeError, match="boom"), tracer:
+        for _ in range(4):  # up to the last step timed after the window (3): nothing published yet
+            torch.ones(8) @ torch.ones(8)
+            tracer.step()
+        assert not (folder / "run.json").exists()
+        torch.ones(8) @ torch.ones(8)
+        tracer.step()  # step 4 ends: the last timed one
+        assert sorted(p.name for p in folder.iterdir()) == ["device.0.json", "host.0.json", "run.json",
+                                                           "stacks.0.txt"]  # no .partial, and the lock is gone
+        raise RuntimeError("boom")  # the run fails later: the published window stays
+    assert load(folder / "run.json")["traced_steps"] == [2] and load(folder / "run.json")["untraced_steps"] == [0, 3, 4]
+    assert check_trace_file(folder / "host.0.json", "host") is None
+
+
 def test_error_after_the_window_keeps_valid_traces_and_propagates(tmp_path):
     tracer = ChakraTracer(tmp_path, "err", wait_steps=0, warmup_steps=1, active_steps=1, run_info={"model": "m"})
     with pytest.raises(RuntimeError, match="boom"):
@@ -560,6 +600,73 @@ def test_a_second_run_tracing_into_the_same_folder_is_refused_and_the_first_is_u
     # the lock goes with the run: the next one traces into the folder
     train(tiny_mlp(), ChakraTracer(tmp_path, "busy", run_info={"model": "m"}), steps=3)
     assert not (tmp_path / "busy" / ".tracing.lock").exists()
+
+
+def test_the_trace_folder_claimed_for_the_run_refuses_a_second_one_and_the_tracer_uses_its_lock(tmp_path):
+    """claim_trace_dir locks the folder before the run moves or writes anything; the tracer then traces under that
+    lock (a second flock of this process would refuse it) and releases it once the window is published."""
+    args = parse_tracing_args("--enable-tracing", "--trace-output-dir", str(tmp_path), "--trace-name", "claimed",
+                              *ONE_STEP_WINDOW)
+    ctx = DistributedContext(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), backend=None)
+    lock_file = tmp_path / "claimed" / ".tracing.lock"
+    with claim_trace_dir(args, ctx, "m"):
+        assert json.loads(lock_file.read_text())["pid"] == os.getpid()
+        with pytest.raises(TraceError, match=r"claimed: another run \(pid \d+ .*\) is tracing into this folder"):
+            with claim_trace_dir(args, ctx, "m"):
+                pass
+        train(tiny_mlp(), build_tracer(args, rank=0, world_size=1, local_rank=0, device="cpu",
+                                       run_info={"model": "m"}), steps=5)
+        assert load(tmp_path / "claimed" / "run.json")["traced_steps"] == [2]
+        assert not lock_file.exists()
+    assert not lock_file.exists()
+
+
+@pytest.mark.slow
+def test_a_run_refused_by_the_trace_folders_lock_leaves_the_earlier_runs_checkpoints_where_they_were(tmp_path):
+    """With --overwrite-output-dir, a run refused by the trace folder's lock had already moved the finished run's
+    checkpoints into .previous/ (replacing the run kept there) and saved initial_model: retried twice, it lost them."""
+    save_dir = tmp_path / "ckpt"
+    for name in ("best_model", "final_model", ".previous/final_model"):
+        (save_dir / name).mkdir(parents=True)
+        (save_dir / name / "model.safetensors").write_text(name)
+    before = folder_files(save_dir)
+    busy = TraceDirLock(tmp_path / "outputs" / "busy")  # another run tracing into the folder: this process
+    busy.acquire()
+    try:
+        for _ in range(2):
+            result = subprocess.run(
+                [sys.executable, "gpt2/train.py", *trainer_flags(tmp_path, "--overwrite-output-dir", "--max-steps", "4",
+                                                                "--enable-tracing", "--trace-output-dir",
+                                                                str(tmp_path / "outputs"), "--trace-name", "busy")],
+                cwd=REPO_ROOT, env=trainer_env(), capture_output=True, text=True, timeout=600)
+            assert result.returncode == 1, result.stderr[-3000:]
+            errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+            assert len(errors) == 1 and "is tracing into this folder" in errors[0], result.stderr[-3000:]
+            assert folder_files(save_dir) == before  # nothing moved aside, no initial_model
+    finally:
+        busy.release()
+
+
+def test_a_window_cut_short_is_not_exported_and_an_interrupted_finish_leaves_no_partial_file(tmp_path, monkeypatch):
+    """Stopping inside the window, the first Ctrl-C spent its time exporting the window that was then removed, and
+    a second Ctrl-C during that left the .partial files behind."""
+    exports = []
+    monkeypatch.setattr(torch.profiler.profile, "export_chrome_trace", lambda self, path, *a, **k: exports.append(path))
+    train(tiny_mlp(), ChakraTracer(tmp_path, "cut", wait_steps=0, warmup_steps=1, active_steps=5,
+                                   run_info={"model": "m"}), steps=3)
+    assert exports == [] and list((tmp_path / "cut").iterdir()) == []
+
+    finalize = ChakraTracer._finalize_capture
+
+    def second_ctrl_c(self, *args, **kwargs):
+        finalize(self, *args, **kwargs)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ChakraTracer, "_finalize_capture", second_ctrl_c)
+    with pytest.raises(KeyboardInterrupt):
+        train(tiny_mlp(), ChakraTracer(tmp_path, "cut", wait_steps=0, warmup_steps=1, active_steps=5,
+                                       run_info={"model": "m"}), steps=3)
+    assert list((tmp_path / "cut").iterdir()) == []
 
 
 def export_then_fill_the_disk(self, path, *args, **kwargs):
@@ -872,50 +979,106 @@ def test_every_rank_starts_the_step_after_the_tracers_own_work_together(tmp_path
 
 
 TRACER_RUN_WHOSE_RANK_0_DIES = '''
-import os, sys, time
+import os, signal, sys, time
 import torch, torch.distributed as dist
 sys.path.insert(0, sys.argv[2])
 from utils.chakra_tracer import ChakraTracer
 from utils.distributed import distributed_context
 
+signal.signal(signal.SIGTERM, lambda *args: None)  # torchrun's, once rank 0 is gone: rank 1 says what it saw
 with distributed_context():
     rank = dist.get_rank()
-    tracer = ChakraTracer(sys.argv[1], "run", wait_steps=1, warmup_steps=0, active_steps=1, after_steps=0,
+    # traced step 1, untraced step 2 timed after it: published when step 2 ends
+    tracer = ChakraTracer(sys.argv[1], "run", wait_steps=1, warmup_steps=0, active_steps=1, after_steps=1,
                           rank=rank, world_size=2, run_info={"model": "m"})
     with tracer:
-        for _ in range(2):
+        for step in range(4):
+            if rank == 0 and step == int(sys.argv[3]):
+                os._exit(1)
             dist.all_reduce(torch.ones(1000))
             tracer.step()
-        if rank == 0 and sys.argv[3] == "die":  # killed after the window, before publishing: rank 1 publishes alone
-            time.sleep(1.0)
-            os._exit(1)
 '''
 
 
 @pytest.mark.slow
-def test_a_rank_gone_before_publishing_leaves_every_ranks_earlier_trace_in_place(tmp_path):
+def test_a_rank_gone_before_publishing_leaves_every_ranks_earlier_trace_in_place_and_after_it_the_window(tmp_path):
     """Each rank published its window alone: with rank 0 killed after the window, rank 1's new traces replaced its
     old ones beside rank 0's old ones and the earlier run.json (a folder of two runs), and the run before, in
-    .previous, had been removed when the failed run started."""
+    .previous, had been removed when the failed run started. And a window complete long before a rank was lost was
+    published only when the run ended: never, in a multi-rank run."""
     script = tmp_path / "two_ranks.py"
     script.write_text(TRACER_RUN_WHOSE_RANK_0_DIES)
 
-    def traced(mode: str) -> subprocess.CompletedProcess:
+    def traced(rank_0_dies_at: int) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",
-                               str(script), str(tmp_path), str(REPO_ROOT), mode], cwd=tmp_path, capture_output=True,
-                              text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+                               str(script), str(tmp_path), str(REPO_ROOT), str(rank_0_dies_at)], cwd=tmp_path,
+                              capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
 
     for _ in range(2):  # two whole runs: the first goes to .previous/run/
-        done = traced("whole")
+        done = traced(-1)
         assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     folder, previous = tmp_path / "run", tmp_path / ".previous" / "run"
-    kept = {path: path.read_bytes() for path in (*folder.iterdir(), *previous.iterdir()) if path.is_file()}
+
+    def files() -> dict:
+        return {path: path.read_bytes() for path in (*folder.iterdir(), *previous.iterdir())
+                if path.is_file() and not path.name.startswith(".")}
+
+    kept = files()
     assert {"run.json", "device.0.json", "device.1.json", "host.0.json", "host.1.json"} <= {p.name for p in kept}
-    done = traced("die")
+    done = traced(2)  # in the untraced step timed after the window, before the ranks publish it
     assert done.returncode != 0
-    now = {path: path.read_bytes() for path in (*folder.iterdir(), *previous.iterdir())
-           if path.is_file() and not path.name.startswith(".")}
-    assert now == kept, "the earlier runs' files, both generations, as they were"
+    assert files() == kept, "the earlier runs' files, both generations, as they were"
+    assert "rank 1: " + f"{folder}: no trace written: another rank was lost after the trace window" in done.stderr
+    assert "this rank failed" not in done.stderr
+
+    run_id = load(folder / "run.json")["run_id"]
+    done = traced(3)  # once the window is published: it stays
+    assert done.returncode != 0
+    info = load(folder / "run.json")
+    assert info["run_id"] != run_id and info["traced_steps"] == [1] and info["untraced_steps"] == [0, 2]
+    assert load(previous / "run.json")["run_id"] == run_id
+    for rank in (0, 1):
+        assert check_trace_file(folder / f"host.{rank}.json", "host") is None
+        assert check_trace_file(folder / f"device.{rank}.json", "device") is None
+
+
+@pytest.mark.slow
+def test_a_rank_killed_after_the_window_leaves_the_published_traces_and_the_other_rank_says_so_in_one_line(tmp_path):
+    """kill -9 of one rank long after the window: the window had been lost, and the surviving rank printed 'this
+    rank failed after the trace window' and gloo's 30-line traceback. The ranks start without torchrun, whose SIGTERM
+    to the survivor would race its failed collective."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    command = [sys.executable, "gpt2/train.py", "--num-gpus", "2",
+               *trainer_flags(tmp_path, "--max-steps", "20000", "--enable-tracing", "--trace-output-dir",
+                              str(tmp_path / "outputs"), "--trace-name", "k", *ONE_STEP_WINDOW)]
+    logs = [tmp_path / f"rank{rank}.log" for rank in (0, 1)]
+    ranks = []
+    for rank, log in enumerate(logs):
+        with open(log, "w") as out:
+            ranks.append(subprocess.Popen(command, cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT, env=dict(
+                trainer_env(), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                WORLD_SIZE="2", LOCAL_WORLD_SIZE="2")))
+    try:
+        for _ in range(1200):
+            if "traces of steps" in logs[0].read_text() or ranks[0].poll() is not None:
+                break
+            time.sleep(0.1)
+        assert "traces of steps 3 of the log from 2 rank(s)" in logs[0].read_text(), logs[0].read_text()[-3000:]
+        ranks[1].kill()
+        assert ranks[0].wait(timeout=300) == 1
+    finally:
+        for process in ranks:
+            if process.poll() is None:
+                process.kill()
+            process.wait()
+    text = logs[0].read_text()
+    [error] = [line for line in text.splitlines() if line.startswith("error:")]
+    assert error.startswith("error: another rank was lost at step ") and "no checkpoint of this run was saved" in error
+    assert "Traceback" not in text and "this rank failed" not in text, text[-3000:]
+    info = load(tmp_path / "outputs" / "k" / "run.json")
+    assert info["traced_steps"] == [2] and info["world_size"] == 2
 
 
 def test_run_json_says_how_many_micro_batches_each_timed_step_took_and_warns_when_they_differ(tmp_path, caplog):

@@ -145,6 +145,56 @@ def test_resumed_run_reaches_the_same_step_loss_and_weights_as_the_uninterrupted
     assert not (save_dir / "initial_model").exists()  # a resumed run does not start over
 
 
+def logged_learning_rates(log_dir):
+    """{step: learning rate} from the step lines with a loss (printed with 3 significant digits)."""
+    lines = (Path(log_dir) / "training_rank_0.log").read_text().splitlines()
+    return {int(line.split(" step ")[1].split("/")[0]): float(line.split("| lr ")[1].split()[0])
+            for line in lines if "| loss " in line and " step " in line}
+
+
+def test_a_resumed_run_trains_with_its_own_learning_rate_weight_decay_and_schedule(tmp_path):
+    """--learning-rate and --weight-decay given with --resume-from were replaced by the checkpoint's (its optimizer
+    and scheduler states hold them) while training_info.json recorded the new ones; with another --max-steps the
+    first resumed step still trained at the old schedule's learning rate."""
+    common = [*QUICK, "--warmup-steps", "0", "--logging-steps", "1", "--eval-steps", "0", "--save-steps", "2",
+              "--no-save-initial"]
+    status, first, _ = train("gpt2", tmp_path / "first", *common, "--max-steps", "4", "--learning-rate", "1e-3")
+    assert status == 0
+    status, save_dir, logs = train("gpt2", tmp_path / "resumed", *common, "--max-steps", "6", "--learning-rate",
+                                   "2e-3", "--weight-decay", "0.1", "--resume-from", str(first / "checkpoint-2"))
+    assert status == 0
+    # this run's linear decay from 2e-3 to 0 over 6 steps: step s trains at 2e-3 * (6 - (s - 1)) / 6
+    assert logged_learning_rates(logs) == {s: pytest.approx(2e-3 * (7 - s) / 6, rel=5e-3) for s in range(3, 7)}
+    state = torch.load(save_dir / "final_model" / "trainer_state.pt", weights_only=True)
+    assert [(g["initial_lr"], g["weight_decay"]) for g in state["optimizer"]["param_groups"]] == [(2e-3, 0.1),
+                                                                                                  (2e-3, 0.0)]
+    assert state["scheduler"]["base_lrs"] == [2e-3, 2e-3]
+    assert info(save_dir / "final_model")["arguments"]["learning_rate"] == 2e-3
+    assert info(save_dir / "checkpoint-4")["learning_rate"] == pytest.approx(2e-3 * 2 / 6)  # the lr of step 5
+    warning = [line for line in (logs / "training_rank_0.log").read_text().splitlines() if "apply from here" in line]
+    assert len(warning) == 1
+    for difference in ("--learning-rate 0.002 (the checkpoint's 0.001)", "--weight-decay 0.1 (the checkpoint's 0.01)",
+                       "total steps 6 (the checkpoint's 4)", "step 3 trains at learning rate 0.00133"):
+        assert difference in warning[0]
+
+
+@pytest.mark.slow
+def test_resuming_with_another_number_of_ranks_names_it_as_why_the_data_order_restarts(tmp_path):
+    """The warning blamed "a different batch size or dataset" when only the number of ranks had changed."""
+    status, first, _ = train("gpt2", tmp_path / "one", *QUICK, "--max-steps", "2", "--save-steps", "2",
+                             "--eval-steps", "0", "--no-save-initial")
+    assert status == 0
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone", "gpt2/train.py",
+               *QUICK, "--max-steps", "3", "--eval-steps", "0", "--save-steps", "0", "--num-gpus", "2",
+               "--resume-from", str(first / "checkpoint-2"), "--save-dir", str(tmp_path / "two"),
+               "--log-dir", str(tmp_path / "two-logs")]
+    result = subprocess.run(command, cwd=REPO_ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    [line] = [line for line in result.stderr.splitlines() if "data order restarts" in line]
+    assert "batch size or dataset" not in line
+    assert "batches a rank with 1 rank(s), and is " in line and "with this run's 2" in line
+
+
 @pytest.mark.slow
 def test_sigterm_saves_a_checkpoint_exits_cleanly_and_the_resumed_run_matches(uninterrupted_gpt2, tmp_path):
     reference, _ = uninterrupted_gpt2
@@ -171,6 +221,60 @@ def test_sigterm_saves_a_checkpoint_exits_cleanly_and_the_resumed_run_matches(un
     resumed, expected = info(save_dir / "final_model"), info(reference / "final_model")
     assert (resumed["step"], resumed["loss"], resumed["weights_sha256"]) == \
         (expected["step"], expected["loss"], expected["weights_sha256"])
+
+
+def test_resuming_from_an_earlier_checkpoint_of_the_run_keeps_the_checkpoints_it_saved_later(tmp_path, capsys):
+    """Resuming from checkpoint-3 in the run's own --save-dir wrote over its checkpoint-6, final_model and best_model
+    (with a worse model, from the step-3 state's best). Refused now; --overwrite-output-dir moves those, and only
+    those, into .previous/."""
+    flags = [*QUICK, "--save-steps", "3", "--eval-steps", "3", "--learning-rate", "1e-3"]
+    status, save_dir, _ = train("gpt2", tmp_path, *flags, "--max-steps", "6")
+    assert status == 0
+    saved = {p.name: info(p) for p in save_dir.iterdir() if not p.name.startswith(".")}
+    later = sorted(name for name, record in saved.items() if record["step"] > 3)
+    assert {"checkpoint-6", "final_model"} <= set(later)
+    capsys.readouterr()
+
+    resume = ["--max-steps", "9", "--resume-from", str(save_dir / "checkpoint-3")]
+    status, _, _ = train("gpt2", tmp_path, *flags, *resume)
+    assert status == 1
+    [error] = error_lines(capsys.readouterr().err)
+    assert error.startswith(f"error: --resume-from {save_dir / 'checkpoint-3'}: {save_dir} holds what that run saved "
+                            "after step 3 (") and "checkpoint-6" in error and "final_model of step 6" in error
+    assert f"resume from {save_dir / 'checkpoint-6'} to continue the run" in error and "--overwrite-output-dir" in error
+    assert {p.name: info(p) for p in save_dir.iterdir() if not p.name.startswith(".")} == saved  # all untouched
+
+    status, _, _ = train("gpt2", tmp_path, *flags, *resume, "--overwrite-output-dir")
+    assert status == 0
+    assert sorted(p.name for p in (save_dir / ".previous").iterdir()) == later
+    for name in later:
+        assert info(save_dir / ".previous" / name) == saved[name]
+    for name in ("initial_model", "checkpoint-3"):
+        assert info(save_dir / name) == saved[name]  # the run's own up to its starting point stay
+    assert info(save_dir / "final_model")["step"] == info(save_dir / "checkpoint-9")["step"] == 9
+
+
+def test_a_run_that_saved_no_trained_step_does_not_push_the_kept_run_out_of_previous(tmp_path, capsys, monkeypatch):
+    """--overwrite-output-dir over a --save-dir holding only the initial_model of a run that failed in its first step
+    (a quick launcher run passes the flag every time) replaced .previous/'s run, the last trained one, with it."""
+    one_step = [*QUICK, "--max-steps", "1", "--save-steps", "0", "--eval-steps", "0", "--overwrite-output-dir"]
+    assert train("gpt2", tmp_path, *one_step)[0] == 0
+    assert train("gpt2", tmp_path, *one_step)[0] == 0  # the first run now in .previous
+
+    def out_of_memory(self, accumulation):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    with monkeypatch.context() as patch:
+        patch.setattr(Trainer, "_optimizer_step", out_of_memory)
+        status, save_dir, _ = train("gpt2", tmp_path, *one_step)
+    assert status == 1 and sorted(p.name for p in save_dir.iterdir() if not p.name.startswith(".")) == ["initial_model"]
+    kept = info(save_dir / ".previous" / "final_model")  # the second run, moved aside by the failed one
+    capsys.readouterr()
+
+    assert train("gpt2", tmp_path, *one_step)[0] == 0
+    assert sorted(p.name for p in (save_dir / ".previous").iterdir()) == ["best_model", "final_model", "initial_model"]
+    assert info(save_dir / ".previous" / "final_model") == kept
+    assert (f"deleted the earlier run's initial_model from {save_dir} (that run saved no trained step); "
+            f"{save_dir / '.previous'} keeps the run before it") in capsys.readouterr().err
 
 
 # ---- checkpoints ------------------------------------------------------------------------------------------------
@@ -205,6 +309,22 @@ def test_training_writes_tensorboard_scalars(uninterrupted_gpt2):
     events.Reload()
     assert {"train/loss", "train/learning_rate", "train/tokens_per_second", "eval/loss"} <= set(events.Tags()["scalars"])
     assert [e.step for e in events.Scalars("train/loss")] == list(range(1, 25))
+
+
+def test_the_final_evaluation_reaches_tensorboard_when_the_run_does_not_end_on_an_eval_step(tmp_path):
+    """The sinks were closed before the final evaluation: a run shorter than --eval-steps, or not ending on a
+    multiple of it, had no eval/* scalars of its last step."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    status, _, log_dir = train("gpt2", tmp_path, *QUICK, "--report-to", "tensorboard", "--max-steps", "5",
+                               "--eval-steps", "3", "--logging-steps", "4", "--save-steps", "0", "--no-save-initial")
+    assert status == 0
+    [run] = (log_dir / "tensorboard").glob("*/*")
+    events = EventAccumulator(str(run))
+    events.Reload()
+    evaluations = [line for line in (log_dir / "training_rank_0.log").read_text().splitlines() if "eval at step" in line]
+    assert len(evaluations) == 2 and "eval at step 5 " in evaluations[1]
+    for tag in ("eval/loss", "eval/perplexity"):
+        assert [e.step for e in events.Scalars(tag)] == [3, 5], tag
 
 
 # ---- two ranks --------------------------------------------------------------------------------------------------

@@ -1,12 +1,14 @@
 """Chakra trace capture: one host (ExecutionTraceObserver) and one device (Kineto) trace per rank, same steps."""
 from __future__ import annotations
 
+import contextlib
 import datetime
 import errno
 import json
 import logging
 import os
 import platform
+import re
 import resource
 import shutil
 import socket
@@ -16,7 +18,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import orjson
 import torch
@@ -40,6 +42,8 @@ logger = logging.getLogger(__name__)
 
 # Held in the trace folder while a run traces into it (TraceDirLock)
 TRACE_LOCK_FILE = ".tracing.lock"
+# gloo's words for a collective whose peer process is gone (killed, crashed): the connection to it closed
+LOST_PEER_PATTERN = re.compile(r"Connection (closed|reset) by peer|Broken pipe")
 # Free space below which a trace folder's file system counts as full: Kineto's export and the observer do not report
 # their write errors, they leave a missing or cut-short file
 FULL_FOLDER_BYTES = 1 << 20
@@ -56,8 +60,8 @@ def default_trace_name(model: str, world_size: int, device_type: str) -> str:
 
 
 def build_tracer(config: RunConfig, *, rank: int, world_size: int, local_rank: int,
-                 device: torch.device | str, run_info: dict[str, Any], first_log_step: int = 1
-                 ) -> ChakraTracer | NullTracer:
+                 device: torch.device | str, run_info: dict[str, Any], first_log_step: int = 1,
+                 resumed_from: str | os.PathLike | None = None) -> ChakraTracer | NullTracer:
     """ChakraTracer when --enable-tracing is given, else a NullTracer that does nothing.
 
     Args:
@@ -68,6 +72,7 @@ def build_tracer(config: RunConfig, *, rank: int, world_size: int, local_rank: i
             "model_config", "batch_size_per_rank", "sequence_length", "precision", "compile", "attention",
             "gradient_accumulation_steps", and anything else worth keeping.
         first_log_step: the number the run's log gives the tracer's first step (a resumed run's is past 1).
+        resumed_from: the checkpoint a resumed run started from (run.json's resumed_from).
     """
     if not config.tracing.enable_tracing:
         return NullTracer()
@@ -80,12 +85,79 @@ def build_tracer(config: RunConfig, *, rank: int, world_size: int, local_rank: i
                        "run's first (%s), so the .et files will keep the profiler's cost: give --trace-wait-steps 2 or "
                        "more, or --trace-after-steps 1 or more", wait, config.trace_after_steps,
                        "--max-steps ends the run with the window" if config.trace_after_steps else "none after it")
-    trace_name = config.tracing.trace_name or default_trace_name(str(run_info.get("model") or "model"), world_size,
-                                                                 device.type)
+    run_info = {**run_info, "resumed_from": str(resumed_from) if resumed_from is not None else None}
     return ChakraTracer(
-        output_dir=config.tracing.trace_output_dir, trace_name=trace_name, wait_steps=wait,
-        warmup_steps=warmup, active_steps=active, after_steps=config.trace_after_steps, rank=rank,
+        output_dir=config.tracing.trace_output_dir,
+        trace_name=trace_name_of(config, str(run_info.get("model") or "model"), world_size, device.type),
+        wait_steps=wait, warmup_steps=warmup, active_steps=active, after_steps=config.trace_after_steps, rank=rank,
         world_size=world_size, local_rank=local_rank, device=device, run_info=run_info, first_log_step=first_log_step)
+
+
+def trace_name_of(config: RunConfig, model: str, world_size: int, device_type: str) -> str:
+    """This run's trace folder name: --trace-name, else default_trace_name."""
+    return config.tracing.trace_name or default_trace_name(model, world_size, device_type)
+
+
+# Trace-folder locks held by claim_trace_dir in this process, by folder: the tracer for that folder uses the held one
+# (a second flock of the lock file by this process would be refused as another run's)
+_CLAIMED_TRACE_DIRS: dict[Path, TraceDirLock] = {}
+
+
+@contextlib.contextmanager
+def claim_trace_dir(config: RunConfig, ctx: Any, model: str) -> Iterator[None]:
+    """With --enable-tracing, rank 0 locks this run's trace folder for the whole run and every rank gets its
+    refusal (a TraceError: another run traces into it), before the run writes or moves anything: the tracer took
+    the lock only when the loop began, after --overwrite-output-dir had moved the earlier run's checkpoints to
+    <save-dir>/.previous/ (replacing the run kept there) and initial_model was saved, so two refused retries lost a
+    finished run's best_model and final_model. The tracer built for this folder then uses this lock and releases
+    it once its window is published.
+
+    Args:
+        config: the run's flags.
+        ctx: the run's DistributedContext (utils/distributed.py): rank, world_size, device, broadcast_object.
+        model: the run's name, for the default trace name (the model the tracer's run_info names).
+    """
+    if not config.tracing.enable_tracing:
+        yield
+        return
+    trace_dir = Path(config.tracing.trace_output_dir) / trace_name_of(config, model, ctx.world_size, ctx.device.type)
+    lock, refusal, created = None, None, not trace_dir.exists()
+    if ctx.rank == 0:
+        lock = TraceDirLock(trace_dir)
+        refusal = take_trace_dir_lock(lock)
+    refusal = ctx.broadcast_object(refusal)
+    if refusal:
+        raise TraceError(refusal)
+    key = trace_dir.resolve()
+    if lock is not None:
+        _CLAIMED_TRACE_DIRS[key] = lock
+    try:
+        yield
+    finally:
+        if lock is not None:
+            _CLAIMED_TRACE_DIRS.pop(key, None)
+            lock.release()
+            if created:  # a run stopped before it traced leaves no empty folder behind
+                with contextlib.suppress(OSError):
+                    trace_dir.rmdir()
+
+
+def take_trace_dir_lock(lock: TraceDirLock) -> str | None:
+    """Take a trace folder's lock; why it could not (another run traces into it), or None."""
+    try:
+        taken_over = lock.acquire()
+    except UsageError as exc:
+        return str(exc)
+    if taken_over:
+        logger.warning("%s: took over the lock of a run that is gone (pid %s on %s)", lock.save_dir,
+                       taken_over.get("pid"), taken_over.get("host"))
+    return None
+
+
+def is_lost_peer_error(exc: BaseException | None) -> bool:
+    """Whether `exc` is a collective that failed because another rank's process is gone (gloo: the connection
+    closed or reset by the peer; torch.distributed.DistBackendError is a RuntimeError)."""
+    return isinstance(exc, RuntimeError) and bool(LOST_PEER_PATTERN.search(str(exc)))
 
 
 class NullTracer:
@@ -117,7 +189,9 @@ class ChakraTracer:
     Follows Chakra's capture recipe (trace_collection/post_execution/simple_multirank.py): the observer is passed
     to torch.profiler.profile, which starts and stops it with Kineto, so host and device traces cover exactly the
     same steps. Once the single-cycle window has been recorded both are finalised at once, so the rest of the run
-    pays nothing; __exit__ gathers per-step wall times from all ranks and rank 0 writes run.json.
+    pays nothing. After the last timed step the ranks agree to publish, rename their files into place, gather the
+    per-step times, rank 0 writes run.json and releases the trace folder, while the run goes on; __exit__ raises
+    what went wrong then, or handles a run that ended before (a window cut short is removed unexported).
 
     Args:
         output_dir: parent folder of the run folders.
@@ -164,7 +238,14 @@ class ChakraTracer:
         self._finalized = False
         self._device_trace_written = False
         self._write_error: str | None = None  # why the window's files could not be written (a full disk)
-        self._lock = TraceDirLock(self.trace_dir) if rank == 0 else None
+        # Rank 0's lock of the trace folder: the one claim_trace_dir holds for it in this process, else its own
+        self._lock_claimed = rank == 0 and self.trace_dir.resolve() in _CLAIMED_TRACE_DIRS
+        self._lock = (_CLAIMED_TRACE_DIRS[self.trace_dir.resolve()] if self._lock_claimed
+                      else TraceDirLock(self.trace_dir) if rank == 0 else None)
+        # Whether the window was published or discarded (after the last timed step, or when the run ended before),
+        # and the error lines that left (empty when all went well)
+        self._concluded = False
+        self._publication: list[str] | None = None
         self._step = 0                      # optimizer steps completed so far (= the profiler's step_num)
         # Every clock read when the step now running began (None once no later step is timed), and what each timed
         # step took on them: the traced steps, and the steps before the profiler's window and the after_steps after it
@@ -279,8 +360,8 @@ class ChakraTracer:
     def step(self, micro_batches: int | None = None) -> tuple[float, float]:
         """Mark the end of one optimizer step; call exactly once per optimizer step on every rank, with the
         micro-batches it took when the caller knows them. Returns the wall and CPU seconds this call spent on the
-        tracer's own preparation (the heap reserved before the window; 0 otherwise): not the training's, for a
-        caller that reports its pace."""
+        tracer's own work (the heap reserved before the window, the window published after the last timed step; 0
+        otherwise): not the training's, for a caller that reports its pace."""
         step = self._step
         timed = step <= self.last_timed_step
         if step in self.traced_steps:
@@ -306,6 +387,18 @@ class ChakraTracer:
                 self._start_next_step_together()
         # Past the last timed step the clocks are not read again: the rest of the run pays nothing for them
         self._step_clocks = StepClocks.read(self._now(sync=timed)) if self._step <= self.last_timed_step else None
+        if self._step == self.last_timed_step + 1 and not self._concluded:
+            # Every rank is here at the same step, so the ranks agree to publish now, not when the run ends: a
+            # crash, kill or non-finite loss thousands of steps later had lost a window complete long before
+            started = time.perf_counter(), time.process_time()
+            try:
+                self._publication = self._conclude(failed=False, lost=False)
+            except BaseException:
+                self._discard_traces()  # a rank lost in the ranks' agreement, a second Ctrl-C: no .partial left
+                raise
+            finally:
+                self._release_lock()
+            preparation = time.perf_counter() - started[0], time.process_time() - started[1]
         return preparation
 
     def _start_next_step_together(self) -> None:
@@ -348,31 +441,41 @@ class ChakraTracer:
             logger.warning("rank %d: %s", self.rank, warning)
 
     def __exit__(self, exc_type, exc_val, exc_tb) -> bool:
+        """The window was published after the last timed step (step()): raise what went wrong then, on a clean
+        exit. A run that ended before: publish a whole window (its after-steps cut short), or remove a window cut
+        short. False, so that an exception of the run goes on."""
+        failed = exc_type is not None
         try:
-            return self._finish(failed=exc_type is not None)
+            if not self._concluded:
+                self._publication = self._conclude(failed=failed, lost=is_lost_peer_error(exc_val))
         finally:
             self._release_lock()
+        errors = self._publication or []
+        if failed:
+            for error in errors:
+                logger.error("rank %d: %s", self.rank, error)
+        elif errors:
+            raise TraceError("; ".join(errors))
+        return False
 
-    def _finish(self, failed: bool) -> bool:
-        """Publish a whole window's files and write run.json, or say why nothing was written; False, so that an
-        exception of the run goes on."""
-        self._finalize_capture()
-        self._warn_of_unequal_steps()
+    def _conclude(self, failed: bool, lost: bool) -> list[str]:
+        """Publish a whole window's files and write run.json, or say why nothing was written; the error lines.
+
+        Args:
+            failed: this rank is leaving the run by an exception.
+            lost: that exception is a collective of a rank that is gone (is_lost_peer_error).
+        """
+        self._concluded = True  # once, whatever interrupts it
         traced = [s for s in self.traced_steps if s in self.traced.wall_time_s]
-        completed: list[int] = []
-        errors: list[str] = []
-        refusal = self._agree_to_publish(failed) if len(traced) == self.active_steps else None
-        if len(traced) == self.active_steps and refusal is None:
-            completed = traced
-            errors = self._publish_traces()
-        elif refusal is not None:
-            self._discard_traces()
-            errors = [refusal]
-        else:
+        if len(traced) < self.active_steps:
             # The flags parser refuses a --max-steps shorter than the window, so this is a run stopped early (a
             # signal, an error). A window cut short is not the trace asked for and must not replace the one in place:
-            # say so, but leave the run's own exit status alone.
-            self._discard_traces()
+            # stop the profiler without exporting it (a second Ctrl-C came during an export to be thrown away, and
+            # left its .partial files), remove its files whatever interrupts this, and leave the exit status alone.
+            try:
+                self._finalize_capture(export=False)
+            finally:
+                self._discard_traces()
             if traced:
                 logger.warning("%s: no trace written: the trace window (steps %s) was cut short after step %d (the "
                                "run ended at step %d); its partial files were removed and the folder left as it was",
@@ -382,6 +485,17 @@ class ChakraTracer:
                 logger.warning("%s: no trace written: the run ended at step %d, before the first traced step, %d "
                                "(after wait %d + warmup %d)", self.trace_dir, self._log_step(self._step - 1),
                                self._log_step(self.first_traced_step), self.wait_steps, self.warmup_steps)
+            return []
+        self._finalize_capture()
+        self._warn_of_unequal_steps()
+        completed: list[int] = []
+        refusal = self._agree_to_publish(failed, lost)
+        if refusal is None:
+            completed = traced
+            errors = self._publish_traces()
+        else:
+            self._discard_traces()
+            errors = [refusal]
         # A rank that raised cannot count on the others joining a collective, so only gather on a clean exit.
         ranks = self._gather_rank_reports(errors, completed, gather=not failed and not self._ranks_lost)
         failing = [e for r in ranks for e in r["errors"]]
@@ -390,23 +504,20 @@ class ChakraTracer:
                 self._write_run_json(completed, ranks)
             except OSError as exc:
                 errors.append(write_failure(self.trace_dir, exc))
-        if failed:
-            for error in errors:
-                logger.error("rank %d: %s", self.rank, error)
-            return False
-        if errors:
-            raise TraceError("; ".join(errors))
-        if failing:
-            raise TraceError("run.json not written: " + "; ".join(failing))
-        return False
+        if errors or failed:
+            return errors
+        return ["run.json not written: " + "; ".join(failing)] if failing else []
 
     # ---- capture ---------------------------------------------------------------------------------------------
-    def _finalize_capture(self) -> None:
-        """Stop the profiler and finalise the host trace, once."""
+    def _finalize_capture(self, export: bool = True) -> None:
+        """Stop the profiler and finalise the host trace, once; without `export`, a window still open is not
+        exported (its files are to be removed)."""
         if self._finalized:
             return
         self._finalized = True
         if self._profiler is not None:
+            if not export:
+                self._profiler.on_trace_ready = None
             # Runs the schedule's exit action: stops a window still open (exporting what it recorded) and
             # lets the profiler release the observer.
             self._profiler.__exit__(None, None, None)
@@ -439,15 +550,21 @@ class ChakraTracer:
             self._write_error = write_failure(self.trace_dir, exc)
 
     # ---- files -----------------------------------------------------------------------------------------------
-    def _agree_to_publish(self, failed: bool) -> str | None:
+    def _agree_to_publish(self, failed: bool, lost: bool = False) -> str | None:
         """Why this rank must not publish its window (None: it publishes). The ranks publish all or none, so the
         folder never holds some ranks' new traces beside others' old ones (a 2-rank run whose rank 0 was killed
         while it exported had left rank 1's new files beside rank 0's old ones, and the earlier run's rank 1 in
         .previous, which the next run removed). Several ranks first agree in a collective that a rank gone never
         joins (the others stop in it, or are stopped by torchrun); a rank that failed after the window does not
-        publish, since the others may not. When all agree, the generation before the one in place leaves
-        .previous/<name>/ (local rank 0), which then takes the one in place (_move_previous_run_aside)."""
+        publish, since the others may not (the window is published after the last timed step, where all ranks are,
+        so this rank failed in the untraced steps timed after the window). When all agree, the generation before the
+        one in place leaves .previous/<name>/ (local rank 0), which then takes the one in place
+        (_move_previous_run_aside)."""
         distributed = self.world_size > 1 and dist.is_available() and dist.is_initialized()
+        if lost and distributed:
+            self._ranks_lost = True
+            return (f"{self.trace_dir}: no trace written: another rank was lost after the trace window, before the "
+                    "ranks published it; the folder keeps the earlier run's files")
         if failed and distributed:
             return (f"{self.trace_dir}: no trace written: this rank failed after the trace window, and the other "
                     "ranks cannot know to publish theirs; the folder keeps the earlier run's files")
@@ -590,17 +707,11 @@ class ChakraTracer:
                         self._previous_dir())
 
     def _lock_trace_dir(self) -> str | None:
-        """Rank 0 locks the trace folder for this run; why it could not (another run traces into it), or None."""
-        if self._lock is None:
+        """Rank 0 locks the trace folder for this run, unless claim_trace_dir holds it already; why it could not
+        (another run traces into it), or None."""
+        if self._lock is None or self._lock_claimed:
             return None
-        try:
-            taken_over = self._lock.acquire()
-        except UsageError as exc:
-            return str(exc)
-        if taken_over:
-            logger.warning("%s: took over the lock of a run that is gone (pid %s on %s)", self.trace_dir,
-                           taken_over.get("pid"), taken_over.get("host"))
-        return None
+        return take_trace_dir_lock(self._lock)
 
     def _release_lock(self) -> None:
         if self._lock is not None:
@@ -683,6 +794,8 @@ class ChakraTracer:
             "versions": software_versions(),
             "schedule": {"wait": self.wait_steps, "warmup": self.warmup_steps, "active": self.active_steps},
             # Step n is the optimizer step counted from 0 at the tracer's start; both traces mark it ProfilerStep#n.
+            # The log numbers it first_log_step + n (from 1 at the run's start, past 1 in a resumed run: resumed_from)
+            "first_log_step": self.first_log_step,
             "traced_steps": completed,
             "step_annotation": STEP_ANNOTATION.format(step="<n>"),
             "ranks_gathered": len(ranks),

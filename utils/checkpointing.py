@@ -221,6 +221,31 @@ def earlier_checkpoints(save_dir: Path) -> "list[str]":
     return sorted(names, key=lambda n: (n.startswith("checkpoint-"), int(n.split("-")[1]) if "-" in n else 0, n))
 
 
+def saved_step(checkpoint: Path) -> Optional[int]:
+    """The step a checkpoint folder was saved at (checkpoint-N by its name, the others by training_info.json);
+    None when that cannot be read."""
+    checkpoint = Path(checkpoint)
+    match = re.fullmatch(r"checkpoint-(\d+)", checkpoint.name)
+    if match:
+        return int(match[1])
+    try:
+        step = read_training_info(checkpoint).get("step")
+    except CheckpointError:
+        return None
+    return step if isinstance(step, int) else None
+
+
+def later_checkpoints(save_dir: Path, step: int) -> "dict[str, Optional[int]]":
+    """{name: step} of the checkpoint folders in save_dir saved after `step` (step None: unreadable, so perhaps
+    later): what a run resumed at `step` from one of them would write over."""
+    later = {}
+    for name in earlier_checkpoints(save_dir):
+        saved = 0 if name == INITIAL_MODEL else saved_step(Path(save_dir) / name)
+        if saved is None or saved > step:
+            later[name] = saved
+    return later
+
+
 class SaveDirLock:
     """One run at a time in a --save-dir: an exclusive flock on save_dir/.training.lock, which records the holder's
     pid, host and command for the refusal message. The kernel drops the flock when the holder dies, so the lock

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+from utils.data_files import first_record_is_text, is_one_squad_document
 from utils.errors import DataError
 from utils.hub import hub_is_offline
 
@@ -59,7 +60,7 @@ def read_squad_json(path: Path) -> List[TextExample]:
     except UnicodeDecodeError as exc:
         raise DataError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     except json.JSONDecodeError as exc:
-        if exc.msg == "Extra data" and _first_line_is_a_text_record(path):
+        if exc.msg == "Extra data" and first_record_is_text(path):
             raise DataError(f"{path}: a JSONL corpus (one {{\"text\": ...}} object per line), not SQuAD JSON; "
                             "pass it with --dataset-path") from None
         raise DataError(f"{path}: {json_problem(exc)}") from None
@@ -100,26 +101,6 @@ def json_problem(exc: json.JSONDecodeError) -> str:
     return f"not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})"
 
 
-def _first_line_is_a_text_record(path: Path) -> bool:
-    """Whether the file's first line alone is a {"text": ...} object: the mark of a JSONL corpus."""
-    try:
-        with open(path, encoding="utf-8-sig") as handle:
-            record = json.loads(handle.readline())
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        return False
-    return isinstance(record, dict) and isinstance(record.get("text"), str)
-
-
-def _is_one_squad_document(path: Path) -> bool:
-    """Whether the whole file is one SQuAD JSON document (read only once a JSONL reading of it has failed)."""
-    try:
-        with open(path, encoding="utf-8-sig") as handle:
-            document = json.load(handle)
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        return False
-    return isinstance(document, dict) and isinstance(document.get("data"), list)
-
-
 def _jsonl_files(path: Path) -> List[Path]:
     if path.is_dir():
         files = sorted(file for file in path.glob("*.jsonl") if file.is_file())
@@ -153,7 +134,7 @@ def read_jsonl_corpus(path: Path) -> List[TextExample]:
                     problem = None if is_text_record else "expected an object with a \"text\" string"
                 if problem:
                     # A SQuAD file given as a corpus fails on its first line: say what it is, not where it broke.
-                    if first_record and _is_one_squad_document(file):
+                    if first_record and is_one_squad_document(file):
                         raise DataError(f"{file}: a SQuAD JSON file, not a JSONL corpus of {{\"text\": ...}} lines; "
                                         "pass it with --squad-file")
                     raise DataError(f"{file}:{number}: {problem}")

@@ -22,11 +22,11 @@ from tqdm.auto import tqdm
 from transformers import set_seed
 
 from trace_tools.layout import PREVIOUS_RUN_DIR
-from utils.chakra_tracer import TraceError, build_tracer, default_trace_name
+from utils.chakra_tracer import TraceError, build_tracer, claim_trace_dir, default_trace_name, is_lost_peer_error
 from utils.checkpointing import (BEST_MODEL, FINAL_MODEL, INITIAL_MODEL, TOKENIZER_FILES, SaveDirLock,
                                  capture_rng_state, check_resumable, check_writable_folder, checkpoint_name,
-                                 clean_partial_checkpoints, earlier_checkpoints, load_resume_state, read_training_info,
-                                 restore_rng_state, weights_fingerprint, write_checkpoint)
+                                 clean_partial_checkpoints, earlier_checkpoints, later_checkpoints, load_resume_state,
+                                 read_training_info, restore_rng_state, weights_fingerprint, write_checkpoint)
 from utils.data_utils import (REAL_TOKENS, BatchStream, RepeatedBatch, TextExample, TextSplits, build_dataloader,
                               check_data_flags, load_text_splits, tokenize_examples)
 from utils.distributed import DistributedContext, distributed_context, wrap_data_parallel
@@ -266,14 +266,30 @@ def trace_folder_problem(config: RunConfig, settings: RunSettings, ctx: Distribu
     return None
 
 
+def continued_checkpoints(flags: CheckpointArguments) -> "Optional[dict]":
+    """When the run resumes from a checkpoint in its own --save-dir (continuing that run), {name: step} of the
+    folders that run saved after it, which this one would write over (checkpoint-M, a best_model or final_model of a
+    later step); None when it starts afresh or resumes from elsewhere."""
+    save_dir = Path(flags.save_dir)
+    if not flags.resume_from or Path(flags.resume_from).resolve().parent != save_dir.resolve():
+        return None
+    step = read_training_info(Path(flags.resume_from)).get("step")
+    return later_checkpoints(save_dir, step) if isinstance(step, int) else {}
+
+
 def refuse_earlier_checkpoints(flags: CheckpointArguments) -> None:
     """A --save-dir that holds another run's checkpoints is refused (they would be silently replaced), unless
-    --overwrite-output-dir says so or the run resumes from one of them."""
+    --overwrite-output-dir says so or the run resumes from one of them; resuming from one that the run saved later
+    checkpoints after is refused too (they, and a better best_model, would be replaced), unless
+    --overwrite-output-dir says so."""
     save_dir = Path(flags.save_dir)
     earlier = earlier_checkpoints(save_dir)
     if not earlier or flags.overwrite_output_dir:
         return
-    if flags.resume_from and Path(flags.resume_from).resolve().parent == save_dir.resolve():
+    later = continued_checkpoints(flags)
+    if later is not None:
+        if later:
+            raise UsageError(later_checkpoints_refusal(flags, later))
         return
     steps = [name for name in earlier if name.startswith("checkpoint-")]
     resume = f"resume with --resume-from {save_dir / steps[-1]}, " if steps else ""
@@ -281,24 +297,48 @@ def refuse_earlier_checkpoints(flags: CheckpointArguments) -> None:
                      f"{resume}choose another --save-dir, or pass --overwrite-output-dir to write over them")
 
 
+def later_checkpoints_refusal(flags: CheckpointArguments, later: dict) -> str:
+    """Why resuming from an earlier checkpoint of the run is refused, with the three ways on."""
+    save_dir, resume = Path(flags.save_dir), Path(flags.resume_from)
+    step = read_training_info(resume).get("step")
+    names = ", ".join(name if name.startswith("checkpoint-") else
+                      f"{name} of step {'unknown' if saved is None else saved}" for name, saved in later.items())
+    latest = [name for name in later if name.startswith("checkpoint-")] or \
+             [name for name in later if name == FINAL_MODEL and later[name] is not None]
+    resume_latest = f"resume from {save_dir / latest[-1]} to continue the run, " if latest else ""
+    return (f"--resume-from {resume}: {save_dir} holds what that run saved after step {step} ({names}), which this "
+            f"run would write over; {resume_latest}choose another --save-dir to branch off from step {step}, or pass "
+            f"--overwrite-output-dir to move them into {save_dir / PREVIOUS_RUN_DIR}")
+
+
 def move_earlier_run_aside(flags: CheckpointArguments) -> None:
     """--overwrite-output-dir: the earlier run's checkpoint folders move into <save-dir>/.previous/ (replacing the
     run kept there before), so none of them passes for part of this run, yet that run is at hand until the next one.
+    A run resumed from one of them continues that run: only what it saved after that step moves. A lone
+    initial_model (a run that never saved a trained step) is deleted instead: .previous keeps the run before.
 
     They gather in .previous.incoming/ first, which replaces .previous/ only when complete: a run killed while
     moving leaves them there, and the next one finishes the move.
     """
     save_dir = Path(flags.save_dir)
-    if flags.resume_from and Path(flags.resume_from).resolve().parent == save_dir.resolve():
-        return  # continuing that run: its checkpoints are this run's own, and one of them is the starting point
     previous = save_dir / PREVIOUS_RUN_DIR
     incoming = save_dir / f"{PREVIOUS_RUN_DIR}.incoming"
-    earlier = earlier_checkpoints(save_dir)
-    if not earlier and not incoming.is_dir():
+    later = continued_checkpoints(flags)
+    moving = list(later) if later is not None else earlier_checkpoints(save_dir)
+    if not moving and not incoming.is_dir():
+        return
+    if moving == [INITIAL_MODEL] and not incoming.is_dir():
+        try:
+            shutil.rmtree(save_dir / INITIAL_MODEL)
+        except OSError as exc:
+            raise UsageError(f"--save-dir {save_dir}: cannot delete the earlier run's {INITIAL_MODEL} "
+                             f"({exc.strerror or exc}); --overwrite-output-dir needs it out of the way") from None
+        logger.warning("--overwrite-output-dir: deleted the earlier run's %s from %s (that run saved no trained step)%s",
+                       INITIAL_MODEL, save_dir, f"; {previous} keeps the run before it" if previous.exists() else "")
         return
     try:
         incoming.mkdir(exist_ok=True)
-        for name in earlier:
+        for name in moving:
             if (incoming / name).exists():  # left by a move killed halfway: the one in save_dir is newer
                 shutil.rmtree(incoming / name)
             os.rename(save_dir / name, incoming / name)
@@ -310,7 +350,9 @@ def move_earlier_run_aside(flags: CheckpointArguments) -> None:
         raise UsageError(f"--save-dir {save_dir}: cannot move the earlier run's checkpoints aside into {previous} "
                          f"({exc.strerror or exc}); --overwrite-output-dir needs them out of the way") from None
     moved = ", ".join(sorted(p.name for p in previous.iterdir())) or "nothing"
-    logger.warning("--overwrite-output-dir: moved the earlier run's %s from %s into %s%s", moved, save_dir, previous,
+    whose = (f"the checkpoints saved after --resume-from {flags.resume_from} (this run writes its own)"
+             if later is not None else "the earlier run's")
+    logger.warning("--overwrite-output-dir: moved %s %s from %s into %s%s", whose, moved, save_dir, previous,
                    " (deleting the run kept there before)" if replaced else "")
 
 
@@ -559,6 +601,8 @@ class Trainer:
         """Optimizer, scheduler, scaler, counters, data position and this rank's RNG streams."""
         ctx = self.ctx
         state, rng_states = load_resume_state(resume_dir)
+        # As this run's flags made them: loading the saved states puts the saved run's values in their place.
+        flagged = [{key: group[key] for key in ("initial_lr", "weight_decay")} for group in self.optimizer.param_groups]
         try:
             self.optimizer.load_state_dict(state["optimizer"])
             self.scheduler.load_state_dict(state["scheduler"])
@@ -566,6 +610,7 @@ class Trainer:
         except (ValueError, KeyError, TypeError, RuntimeError) as exc:
             raise CheckpointError(f"{resume_dir}/trainer_state.pt: the optimizer state does not fit this model "
                                   f"({(str(exc).splitlines() or [type(exc).__name__])[0]})") from None
+        self._follow_this_runs_schedule(resume_dir, flagged)
         self.step = int(state["step"])
         self.tokens_seen = int(state["tokens_seen"])
         self.elapsed_before = float(state["elapsed_seconds"])
@@ -575,8 +620,8 @@ class Trainer:
         self.last_checkpoint, self.last_checkpoint_step = resume_dir, self.step
         self.resumed = True
         if not self.stream.load_state_dict(state["data"]):
-            logger.warning("%s was saved with a different batch size or dataset: data order restarts at the "
-                           "beginning of epoch %d", resume_dir, self.stream.epoch)
+            logger.warning("%s: %s: data order restarts at the beginning of epoch %d", resume_dir,
+                           self._why_batching_differs(state), self.stream.epoch)
         if rng_states is not None and len(rng_states) == ctx.world_size:
             restore_rng_state(rng_states[ctx.rank], self.device)
         else:
@@ -589,6 +634,50 @@ class Trainer:
                 logger.warning("%s was trained with %s %s, this run uses %s", resume_dir, flag or "world size",
                                state.get(key), now)
         logger.info("resumed from %s at step %d (epoch %.2f)", resume_dir, self.step, self.stream.epochs_done)
+
+    def _follow_this_runs_schedule(self, resume_dir: Path, flagged: list) -> None:
+        """This run's --learning-rate and --weight-decay rule after a resume, not the ones the optimizer and scheduler
+        states restored, and every step's learning rate follows this run's schedule (its length and warm-up may
+        differ from the saved run's); a warning names what differs from the checkpoint."""
+        groups, scheduler = self.optimizer.param_groups, self.scheduler
+        saved_peak, saved_decay, saved_lr = groups[0]["initial_lr"], groups[0]["weight_decay"], groups[0]["lr"]
+        for group, values in zip(groups, flagged):
+            group.update(values)
+        scheduler.base_lrs = [group["initial_lr"] for group in groups]
+        # What scheduler.step() computes for the coming step (LambdaLR): equal to the saved lr when nothing differs
+        for group, base, factor in zip(groups, scheduler.base_lrs, scheduler.lr_lambdas):
+            group["lr"] = base * factor(scheduler.last_epoch)
+        scheduler._last_lr = [group["lr"] for group in groups]  # what get_last_lr() reports
+        saved = read_training_info(resume_dir)
+        saved_steps, arguments = saved.get("max_steps"), saved.get("arguments") or {}
+        saved_warmup = arguments.get("warmup_steps")
+        if saved_warmup is None and isinstance(saved_steps, int):
+            saved_warmup = int(0.1 * saved_steps)  # the default, as _build_optimization settles it
+        optim = self.config.optim
+        compared = [("--learning-rate", optim.learning_rate, saved_peak),
+                    ("--weight-decay", optim.weight_decay, saved_decay),
+                    ("--lr-scheduler", optim.lr_scheduler, arguments.get("lr_scheduler")),
+                    ("warm-up steps", self.warmup_steps, saved_warmup), ("total steps", self.max_steps, saved_steps)]
+        differences = [f"{name} {now:g} (the checkpoint's {then:g})" if isinstance(now, float) else
+                       f"{name} {now} (the checkpoint's {then})"
+                       for name, now, then in compared if then is not None and now != then]
+        if differences or groups[0]["lr"] != saved_lr:
+            logger.warning("--resume-from %s: this run's settings apply from here on, not the checkpoint's: %s; step "
+                           "%d trains at learning rate %.3g (the checkpoint's schedule: %.3g)", resume_dir,
+                           ", ".join(differences) or "the learning-rate schedule", scheduler.last_epoch + 1,
+                           groups[0]["lr"], saved_lr)
+
+    def _why_batching_differs(self, state: dict) -> str:
+        """Why a resumed run cannot continue the saved data order: its batches of an epoch are not the saved run's."""
+        saved, stream, world = state["data"], self.stream, self.ctx.world_size
+        if saved.get("batch_size") != stream.batch_size:
+            return f"saved with --batch-size {saved.get('batch_size')}, this run uses {stream.batch_size}"
+        before = f"an epoch was {saved.get('batches_per_epoch')} batches a rank"
+        if state.get("world_size") not in (None, world):
+            return (f"{before} with {state['world_size']} rank(s), and is {stream.batches_per_epoch} with this run's "
+                    f"{world}")
+        return (f"{before}, and is {stream.batches_per_epoch} with this run's data (another dataset, "
+                "--validation-fraction or --max-seq-length)")
 
     def _check_trace_window_fits_steps_left(self) -> None:
         """A resumed run traces from the first step after its checkpoint: the steps left must hold the whole trace
@@ -810,6 +899,8 @@ class Trainer:
             self.save(INITIAL_MODEL, kind="initial")
         try:
             stopped = self._loop()
+            if not stopped and self.step > 0 and self.last_eval_step != self.step:
+                self._evaluate_and_keep_best()  # its eval/* scalars go to the sinks, so they close only after it
         finally:
             self.sinks.close()
         if stopped:
@@ -819,8 +910,6 @@ class Trainer:
             logger.warning("stopped by %s at step %d; resume with --resume-from %s",
                            signal.Signals(self.stop_signal or signal.SIGTERM).name, self.step, self.save_dir / name)
             return 128 + int(self.stop_signal or signal.SIGTERM)
-        if self.step > 0 and self.last_eval_step != self.step:
-            self._evaluate_and_keep_best()
         fingerprint = weights_fingerprint(self.model)
         self.save(FINAL_MODEL, kind="final", extra={"weights_sha256": fingerprint})
         self._check_ranks_agree(fingerprint)
@@ -843,7 +932,8 @@ class Trainer:
                         unit="step", disable=None if ctx.is_main_process else True, dynamic_ncols=True)
         around_bar = contextlib.nullcontext() if progress.disable else console_logging_around_bar()
         with build_tracer(self.config, rank=ctx.rank, world_size=ctx.world_size, local_rank=ctx.local_rank,
-                          device=self.device, run_info=self._run_info(), first_log_step=self.step + 1) as tracer, \
+                          device=self.device, run_info=self._run_info(), first_log_step=self.step + 1,
+                          resumed_from=self.settings.resume_from if self.resumed else None) as tracer, \
                 around_bar:
             evaluation_due = checkpoint_due = own_work = False  # own_work: the loop's own, since the last step
             try:
@@ -1033,7 +1123,8 @@ def main(family: ModelFamily, argv: Optional[list] = None) -> int:
                 check_output_folders(config, settings, ctx)
                 handlers = setup_logging(Path(config.checkpoint.log_dir), ctx.rank, ctx.world_size)
                 _quiet_library_progress_bars()
-                with claim_save_dir(config.checkpoint, ctx):
+                # The trace folder first: a run refused there must not have moved the earlier checkpoints aside
+                with claim_trace_dir(config, ctx, settings.run_name), claim_save_dir(config.checkpoint, ctx):
                     trainer = Trainer(config, settings, family, ctx)
                     try:
                         trainer.setup()
@@ -1055,6 +1146,20 @@ def main(family: ModelFamily, argv: Optional[list] = None) -> int:
         signum = getattr(exc, "signum", signal.SIGINT)
         _report_error(interruption_message(signum, trainer), handlers, rank, every_rank=False)
         return 128 + signum
+    except RuntimeError as exc:
+        # A collective whose peer process is gone (killed, crashed): that rank's own lines say why; this one says
+        # where the run stopped, not gloo's 30-line traceback
+        world_size = os.environ.get("WORLD_SIZE", "1")
+        if not (is_lost_peer_error(exc) and world_size.isdigit() and int(world_size) > 1):
+            raise
+        started = trainer is not None and trainer.training_started
+        last = trainer.last_checkpoint if started else None
+        where = (f"the last checkpoint is {last} (step {trainer.last_checkpoint_step}): resume with --resume-from "
+                 f"{last}" if last else "no checkpoint of this run was saved")
+        _report_error(f"another rank was lost {f'at step {trainer.step}' if started else 'before training started'} "
+                      f"(a collective's connection was closed by that rank's process; its own messages say why); "
+                      f"{where}", handlers, rank, every_rank=True)
+        return 1
     finally:
         teardown_logging(handlers)
         logging.getLogger().setLevel(root_level)

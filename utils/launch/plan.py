@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from utils.data_files import EMPTY, SQUAD, sniff_data_file
 from utils.families import FamilyInfo, family_info
 from utils.launch.options import BUNDLED_DATASET, CPU_MODEL, CPU_SEQ_LENGTH, TEST_STEPS, Launcher, Options
 
@@ -121,8 +122,17 @@ def dataset_arguments(path: Optional[str], device: str) -> list:
         raise LaunchError(f"❌ Dataset: {path} not found (--dataset-path)")
     if not os.access(path, os.R_OK):
         raise LaunchError(f"❌ Dataset: {path} is not readable (--dataset-path)")
-    squad = path.lower().endswith(".json")
-    print(f"✅ Dataset: {path} ({'SQuAD JSON' if squad else 'JSONL corpus'}, {size_text(Path(path))})")
+    # By content, not by name: a corpus named .json or a SQuAD file named .jsonl goes to the reader that takes it.
+    kind = sniff_data_file(Path(path))
+    if kind == EMPTY:
+        raise LaunchError(f"❌ Dataset: {path} is empty (--dataset-path)")
+    if kind is None:  # train.py's reader says what is wrong with it
+        squad = path.lower().endswith(".json")
+        print(f"⚠️  Dataset: {path} is neither SQuAD JSON nor a JSONL corpus of {{\"text\": ...}} lines as far as "
+              f"its start shows; passed as {'SQuAD JSON' if squad else 'a JSONL corpus'} (its suffix)")
+    else:
+        squad = kind == SQUAD
+        print(f"✅ Dataset: {path} ({'SQuAD JSON' if squad else 'JSONL corpus'}, {size_text(Path(path))})")
     return ["--squad-file" if squad else "--dataset-path", path]
 
 
