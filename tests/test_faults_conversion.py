@@ -462,15 +462,20 @@ def test_every_device_trace_and_run_json_carry_one_run_id(tmp_path):
 
 
 # ---- broken traces: the message says what happened --------------------------------------------------------------
+def cut_and_repaired(folder: Path, kept: float) -> Path:
+    """Both ranks' host traces cut after `kept` of their bytes (a process killed while writing), then repaired."""
+    for rank in (0, 1):
+        text = (folder / f"host.{rank}.json").read_bytes()
+        (folder / f"host.{rank}.json").write_bytes(text[:int(len(text) * kept)])
+        assert repair_host_trace(folder / f"host.{rank}.json").status == "repaired"
+    return folder
+
+
 def test_repaired_host_trace_is_flagged_in_the_et_the_table_the_summary_and_the_report(tmp_path, capsys):
     """Cut inside the last of three traced steps, a repaired host trace gives an .et of the two whole ones."""
     from trace_tools.report import write_report
 
-    folder = corpus.copy_run(corpus.GPT2_BUCKETS, tmp_path / "gpt2")
-    for rank in (0, 1):
-        text = (folder / f"host.{rank}.json").read_bytes()
-        (folder / f"host.{rank}.json").write_bytes(text[:len(text) * 9 // 10])
-        assert repair_host_trace(folder / f"host.{rank}.json").status == "repaired"
+    folder = cut_and_repaired(corpus.copy_run(corpus.GPT2_BUCKETS, tmp_path / "gpt2"), 9 / 10)
     code, output = convert(folder, capsys)
     assert code == 0
     assert "ok (repaired host trace)" in output.splitlines()[2]
@@ -490,11 +495,7 @@ def test_host_traces_cut_inside_the_only_step_are_refused_naming_the_collectives
     with each other (no collective on either rank), but an .et of them would simulate the step with no
     communication at any network speed. The device trace still holds the step's later operators: each rank is
     refused, naming the step and the collective it lost, and no .et is written."""
-    folder = corpus.copy_run(GPT2_2R, tmp_path / "cut")
-    for rank in (0, 1):
-        text = (folder / f"host.{rank}.json").read_bytes()
-        (folder / f"host.{rank}.json").write_bytes(text[:len(text) * 3 // 5])
-        assert repair_host_trace(folder / f"host.{rank}.json").status == "repaired"
+    folder = cut_and_repaired(corpus.copy_run(GPT2_2R, tmp_path / "cut"), 3 / 5)
     code, output = convert(folder, capsys)
     assert code == 1
     for rank in (0, 1):

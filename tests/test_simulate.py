@@ -734,12 +734,18 @@ def test_a_scaled_set_prints_one_line_per_distinct_row_and_records_every_rank(co
     assert len(recorded) == 32
 
 
-def test_two_sets_of_a_folder_scale_one_after_the_other_to_the_same_ranks(converted, tmp_path):
+def with_a_straggler_set_beside(converted: Path, tmp_path: Path) -> Path:
+    """A copy of the converted run with a second set, straggler.<rank>.et (rank 1 three times slower), beside its own."""
     pytest.importorskip("trace_tools.scale")
     folder = tmp_path / "gpt2_tiny_2r"
     shutil.copytree(converted, folder, ignore=shutil.ignore_patterns("astra-sim", "SIMULATION.md"))
     for path in scaled(converted, tmp_path / "slow", 2, name="straggler", slow={1: 3.0}).parent.glob("*.et"):
         shutil.copy(path, folder)
+    return folder
+
+
+def test_two_sets_of_a_folder_scale_one_after_the_other_to_the_same_ranks(converted, tmp_path):
+    folder = with_a_straggler_set_beside(converted, tmp_path)
     fake = finishing_astra_sim(tmp_path, 4)
     for prefix, name in ((folder / "straggler", "straggler_4npus"), (folder / "gpt2_tiny_2r", "gpt2_tiny_2r_4npus")):
         result = simulate_run(prefix, ranks=4, bandwidth_gbs=1.0, binary=fake, work_dir=tmp_path / "w",
@@ -1038,11 +1044,7 @@ def test_the_recorded_astra_sim_command_of_a_scaled_simulation_runs_again(conver
 def test_a_set_the_summary_does_not_record_has_no_measured_step(converted, tmp_path):
     """Another set copied into a converted run's folder was compared with that run's run.json, and a scaled set said
     "none found (no usable run.json, no CONVERSION_SUMMARY.md)"."""
-    pytest.importorskip("trace_tools.scale")
-    folder = tmp_path / "gpt2_tiny_2r"
-    shutil.copytree(converted, folder, ignore=shutil.ignore_patterns("astra-sim", "SIMULATION.md"))
-    for path in scaled(converted, tmp_path / "slow", 2, name="straggler", slow={1: 3.0}).parent.glob("*.et"):
-        shutil.copy(path, folder)
+    folder = with_a_straggler_set_beside(converted, tmp_path)
     fake = finishing_astra_sim(tmp_path, 2)
     result = simulate_run(folder / "straggler", bandwidth_gbs=1.0, binary=fake, communication_cpu_bound=False)
     assert result.measured_ms == {} and result.critical_path_ms == {}
