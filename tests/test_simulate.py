@@ -1390,3 +1390,17 @@ def test_the_measured_step_says_when_its_untraced_steps_lie_far_from_their_media
     assert steps == {0: pytest.approx(36.0), 1: pytest.approx(31.0)}
     assert source.endswith("; the untraced steps lie typically further than 10% from their median on rank 0 17% "
                            "(2 steps), so the measured step is not known to that bound")
+
+
+def test_simulating_a_scaled_set_at_more_ranks_says_what_became_of_its_straggler(converted, tmp_path, capsys):
+    """simulate.py --ranks on a set scale_et.py wrote with --slow scales it again: what became of the earlier
+    straggler (kept on its rank, or dropped where the new set has no such rank) is printed and in SIMULATION.md, as
+    scale_et.py says it."""
+    pytest.importorskip("trace_tools.scale")
+    prefix = scaled(converted, tmp_path / "six", 6, name="six", slow={5: 1.5})
+    fake = finishing_astra_sim(tmp_path, 8)
+    result = simulate_run(prefix, ranks=8, bandwidth_gbs=1.0, binary=fake, communication_cpu_bound=False,
+                          invocation="python3 simulate.py six --ranks 8")
+    [note] = result.scale_notes
+    assert note.startswith("the scaled source's --slow 5:1.5 is kept: rank 5 is slowed again, and no other rank")
+    assert f"- scaling: {note}" in (prefix.parent / "SIMULATION.md").read_text()

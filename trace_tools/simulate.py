@@ -345,6 +345,8 @@ class SimulationResult:
     # not simulated): see without_communication_cpu
     without_communication_cpu_ms: float | None = None
     simulation_file: Path | None = None  # SIMULATION.md, when simulate_run wrote it
+    # What scaling an already scaled set with --ranks did to its straggler (scale.ScaleResult.slow_notes)
+    scale_notes: list[str] = field(default_factory=list)
 
     @property
     def per_rank_ms(self) -> list[float]:
@@ -853,17 +855,21 @@ def _simulate_run(workload: Path, traced: int, ranks: int, work_dir: Path, commu
     folder, traced_name = workload.parent, workload.name
     if ranks > traced:
         try:
-            from .scale import ScaleError, scale_run
+            from .scale import ScaleError, scale_set
         except ImportError as e:
             raise SimulationError(f"--ranks {ranks}: more ranks than the {traced} traced needs trace_tools.scale, "
                                   f"which this checkout does not have: scaling is unavailable ({e})") from e
         try:
             # The prefix, not the folder: a folder of several sets would otherwise scale the one named after it.
-            workload = Path(scale_run(workload, ranks, output_dir=work_dir / SCALED_DIR.format(ranks=ranks),
-                                      assume_data_parallel=assume_data_parallel))
+            written = scale_set(workload, ranks, output_dir=work_dir / SCALED_DIR.format(ranks=ranks),
+                                assume_data_parallel=assume_data_parallel)
         except ScaleError as e:
             raise SimulationError(f"--ranks {ranks}: {e}") from e
+        workload, scale_notes = Path(written.prefix), list(written.slow_notes)
+    else:
+        scale_notes = []
     result = simulate_workload(workload, ranks, work_dir=work_dir, **network)
+    result.scale_notes = scale_notes
     # A scaled set simulated as it is was still traced on fewer ranks: SIMULATION.md says so.
     result.traced_ranks, result.run_folder = traced_world_size(workload) or traced, folder
     if communication_cpu_bound:
@@ -1027,6 +1033,7 @@ def render_simulation(result: SimulationResult, invocation: str) -> str:
         f"- predicted step: **{result.step_ms:,.1f} ms** (the slowest rank)",
         *([f"- {bound_line(result)}"] if result.without_communication_cpu_ms is not None else []),
         f"- measured: {result.measured_source}",
+        *[f"- scaling: {note}" for note in result.scale_notes],
         f"- command: `{invocation}`",
         f"- ASTRA-sim: `cd {shlex.quote(str(Path(result.work_dir).absolute()))} && {shlex.join(result.command)}`",
         "",
@@ -1111,6 +1118,8 @@ def _main(args: argparse.Namespace, invocation: str) -> int:
         return 1
     print(f"network: {result.network.describe()}")
     print(f"measured: {result.measured_source}")
+    for note in result.scale_notes:
+        print(f"note: {note}")
     print(render_table(result))
     print(f"predicted step: {result.step_ms:,.1f} ms")
     if result.without_communication_cpu_ms is not None:
