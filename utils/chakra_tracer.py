@@ -8,7 +8,6 @@ import json
 import logging
 import os
 import platform
-import re
 import resource
 import shutil
 import socket
@@ -32,6 +31,7 @@ from trace_tools.layout import (INVALID_SUFFIX, PARTIAL_SUFFIX, PG_INIT_NODE, PR
 from trace_tools.load import describe_json_problem
 from utils.checkpointing import SaveDirLock
 from utils.collective_start import measure_collective_start_wait_s
+from utils.distributed import is_lost_peer_error
 from utils.errors import UsageError
 from utils.host_memory import reserve_heap_for_profiler
 from utils.metrics import (busy_machine_warning, interrupt_cpu_seconds, machine_load_between, sample_machine_load,
@@ -42,8 +42,6 @@ logger = logging.getLogger(__name__)
 
 # Held in the trace folder while a run traces into it (TraceDirLock)
 TRACE_LOCK_FILE = ".tracing.lock"
-# gloo's words for a collective whose peer process is gone (killed, crashed): the connection to it closed
-LOST_PEER_PATTERN = re.compile(r"Connection (closed|reset) by peer|Broken pipe")
 # Free space below which a trace folder's file system counts as full: Kineto's export and the observer do not report
 # their write errors, they leave a missing or cut-short file
 FULL_FOLDER_BYTES = 1 << 20
@@ -152,12 +150,6 @@ def take_trace_dir_lock(lock: TraceDirLock) -> str | None:
         logger.warning("%s: took over the lock of a run that is gone (pid %s on %s)", lock.save_dir,
                        taken_over.get("pid"), taken_over.get("host"))
     return None
-
-
-def is_lost_peer_error(exc: BaseException | None) -> bool:
-    """Whether `exc` is a collective that failed because another rank's process is gone (gloo: the connection
-    closed or reset by the peer; torch.distributed.DistBackendError is a RuntimeError)."""
-    return isinstance(exc, RuntimeError) and bool(LOST_PEER_PATTERN.search(str(exc)))
 
 
 class NullTracer:

@@ -3,6 +3,7 @@ import contextlib
 import datetime
 import logging
 import os
+import re
 import signal
 import sys
 from dataclasses import dataclass
@@ -19,6 +20,16 @@ if dist.is_available():
     import torch.distributed.nn.functional  # noqa: F401
 
 from utils.errors import UsageError
+
+# gloo's words for a collective whose peer process is gone (killed, crashed): the connection to it closed
+LOST_PEER_PATTERN = re.compile(r"Connection (closed|reset) by peer|Broken pipe")
+
+
+def is_lost_peer_error(exc: BaseException | None) -> bool:
+    """Whether `exc` is a collective that failed because another rank's process is gone (gloo: the connection
+    closed or reset by the peer; torch.distributed.DistBackendError is a RuntimeError)."""
+    return isinstance(exc, RuntimeError) and bool(LOST_PEER_PATTERN.search(str(exc)))
+
 
 logger = logging.getLogger(__name__)
 

@@ -22,14 +22,14 @@ from tqdm.auto import tqdm
 from transformers import set_seed
 
 from trace_tools.layout import PREVIOUS_RUN_DIR
-from utils.chakra_tracer import TraceError, build_tracer, claim_trace_dir, default_trace_name, is_lost_peer_error
+from utils.chakra_tracer import TraceError, build_tracer, claim_trace_dir, default_trace_name
 from utils.checkpointing import (BEST_MODEL, FINAL_MODEL, INITIAL_MODEL, TOKENIZER_FILES, SaveDirLock,
                                  capture_rng_state, check_resumable, check_writable_folder, checkpoint_name,
                                  clean_partial_checkpoints, earlier_checkpoints, later_checkpoints, load_resume_state,
                                  read_training_info, restore_rng_state, weights_fingerprint, write_checkpoint)
 from utils.data_utils import (REAL_TOKENS, BatchStream, RepeatedBatch, TextExample, TextSplits, build_dataloader,
                               check_data_flags, load_text_splits, tokenize_examples)
-from utils.distributed import DistributedContext, distributed_context, wrap_data_parallel
+from utils.distributed import DistributedContext, distributed_context, is_lost_peer_error, wrap_data_parallel
 from utils.errors import (STOP_SIGNALS, CheckpointError, NonFiniteLossError, StopRequested, UsageError,
                           wait_for_rank_zero_to_report)
 from utils.host_memory import keep_freed_memory_in_process
