@@ -272,8 +272,19 @@ def profiling_outputs() -> list[Check]:
     for model in ("gpt2", "bert"):
         for n in counts:
             run = f"{model}_{n}cpu_quick_trace"
-            checks += trace_folder(run, n) + [converted_run(f"outputs/{run}", run, n)]
+            checks += trace_folder(run, n) + [converted_run(f"outputs/{run}", run, n), times_steps_after_window(run)]
     return checks + [says("Conversion to Chakra .et")]
+
+
+def times_steps_after_window(run: str) -> Check:
+    """run.json records untraced steps after the traced ones, as many as before them (the tracer's default): the
+    untraced median the .et is corrected towards is not only the run's first steps."""
+    def check(root: Path, output: str) -> None:
+        info = json.loads((root / "outputs" / run / "run.json").read_text())
+        wait, last_traced = info["schedule"]["wait"], max(info["traced_steps"])
+        after = [step for step in info["untraced_steps"] if step > last_traced]
+        assert len(after) == wait, f"{run}: untraced steps {info['untraced_steps']} after traced {info['traced_steps']}"
+    return check
 
 
 SCALE_SOURCE = "mkdir -p outputs && cp -r tests/data/cpu/gpt2_tiny_2r outputs/ && ./setup_and_convert.sh outputs/gpt2_tiny_2r"

@@ -361,17 +361,17 @@ def test_tracing_off_creates_no_profiler_no_observer_and_no_files(tmp_path, monk
 def test_tracing_flags_default_to_timed_untraced_steps_and_three_recorded_ones():
     tracing = parse_tracing_args().tracing
     assert not tracing.enable_tracing and tracing.trace_output_dir == "./outputs" and tracing.trace_name is None
-    assert parse_tracing_args().trace_window == (5, 1, 3)
+    assert parse_tracing_args().trace_window == (10, 1, 3)
     assert sum(parse_tracing_args("--trace-wait-steps", "5", "--trace-active-steps", "10").trace_window) == 16
 
 
 def test_untraced_steps_after_the_window_default_to_as_many_as_before_it_and_lengthen_an_open_ended_run():
-    assert parse_tracing_args("--enable-tracing").trace_after_steps == 5
+    assert parse_tracing_args("--enable-tracing").trace_after_steps == 10
     assert parse_tracing_args("--trace-wait-steps", "8").trace_after_steps == 8
     assert parse_tracing_args("--trace-wait-steps", "8", "--trace-after-steps", "0").trace_after_steps == 0
     # without --max-steps a traced run runs its window, then the untraced steps timed after it, and stops
-    assert parse_tracing_args("--enable-tracing").planned_steps(steps_per_epoch=1000) == 5 + 1 + 3 + 5
-    assert parse_tracing_args("--enable-tracing", "--trace-after-steps", "2").planned_steps(1000) == 11
+    assert parse_tracing_args("--enable-tracing").planned_steps(steps_per_epoch=1000) == 10 + 1 + 3 + 10
+    assert parse_tracing_args("--enable-tracing", "--trace-after-steps", "2").planned_steps(1000) == 16
     assert parse_tracing_args("--enable-tracing", "--max-steps", "10").planned_steps(1000) == 10
 
 

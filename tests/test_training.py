@@ -404,11 +404,11 @@ def test_tracing_without_max_steps_stops_after_the_trace_window_and_the_untraced
     status, save_dir, _ = train("gpt2", tmp_path, *QUICK, "--enable-tracing", "--trace-output-dir",
                                 str(tmp_path / "outputs"), "--no-save-initial")
     assert status == 0
-    assert info(save_dir / "final_model")["step"] == 14  # wait 5 (timed) + warmup 1 + active 3 + 5 timed after
+    assert info(save_dir / "final_model")["step"] == 24  # wait 10 (timed) + warmup 1 + active 3 + 10 timed after
     trace_dir = tmp_path / "outputs" / "gpt2-tiny_1cpu"
     assert {"host.0.json", "device.0.json", "run.json"} <= {p.name for p in trace_dir.iterdir()}
     run = json.loads((trace_dir / "run.json").read_text())
-    assert run["traced_steps"] == [6, 7, 8] and run["untraced_steps"] == [0, 1, 2, 3, 4, 9, 10, 11, 12, 13]
+    assert run["traced_steps"] == [11, 12, 13] and run["untraced_steps"] == [*range(0, 10), *range(14, 24)]
     assert "gpt2-tiny" in json.dumps(run) and "64" in json.dumps(run)
 
 

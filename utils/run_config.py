@@ -13,8 +13,12 @@ from utils.families import family_info
 
 TEST_MODE_STEPS = 10
 # Untraced steps before the trace window are timed (the first one, with its one-time start-up costs, is not used by
-# the conversion); several active steps give per-operator medians instead of one sample.
-DEFAULT_WAIT_STEPS, DEFAULT_WARMUP_STEPS, DEFAULT_ACTIVE_STEPS = 5, 1, 3
+# the conversion); several active steps give per-operator medians instead of one sample. The run's first steps after
+# step 0 still warm up: a 2-rank GPT-2 tiny run on 2 cores faulted 720-1442 heap pages a step in steps 1-3 and none
+# from step 4, its steps 1-4 taking 31-57 ms against 21-25 after. With 5 wait steps (and so 5 after the window)
+# those were 4 of the median's 9 samples, which it does not outlast: the median was the slowest steady step, and the
+# steps lay 17-22% from it. With 10, they are 4 of 19, and the traced steps begin further past them.
+DEFAULT_WAIT_STEPS, DEFAULT_WARMUP_STEPS, DEFAULT_ACTIVE_STEPS = 10, 1, 3
 # The least a default window is shrunk to for a short --max-steps: one untraced step timed after the run's first (the
 # conversion takes the profiler's cost out against it), one warm-up step (start-up costs stay out of the trace) and
 # one traced step. Shrunk further, the .et would keep the profiler's cost, or trace step 0 and its start-up.

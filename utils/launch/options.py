@@ -35,7 +35,7 @@ class Launcher:
             else "1 (or NUM_GPUS)"
         if self.quick:
             then = ", then conversion to .et" if self.convert else ""
-            return f"{labels} profiling: traced {TEST_STEPS}-step runs at {counts} GPUs{then}"
+            return f"{labels} profiling: short traced runs at {counts} GPUs{then}"
         return f"{labels} training at {counts} GPUs (full training, background by default)"
 
 
@@ -59,7 +59,8 @@ Usage:
   {synopsis}     runs named <model>_<N>gpu{'_quick_trace' if quick else ''} (cpu instead of gpu without a GPU)
 
 Mode:
-  --test                  short run of {TEST_STEPS} optimizer steps{default[quick]}
+  --test                  short run of {TEST_STEPS} optimizer steps, or of the trace window and the
+                          untraced steps timed after it when tracing{default[quick]}
   --train                 full training for --num-epochs epochs{default[not quick]}
   --max-steps N           stop after N optimizer steps (with --test: instead of {TEST_STEPS})
   --num-epochs N          epochs in --train mode (default: 3)

@@ -261,8 +261,11 @@ def torchrun_command(plan: Plan, family: FamilyInfo, nproc: int, run_name: str) 
     argv += [f"--nproc_per_node={nproc}", family.train_script, "--model-name", plan.model_name(family),
              "--num-gpus", str(nproc * opts.nnodes), "--batch-size", str(opts.batch_size)]
     if opts.mode == "test":
-        # A quick run is an experiment run again and again: it replaces its own earlier checkpoints.
-        argv += ["--max-steps", str(opts.max_steps or TEST_STEPS), "--overwrite-output-dir"]
+        # A quick run is an experiment run again and again: it replaces its own earlier checkpoints. Without
+        # --max-steps, train.py's --test runs TEST_STEPS steps, or a traced run's whole window and the untraced steps
+        # timed after it when those are more (a --max-steps 10 had left 1 of the 5 after-steps, and the untraced
+        # median the .et is corrected towards came mostly from the run's first, warming-up steps)
+        argv += (["--max-steps", str(opts.max_steps)] if opts.max_steps else ["--test"]) + ["--overwrite-output-dir"]
     else:
         argv += ["--num-epochs", str(opts.num_epochs)] + (["--max-steps", str(opts.max_steps)] if opts.max_steps else [])
     for flag, value in (("--learning-rate", opts.learning_rate), ("--max-seq-length", plan.max_seq_length),
@@ -280,7 +283,9 @@ def torchrun_command(plan: Plan, family: FamilyInfo, nproc: int, run_name: str) 
 
 def print_settings(plan: Plan) -> None:
     opts = plan.opts
-    mode = f"test ({opts.max_steps or TEST_STEPS} steps)" if opts.mode == "test" else \
+    test_steps = f"{opts.max_steps} steps" if opts.max_steps else \
+        "the trace window and the untraced steps timed after it" if opts.trace else f"{TEST_STEPS} steps"
+    mode = f"test ({test_steps})" if opts.mode == "test" else \
         f"train ({opts.num_epochs} epochs{f', at most {opts.max_steps} steps' if opts.max_steps else ''})"
     nodes = f" · nodes: {opts.nnodes} (this is node {opts.node_rank})" if opts.nnodes > 1 else ""
     default = "train.py default"
