@@ -512,6 +512,7 @@ def _select_step(linked: LinkedTrace, match: list[int], matched: list[int],
     span_end = max(ts[k] + dur[k] for k in ops)
     traced = sorted((k for k, name in enumerate(names) if name.startswith(STEP_PREFIX)
                      and ts[k] < span_end and ts[k] + dur[k] > span_start), key=lambda k: ts[k])
+    spanned = traced  # every step the matched operators reach into, a step the host trace was cut in included
     traced = _steps_the_host_trace_holds(linked, traced, {match[h] for h in matched}, span_end)
     steps = _steps_of_the_full_step(traced, dev, micro_batches)
     linked.stats["steps_in_device_trace"] = sum(1 for name in names if name.startswith(STEP_PREFIX))
@@ -528,7 +529,7 @@ def _select_step(linked: LinkedTrace, match: list[int], matched: list[int],
         middle = durations[len(durations) // 2] if len(durations) % 2 else \
             (durations[len(durations) // 2 - 1] + durations[len(durations) // 2]) / 2
         linked.stats["step_spread"] = (durations[-1] - durations[0]) / middle if middle > 0 else 0.0
-    if len(traced) > 1:
+    if len(spanned) > 1:  # the operators of a step left out (a step cut short among them) go with it
         lo, hi = ts[chosen], ts[chosen] + dur[chosen]
         matched[:] = [h for h in matched if lo <= ts[match[h]] < hi or (match[h] == chosen)]
     return [chosen]
