@@ -9,6 +9,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -59,6 +60,32 @@ def test_a_rank_without_collectives_is_compared_with_the_others():
     one = [("0", "ALL_REDUCE", 1024)]
     assert collectives_agree({0: [], 1: one}) == ["process group '0': rank 1 has 1 collectives, rank 0 has 0"]
     assert collectives_agree({0: one, 1: []}) == ["process group '0': rank 1 has 0 collectives, rank 0 has 1"]
+
+
+def test_a_refused_run_has_no_duration_estimate_printed(tmp_path, capsys):
+    """Rank 0 of another 2-rank run among this run's files: both ranks are refused and no .et is kept, so no line
+    says what their .et durations estimate (it had, from run.json's times of ranks that have no .et)."""
+    folder = corpus.copy_run(corpus.GPT2_BUCKETS, tmp_path / "mixed")
+    shutil.copyfile(corpus.GPT2_BUCKETS / "run.json", folder / "run.json")
+    corpus.place_rank(GPT2_2R, 0, folder, 0)
+    code, output = convert(folder, capsys)
+    assert code == 1 and "no .et kept" in "\n".join(errors(output))
+    assert not list(folder.glob("*.et"))
+    assert "the .et durations estimate" not in output
+
+
+def test_traces_without_run_json_are_converted_with_a_warning_that_the_profiler_cost_stays(tmp_path, capsys):
+    """No run.json beside the traces: the .et keeps the profiler's cost (2.7x the step of the same traces with
+    their run.json, measured) and simulate.py has nothing to compare with. That was said only deep in the
+    summary; the terminal now says it, once for the run."""
+    folder = corpus.copy_run(GPT2_2R, tmp_path / "norun")
+    code, output = convert(folder, capsys)
+    assert code == 0
+    [line] = [line for line in output.splitlines() if "no run.json beside the traces" in line]
+    assert line.startswith(f"warning: norun: no run.json beside the traces in {folder} ")
+    assert "every .et keeps the profiler's cost" in line
+    shutil.copyfile(GPT2_2R / "run.json", folder / "run.json")
+    assert "no run.json beside" not in convert(folder, capsys)[1]
 
 
 def test_a_group_is_compared_only_between_its_members():
@@ -488,6 +515,23 @@ def test_repaired_host_trace_is_flagged_in_the_et_the_table_the_summary_and_the_
     assert metadata(folder / "gpt2.0.et")["host_trace_repaired"].startswith("repaired by fix_host_traces.py: closed")
     report = write_report(folder, use_hta=False).read_text()
     assert "**Repaired host traces:**" in report and "- rank 0: repaired by fix_host_traces.py" in report
+
+
+def test_host_trace_cut_inside_the_middle_step_gives_the_first_step_alone(tmp_path, capsys):
+    """Cut inside the second of three traced steps, a repaired host trace keeps one whole step: the .et holds that
+    step's nodes and no operator of the cut step (they had stayed in, a step and a half in an .et marked ok)."""
+    whole = corpus.copy_run(corpus.GPT2_BUCKETS, tmp_path / "whole")
+    folder = cut_and_repaired(corpus.copy_run(corpus.GPT2_BUCKETS, tmp_path / "gpt2"), 1 / 2)
+    assert convert(whole, capsys)[0] == 0
+    code, output = convert(folder, capsys)
+    assert code == 0
+    assert any(line.startswith("warning: gpt2 rank 0: the host trace ends inside ProfilerStep#5: ")
+               and line.endswith("so that step is left out and the .et is made of ProfilerStep#4")
+               for line in output.splitlines())
+    for rank in (0, 1):
+        nodes = read_et(folder / f"gpt2.{rank}.et")[1]
+        assert len(nodes) == len(read_et(whole / f"whole.{rank}.et")[1])
+        assert sum(node.name == "aten::embedding" for node in nodes) == 2  # token and position embeddings, once
 
 
 def test_host_traces_cut_inside_the_only_step_are_refused_naming_the_collectives_they_lost(tmp_path, capsys):

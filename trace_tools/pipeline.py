@@ -819,12 +819,17 @@ def _convert_runs(runs, output_dir, jobs, emit_merged, progress, only, previous)
 def run_warnings(run: Run) -> list[str]:
     """Warnings about the whole run, said once rather than per rank: a trace file passed over for its uncompressed
     twin (discover._prefer), and a run.json that times no untraced step after the run's first (the first holds its
-    start-up, which the conversion leaves out), so that every rank's .et keeps the profiler's cost (on a CPU, over
-    2x a GPT-2 tiny step)."""
+    start-up, which the conversion leaves out) or no run.json at all, so that every rank's .et keeps the profiler's
+    cost (on a CPU, over 2x a GPT-2 tiny step)."""
     passed_over = [f"{path}: passed over for {path.with_suffix('').name} beside it, which is converted (both "
                    "name the same trace); remove the one that is not this run's" for path in run.passed_over]
-    if run.run_info_problem or not (run.folder / RUN_INFO).is_file():
+    if run.run_info_problem:
         return passed_over
+    if not (run.folder / RUN_INFO).is_file():
+        return passed_over + [
+            f"no {RUN_INFO} beside the traces in {run.folder} (traces this project's tracer did not write, or "
+            f"copied without it), so every .et keeps the profiler's cost (its ops take their traced time, the recording "
+            f"included) and simulate.py has no measured step to compare with: copy the run's {RUN_INFO} beside them"]
     info = read_run_json(run.folder)
     if not isinstance(info, dict) or any(untraced_steps_after_the_first(info, rank) for rank in run.ranks):
         return passed_over

@@ -444,7 +444,7 @@ def render_table(results: list[RunResult]) -> str:
     out = ["  ".join(cell.ljust(widths[c]) for c, cell in enumerate(row)).rstrip() for row in rows]
     out.insert(1, "  ".join("-" * w for w in widths))
     untraced = [f"{result.run.name} rank {r.rank} {r.untraced_step_us:,.0f}" for result in results
-                for r in result.ranks if r.untraced_step_us]
+                for r in result.ranks if r.ok and r.untraced_step_us]  # a refused rank has no .et to estimate
     if untraced:
         out.append("the .et durations estimate the untraced step (µs, run.json): " + "; ".join(untraced))
     for result in results:
