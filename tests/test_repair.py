@@ -201,6 +201,22 @@ def test_truncated_tail_keeps_every_complete_node_and_says_what_was_dropped(tmp_
     assert repaired["repair"]["truncated"] is True and repaired["repair"]["kept_nodes"] == kept
 
 
+@pytest.mark.parametrize("digits", [3, 6])  # cut inside finish_ts's 6 digits; after them, before the closing brace
+def test_a_number_cut_at_the_end_of_the_document_is_not_kept(tmp_path, gpt2, gpt2_text, digits):
+    """Cut inside the last member's number ("finish_ts": 516 of 516315), the repair had kept the cut number, less
+    than start_ts, and said it dropped 0 bytes. A number running to the end of the text is not known whole."""
+    member = b'"finish_ts": ' + str(gpt2["finish_ts"]).encode()
+    assert len(str(gpt2["finish_ts"])) == 6 and gpt2_text.rstrip().endswith(member + b"\n}")
+    original = gpt2_text[:gpt2_text.rindex(member) + len(member) - 6 + digits]
+    path = write(tmp_path, "host.0.json", original)
+    result = repair_host_trace(path)
+    assert result.status == "repaired", result.line()
+    line = result.line()
+    assert "finish_ts unknown, set to start_ts" in line and "(0 bytes)" not in line
+    repaired = assert_repaired_then_idempotent(path, original)
+    assert repaired["finish_ts"] == gpt2["start_ts"] and repaired["nodes"] == gpt2["nodes"]
+
+
 def test_truncated_gzip_stream_is_recovered_as_a_truncated_trace(tmp_path, gpt2):
     original = GPT2_HOST.read_bytes()[:40000]  # the copy stopped part way: gzip and JSON both cut
     path = write(tmp_path, "host.0.json.gz", original)

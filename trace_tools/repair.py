@@ -346,6 +346,11 @@ def _walk_document(text: str, start: int, end: int) -> _Doc:
                 index = _walk_nodes(text, index + 1, end, doc)
             else:
                 doc.fields[key], index = _DECODER.raw_decode(text, index)
+                if index >= end and not isinstance(doc.fields[key], (str, list, dict)):
+                    # A number running to the end of the text may be cut inside it ("finish_ts": 20707 of 20707199):
+                    # not known whole, it is not kept
+                    del doc.fields[key]
+                    _fail(text, "Expecting ',' delimiter", index)
             doc.last_member_end = index
             index = _skip_ws(text, index)
             if index >= end:
