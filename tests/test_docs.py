@@ -210,6 +210,20 @@ def rank_1_et_lost(root: Path) -> None:
     os.utime(root / "outputs/bert_tiny_2r/bert_tiny_2r.0.et", (1_000_000_000, 1_000_000_000))
 
 
+def rank_1_et_lost_from_converted(root: Path) -> None:
+    """The README's sequence: a conversion into converted/, then one rank's .et there gone (as after a failed rank)."""
+    run_in(root, "convert_to_et.py", "outputs", "--output-dir", "converted")
+    (root / "converted/bert_tiny_2r/bert_tiny_2r.1.et").unlink()
+    os.utime(root / "converted/bert_tiny_2r/bert_tiny_2r.0.et", (1_000_000_000, 1_000_000_000))
+
+
+def only_the_lost_rank_redone_in_converted(root: Path, output: str) -> None:
+    assert (root / "converted/bert_tiny_2r/bert_tiny_2r.1.et").is_file()
+    assert (root / "converted/bert_tiny_2r/bert_tiny_2r.0.et").stat().st_mtime == 1_000_000_000, \
+        "convert_remaining.py converted a rank that was already done"
+    assert not list((root / "outputs").glob("*/*.et")), "convert_remaining.py converted into the trace folders"
+
+
 def host_trace_written_twice(root: Path) -> None:
     """The seed's broken host trace: the observer wrote the document twice into one file."""
     folder = root / "outputs" / "gpt2_tiny_1r"
@@ -327,8 +341,8 @@ RUN: dict[str, Run] = {
         Run([converted_run("converted/bert_tiny_2r", "bert_tiny_2r", 2),
              converted_run("converted/gpt2_tiny_1r", "gpt2_tiny_1r", 1),
              files("converted/bert_tiny_2r/bert_tiny_2r.1.merged.json")]),
-    "python3 convert_remaining.py outputs":
-        Run([files("outputs/bert_tiny_2r/bert_tiny_2r.1.et"), untouched_et], setup=[rank_1_et_lost]),
+    "python3 convert_remaining.py outputs --output-dir converted":
+        Run([only_the_lost_rank_redone_in_converted], setup=[rank_1_et_lost_from_converted]),
     "python3 trace_report.py outputs/bert_tiny_2r":
         Run([files("outputs/bert_tiny_2r/report.md", "outputs/bert_tiny_2r/report_breakdown.png")],
             setup=[converted]),

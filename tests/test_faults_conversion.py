@@ -212,6 +212,24 @@ def test_convert_remaining_redoes_ranks_traced_again_since(tmp_path, capsys):
     assert metadata(folder / "bert.0.et")["pid"] == read_json(GPT2_2R / "host.0.json.gz")["pid"]
 
 
+def test_convert_remaining_of_one_run_finds_its_earlier_conversion_with_other_runs(tmp_path, capsys):
+    """Two runs converted into --output-dir out went to out/<name>/; convert_remaining.py of one of them with the
+    same --output-dir finds it there (it had converted both ranks anew into out/ itself, beside it)."""
+    traces = tmp_path / "traces"
+    bert, gpt2 = corpus.copy_run(BERT, traces / "bert"), corpus.copy_run(GPT2_2R, traces / "gpt2")
+    out = tmp_path / "out"
+    assert convert(traces, capsys, "--output-dir", str(out))[0] == 0
+    assert convert(bert, capsys, "--output-dir", str(out), remaining=True)[1].startswith("nothing to do")
+    (out / "bert" / "bert.1.et").unlink()
+    code, output = convert(bert, capsys, "--output-dir", str(out), remaining=True)
+    assert code == 0 and "converting 1 remaining rank(s)" in output
+    assert (out / "bert" / "bert.1.et").is_file() and not list(out.glob("*.et"))
+    assert not (out / "CONVERSION_SUMMARY.md").exists()
+    # a run converted alone into a folder holding no earlier conversion of it goes to that folder itself
+    assert convert(gpt2, capsys, "--output-dir", str(tmp_path / "alone"))[0] == 0
+    assert (tmp_path / "alone" / "gpt2.0.et").is_file()
+
+
 def test_a_report_and_simulation_of_the_earlier_et_files_go_when_a_rank_is_converted_again(tmp_path, capsys):
     folder = corpus.copy_run(BERT, tmp_path / "bert")
     assert convert(folder, capsys)[0] == 0

@@ -33,8 +33,8 @@ from .load import (PAST_WINDOW_END, UNUSABLE_TIME, TraceError, is_structural, lo
 from .repair import NO_OPERATORS_PROBLEM
 from .step_timing import (STEP_SPREAD_BOUND, MicroBatches, StepTimes, micro_batches_of, read_run_json, step_times_of,
                           untraced_steps_after_the_first)
-from .summary import (RankResult, RunResult, et_fingerprint, file_fingerprint, read_previous_results,
-                      write_run_summary)
+from .summary import (RankResult, RunResult, converted_from, et_fingerprint, file_fingerprint,
+                      read_previous_results, write_run_summary)
 from .validate import collectives_agree, validate_et
 
 logger = logging.getLogger(__name__)
@@ -616,14 +616,28 @@ def output_dir_problem(folder: str | Path) -> str | None:
 
 
 def output_dir_for(run: Run, output_dir: str | Path | None, several_runs: bool) -> tuple[Path, str]:
-    """Where a run's .et files go, and a note when it is not the run's own folder."""
+    """Where a run's .et files go, and a note when it is not the run's own folder. Under --output-dir DIR, several
+    runs go to DIR/<name> and one run to DIR itself, unless DIR/<name> holds this run's earlier conversion (made
+    with other runs): convert_remaining.py of that one run then finds it, instead of converting every rank anew
+    into DIR beside it."""
     if output_dir is not None:
         root = Path(output_dir)
-        return (root / run.name if several_runs else root), ""
+        own = root / run.name
+        if several_runs:
+            return own, ""
+        earlier = converted_from(own) if own.is_dir() else None
+        return (own if earlier is not None and _same_folder(earlier, run.folder) else root), ""
     if _writable(run.folder):
         return run.folder, ""
     fallback = fallback_output_dir(run.name)
     return fallback, f"{run.folder} is not writable: writing to {fallback}"
+
+
+def _same_folder(a: Path, b: Path) -> bool:
+    try:
+        return a.resolve() == b.resolve()
+    except OSError:
+        return False
 
 
 def fallback_output_dir(name: str) -> Path:
