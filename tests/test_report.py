@@ -196,7 +196,9 @@ def test_breakdown_is_a_union_of_the_et_intervals(run_dir):
         b = report["per_rank"][str(rank)]["breakdown"]
         lo = meta["traced_step_start_micros"]
         hi = lo + meta["traced_step_micros"]
-        assert b["compute_us"] + b["communication_us"] + b["memcpy_us"] + b["idle_us"] == b["step_us"] == hi - lo
+        parts = b["compute_us"] + b["communication_us"] + b["memcpy_us"] + b["profiler_us"] + b["idle_us"]
+        assert parts == b["step_us"] == hi - lo
+        assert b["profiler_us"] == min(meta.get("recording_overhead_micros", 0), b["idle_us"] + b["profiler_us"])
         kinds: dict = defaultdict(list)
         cpu_compute = 0
         threads = set()
@@ -218,7 +220,7 @@ def test_breakdown_is_a_union_of_the_et_intervals(run_dir):
             assert b["compute_us"] == int(compute.sum())
             assert b["communication_us"] == int((comm & ~compute).sum())
             assert b["memcpy_us"] == int((memcpy & ~compute & ~comm).sum())
-            assert b["idle_us"] == int((~(compute | comm | memcpy)).sum())
+            assert b["idle_us"] + b["profiler_us"] == int((~(compute | comm | memcpy)).sum())
         else:
             assert threads == {1}
             # the .et durations are rounded one by one: their sum may pass the step end by a few µs, cut off there
@@ -236,7 +238,7 @@ def test_markdown_tables_show_the_json_numbers(run_dir):
     assert sorted(breakdown_rows) == report["ranks"]
     for rank, cells in breakdown_rows.items():
         b = report["per_rank"][str(rank)]["breakdown"]
-        keys = ["step_us", "compute_us", "communication_us", "memcpy_us", "idle_us", "communication_total_us"]
+        keys = ["step_us", "compute_us", "communication_us", "memcpy_us", "profiler_us", "idle_us"]
         assert list(cells) == [f"{b[k] / 1000:.3f}" for k in keys]
     for entry in report["top_operators"][:5]:
         assert f"| {entry['count']} | {entry['exclusive_us'] / 1000:.3f} |" in md
@@ -307,13 +309,14 @@ def _attr(name: str, value) -> AttributeProto:
     return AttributeProto(name=name, int64_val=value)
 
 
-def write_et(path: Path, step_start: int, step_us: int, nodes: list[dict], world_size: int = 1) -> Path:
+def write_et(path: Path, step_start: int, step_us: int, nodes: list[dict], world_size: int = 1,
+             meta: dict | None = None) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "wb") as f:
         encodeMessage(f, GlobalMetadata(version="0.0.4", attr=[
             _attr("rank", int(path.name.split(".")[-2])), _attr("traced_step", "ProfilerStep#1"),
             _attr("traced_step_start_micros", step_start), _attr("traced_step_micros", step_us),
-            _attr("world_size", world_size)]))
+            _attr("world_size", world_size), *(_attr(k, v) for k, v in (meta or {}).items())]))
         for spec in nodes:
             node = Node(id=spec["id"], name=spec["name"], type=spec.get("type", COMP_NODE),
                         start_time_micros=spec["ts"], duration_micros=spec["dur"])
@@ -346,8 +349,27 @@ def test_gpu_breakdown_counts_overlapping_work_once(tmp_path):
     assert cp["path_by_kind_us"] == {"cpu_compute": 10, "gpu_compute": 40, "gpu_memcpy": 20}
     assert report["per_rank"]["0"]["bytes_by_process_group"] == {"0": {"count": 1, "bytes": 4096}}
     md = (tmp_path / "report.md").read_text()
-    assert "| 0 | 0.100 | 0.040 | 0.030 | 0.010 | 0.020 | 0.050 | 40.0% |" in md
+    assert "| 0 | 0.100 | 0.040 | 0.030 | 0.010 | 0.000 | 0.020 | 0.050 | 40.0% |" in md
     assert "Not used: HTA not run (--no-hta)" in md
+
+
+def test_the_profilers_cost_taken_out_of_the_et_is_its_own_part_of_the_step_not_idle(tmp_path):
+    """A 100 µs traced step whose .et holds 30 µs of operator work after the conversion took 60 µs of the profiler's
+    cost out of it (recording_overhead_micros): 60 of the step is the profiler's, 10 idle (it had shown 70 idle,
+    as a CPU sitting idle most of a step that the run spent computing)."""
+    cpu = {"tid": 1, "is_cpu_op": True}
+    nodes = [{"id": 1, "name": "ProfilerStep#1", "ts": 0, "dur": 10, "attrs": cpu},
+             {"id": 2, "name": "aten::mm", "ts": 30, "dur": 20, "ctrl": [1], "attrs": cpu}]
+    write_et(tmp_path / "toy.0.et", 0, 100, nodes, meta={"recording_overhead_micros": 60})
+    write_report(tmp_path, use_hta=False)
+    b = load_json(tmp_path)["per_rank"]["0"]["breakdown"]
+    assert (b["compute_us"], b["profiler_us"], b["idle_us"]) == (30, 60, 10)
+    assert "| 0 | 0.100 | 0.030 | 0.000 | 0.000 | 0.060 | 0.010 |" in (tmp_path / "report.md").read_text()
+    # a cost larger than the step has room for is bounded by it
+    write_et(tmp_path / "toy.0.et", 0, 100, nodes, meta={"recording_overhead_micros": 500})
+    write_report(tmp_path, use_hta=False)
+    b = load_json(tmp_path)["per_rank"]["0"]["breakdown"]
+    assert (b["compute_us"], b["profiler_us"], b["idle_us"]) == (30, 70, 0)
 
 
 def test_cpu_thread_layout_leaves_out_blocked_time(tmp_path):
