@@ -727,9 +727,11 @@ def test_a_scaled_set_prints_one_line_per_distinct_row_and_records_every_rank(co
     proc = run_cli(folder, "--ranks", "32", "--bandwidth", "1Gbit/s", "--astra-sim", fake, "--no-cpu-bound")
     assert proc.returncode == 0, proc.stderr
     table = [re.split(r"\s{2,}", line) for line in proc.stdout.splitlines() if re.match(r"\d", line)]
-    # the traced ranks have a measured step of their own; the ranks scaled from them share a line per traced rank
-    assert [row[:2] for row in table] == [["0", "1.0"], ["1", "2.0"], ["2-30 step 2 (15 ranks)", "1.0"],
-                                          ["3-31 step 2 (15 ranks)", "2.0"]]
+    # the ranks replaying one traced rank share a line (no step was measured at 32 ranks: none has one of its own)
+    assert [row[:2] for row in table] == [["0-30 step 2 (16 ranks)", "1.0"], ["1-31 step 2 (16 ranks)", "2.0"]]
+    [measured] = [line for line in proc.stdout.splitlines() if line.startswith("measured: ")]
+    assert measured.startswith("measured: none: ") and measured.endswith(
+        " was traced on 2 ranks and simulated scaled to 32 (--ranks); no step was measured at that scale")
     recorded = [line for line in (folder / "SIMULATION.md").read_text().splitlines() if re.match(r"\| \d+ \|", line)]
     assert len(recorded) == 32
 
@@ -1255,7 +1257,9 @@ def test_more_ranks_than_traced_are_scaled_first_and_simulated(converted, tmp_pa
     result = simulate_run(converted, ranks=4, bandwidth_gbs=parse_bandwidth("1Gbit/s"), work_dir=tmp_path / "w")
     assert result.network.npus == 4 and len(result.per_rank_ns) == 4 and result.traced_ranks == 2
     assert result.workload.parent == tmp_path / "w" / "scaled_4" and result.run_folder == converted
-    assert set(result.measured_ms) == {0, 1}  # only the traced ranks were measured
+    # the traced run's steps and critical paths are of 2 ranks, not of the 4 simulated (they had been set beside them)
+    assert result.measured_ms == {} and result.critical_path_ms == {}
+    assert result.measured_source.startswith("none: ") and "no step was measured at that scale" in result.measured_source
     assert "scaled from the 2 traced ranks" in simulate.render_simulation(result, "python3 simulate.py ...")
 
 

@@ -878,6 +878,14 @@ def _simulate_run(workload: Path, traced: int, ranks: int, work_dir: Path, commu
         if zeroed is not None:
             result.without_communication_cpu_ms = simulate_workload(zeroed, ranks, work_dir=bound_dir,
                                                                     **network).step_ms
+    if ranks > traced:
+        # The run's steps and the converted .et files' critical paths are of its traced ranks, not of the scaled set
+        # simulated: none here, as for a set scale_et.py wrote (unmeasured_set). The 2-rank measured step had been
+        # set against an 8-rank prediction, and the unscaled files' critical path shown for the scaled ones.
+        result.measured_ms, result.measured_source = {}, (
+            f"none: {traced_name} was traced on {traced} ranks and simulated scaled to {ranks} (--ranks); no step "
+            "was measured at that scale")
+        return result
     result.measured_ms, result.measured_source = measured_steps(folder, traced_name)
     status = _summary_status(folder, traced_name)  # another set's critical path is not this one's
     result.critical_path_ms = {rank: s["critical_path_us"] / 1e3 for rank, s in status.items()
