@@ -296,7 +296,7 @@ def test_two_runs_of_one_name_into_one_folder_are_refused_before_anything_is_wri
     assert code == 2
     assert errors(output) == [f"error: {first} and {second} would both be converted into {tmp_path / 'out' / 'run'} "
                               "as run.<rank>.et; convert them one at a time with an --output-dir each"]
-    assert not (tmp_path / "out" / "run").exists()
+    assert not (tmp_path / "out").exists()  # not even the --output-dir folder (it was made, and left empty)
 
 
 def test_two_runs_of_flat_files_in_one_folder_go_to_folders_of_their_own(tmp_path, capsys):

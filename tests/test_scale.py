@@ -430,6 +430,22 @@ def test_bad_input_is_one_error_line(gpt2_run, tmp_path, capsys, argv, message):
     assert err.startswith("error: " + message.format(tmp=tmp_path, run=gpt2_run)), err
 
 
+def test_a_refused_scale_leaves_no_folder_it_made_and_a_killed_ones_staging_is_cleared(gpt2_run, tmp_path, capsys):
+    """--slow 1:1e300 is refused only once the set is being written: the output folder it had made stayed behind,
+    empty. And a scale_et.py killed outright left its staging folder (362,842 files of a 3,000,000-rank set killed
+    after 4 s), which no later run removed."""
+    out = tmp_path / "new" / "scaled"
+    assert scale_et.main([str(gpt2_run), "--ranks", "4", "--slow", "1:1e300", "--output-dir", str(out)]) in (1, 2)
+    assert "makes rank 1's step" in capsys.readouterr().err
+    assert not out.parent.exists()
+    out.mkdir(parents=True)
+    dead = out / ".run.scaling-k1ll3d"  # what a killed run leaves
+    (dead / "deep").mkdir(parents=True)
+    (dead / "deep" / "run.5.et").write_bytes(b"partial")
+    scale_run(gpt2_run, 4, output_dir=out, name="run")
+    assert sorted(p.name for p in out.iterdir()) == ["SCALE_SUMMARY.md", *(f"run.{r}.et" for r in range(4))]
+
+
 def test_a_missing_rank_is_named(gpt2_run, tmp_path):
     shutil.copy(gpt2_run / f"{GPT2_2R}.1.et", tmp_path)
     with pytest.raises(ScaleError, match=rf"{GPT2_2R}\.0\.et: missing"):
@@ -509,7 +525,7 @@ def test_sigterm_while_scaling_leaves_nothing_half_written(gpt2_run, tmp_path, m
         signal.signal(signal.SIGTERM, previous)
     assert code == 128 + signal.SIGTERM
     assert capsys.readouterr().err.startswith("interrupted: scale_et.py stopped by SIGTERM; no partial set is left")
-    assert list((tmp_path / "out").iterdir()) == []  # no staging folder, no rank, no summary
+    assert not (tmp_path / "out").exists()  # no staging folder, no rank, no summary, not the folder it made
 
 
 def test_a_smaller_set_replaces_a_larger_one_of_the_same_name(gpt2_run, tmp_path):

@@ -79,15 +79,15 @@ def _main(args: argparse.Namespace, remaining: bool) -> int:
                   "device.<rank>.json, or <name>_host.json + <name>_device.json, gzipped or not)", file=sys.stderr)
         return 2
     several = len(runs) > 1
+    clash = output_dir_clash(runs, args.output_dir)  # before output_dir_problem makes the folder: none is left
+    if clash:
+        print(f"error: {clash}", file=sys.stderr)
+        return 2
     if args.output_dir is not None:
         problem = output_dir_problem(args.output_dir)
         if problem:
             print(f"error: --output-dir {args.output_dir}: {problem}", file=sys.stderr)
             return 2
-    clash = output_dir_clash(runs, args.output_dir)
-    if clash:
-        print(f"error: {clash}", file=sys.stderr)
-        return 2
     for run in runs:
         out_dir, _ = output_dir_for(run, args.output_dir, several)
         problem = output_dir_problem(out_dir)

@@ -681,29 +681,55 @@ def scale_set(source: str | Path, ranks: int, *, output_dir: str | Path | None =
                          slow=slow, parallelism=parallelism, traced_ranks=traced.count, traced_of_rank=traced_of_rank,
                          source_scaled=traced.scaled, slow_notes=slow_notes, unslowed=unslowed, warnings=warnings,
                          note=note)
+    made = [folder for folder in (out_dir, *out_dir.parents) if not folder.exists()]  # innermost first
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise ScaleError(out_dir, f"cannot write there ({e.strerror or e})") from None
-    # one scale_et.py at a time in an output folder: two publishing sets of one name at once would leave ranks of
-    # each (and the summary of one)
-    with folder_held(out_dir, lambda: ScaleError(out_dir, "another scale_et.py is writing into this folder now; "
-                                                          "wait for it to end")):
-        try:
-            staging = Path(tempfile.mkdtemp(prefix=f".{name}.scaling-", dir=out_dir))
-        except OSError as e:
-            raise ScaleError(out_dir, f"cannot write there ({e.strerror or e})") from None
-        try:
-            _write_set(result, sources, file_of_rank, staging)
-            result.seconds = time.perf_counter() - started
-            write_text_atomic(staging / SUMMARY_NAME, render_scale_summary(result))
-            _publish(result, staging)
-        except OSError as e:  # the disk filled, the folder went read-only
-            raise ScaleError(e.filename or out_dir, f"cannot write the scaled set ({e.strerror or e}); nothing "
-                             "was changed") from None
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
+    try:
+        # one scale_et.py at a time in an output folder: two publishing sets of one name at once would leave ranks
+        # of each (and the summary of one)
+        with folder_held(out_dir, lambda: ScaleError(out_dir, "another scale_et.py is writing into this folder now; "
+                                                              "wait for it to end")):
+            _remove_dead_staging(out_dir)
+            try:
+                staging = Path(tempfile.mkdtemp(prefix=f".{name}{STAGING_MARK}", dir=out_dir))
+            except OSError as e:
+                raise ScaleError(out_dir, f"cannot write there ({e.strerror or e})") from None
+            try:
+                _write_set(result, sources, file_of_rank, staging)
+                result.seconds = time.perf_counter() - started
+                write_text_atomic(staging / SUMMARY_NAME, render_scale_summary(result))
+                _publish(result, staging)
+            except OSError as e:  # the disk filled, the folder went read-only
+                raise ScaleError(e.filename or out_dir, f"cannot write the scaled set ({e.strerror or e}); nothing "
+                                 "was changed") from None
+            finally:
+                shutil.rmtree(staging, ignore_errors=True)
+    except BaseException:  # refused, failed or interrupted: the folders this command made are not left behind empty
+        for folder in made:
+            try:
+                folder.rmdir()
+            except OSError:
+                break
+        raise
     return result
+
+
+STAGING_MARK = ".scaling-"  # .<name>.scaling-XXXXXXXX: a set being written, renamed into place when whole
+
+
+def _remove_dead_staging(out_dir: Path) -> None:
+    """The staging folders of scale_et.py runs killed (kill -9, a power cut) before they could remove them: with
+    the folder held, no other scale_et.py is writing one (a set of 3,000,000 ranks killed after 4 s had left
+    362,842 files)."""
+    try:
+        entries = list(os.scandir(out_dir))
+    except OSError:
+        return
+    for entry in entries:
+        if entry.name.startswith(".") and STAGING_MARK in entry.name and entry.is_dir(follow_symlinks=False):
+            shutil.rmtree(entry.path, ignore_errors=True)
 
 
 def _read_sources(source_set: SourceSet) -> tuple[list[SourceEt], list[int]]:
