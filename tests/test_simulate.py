@@ -1274,6 +1274,33 @@ def test_each_collective_algorithm_runs(converted, tmp_path):
     assert max(steps.values()) / min(steps.values()) < 1.05, steps
 
 
+def test_direct_collectives_on_more_than_two_npus_carry_a_note_on_what_the_network_does_not_model():
+    rate = parse_bandwidth("100Mbit/s")
+    note = simulate.Network(8, rate, collective="direct").caveat()
+    assert "each NPU's 7 messages at once" in note and "up to 7x shorter than links of 100 Mbit/s" in note
+    assert simulate.Network(2, rate, collective="direct").caveat() == ""  # one peer: one message, as ring
+    assert simulate.Network(8, rate, collective="ring").caveat() == ""
+
+
+@needs_astra_sim
+def test_direct_at_eight_npus_comes_out_faster_than_ring_and_says_why(converted, tmp_path):
+    """The congestion-unaware backend gives each of an NPU's 7 direct messages the link's full bandwidth: the
+    prediction is far below ring's, and the printed note and SIMULATION.md say so."""
+    pytest.importorskip("trace_tools.scale")
+    steps = {}
+    for collective in ("ring", "direct"):
+        folder = tmp_path / collective
+        shutil.copytree(converted, folder, ignore=shutil.ignore_patterns("astra-sim", "SIMULATION.md"))
+        proc = run_cli(folder, "--ranks", "8", "--bandwidth", "100Mbit/s", "--collective", collective,
+                       "--no-cpu-bound")
+        assert proc.returncode == 0, proc.stderr
+        steps[collective] = float(re.search(r"predicted step: ([\d,.]+) ms", proc.stdout)[1].replace(",", ""))
+        noted = [line for line in proc.stdout.splitlines() if line.startswith("note: --collective direct: ")]
+        assert len(noted) == (collective == "direct")
+        assert ("- note: --collective direct: " in (folder / "SIMULATION.md").read_text()) == (collective == "direct")
+    assert steps["direct"] < 0.8 * steps["ring"], steps
+
+
 @needs_astra_sim
 def test_a_collective_in_a_named_group_of_every_rank_simulates_like_the_world_group(converted, tmp_path):
     workload = with_process_group(converted, tmp_path / "pg5", "5", [{"pg_name": "5", "ranks": [0, 1]}])
