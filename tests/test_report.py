@@ -291,6 +291,27 @@ def test_gpu_reports_use_hta_or_say_why_not(gpu_reports):
             megatron["per_rank"]["0"]["breakdown"]["compute_us"]
 
 
+def test_a_scaled_set_is_reported_once_per_distinct_file(cpu_reports, tmp_path):
+    """Ranks replaying one traced rank are hard links to one file: a 1024-rank set had taken 198 s, drawn 1024
+    timelines of 2 files and a breakdown figure 79,233 pixels wide. Each file is reported once, and the report says
+    which ranks it stands for; a slowed rank has a file of its own."""
+    scale = pytest.importorskip("trace_tools.scale")
+    prefix = scale.scale_run(cpu_reports / "bert_tiny_2r", 16, output_dir=tmp_path / "scaled", name="big",
+                             slow={5: 2.0}, assume_data_parallel=True)
+    folder = prefix.parent
+    write_report(folder, use_hta=False)
+    report = load_json(folder)
+    assert report["ranks"] == list(range(16)) and not report["missing_ranks"]
+    assert sorted(map(int, report["per_rank"])) == [0, 1, 5]
+    assert report["shared_files"] == {"0": list(range(0, 16, 2)), "1": [1, 3, 7, 9, 11, 13, 15]}
+    assert sorted(p.name for p in folder.glob("report_timeline_rank*.png")) == \
+        [f"report_timeline_rank{r}.png" for r in (0, 1, 5)]
+    md = (folder / "report.md").read_text()
+    assert md.splitlines()[2].startswith("16 rank(s) (CPU run")
+    assert "- rank 0 stands for ranks 0, 2, 4, ..., 14 (8 ranks)" in md
+    assert "- rank 1 stands for ranks 1, 3, 7, ..., 15 (7 ranks)" in md
+
+
 def test_cpu_reports_explain_what_counts_and_skip_hta(cpu_reports):
     md = (cpu_reports / "bert_tiny_2r" / "report.md").read_text()
     assert "The step breakdown is about the CPU" in md
