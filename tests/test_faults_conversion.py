@@ -88,6 +88,16 @@ def test_traces_without_run_json_are_converted_with_a_warning_that_the_profiler_
     assert "no run.json beside" not in convert(folder, capsys)[1]
 
 
+def test_an_empty_run_json_is_named_as_such_not_blamed_on_the_trace_window(tmp_path, capsys):
+    folder = corpus.copy_run(GPT2_2R, tmp_path / "emptyrun")
+    (folder / "run.json").write_text("{}")
+    code, output = convert(folder, capsys)
+    assert code == 0
+    [line] = [line for line in output.splitlines() if "run.json records no rank's step times" in line]
+    assert line.startswith(f"warning: emptyrun: {folder / 'run.json'} records no rank's step times (an empty object)")
+    assert "--trace-wait-steps" not in output
+
+
 def test_a_group_is_compared_only_between_its_members():
     tp = [("1", "ALL_REDUCE", 64)]
     assert collectives_agree({0: tp, 1: tp, 2: [], 3: []}, members={"1": [0, 1]}) == []

@@ -217,6 +217,19 @@ def test_a_number_cut_at_the_end_of_the_document_is_not_kept(tmp_path, gpt2, gpt
     assert repaired["finish_ts"] == gpt2["start_ts"] and repaired["nodes"] == gpt2["nodes"]
 
 
+def test_a_cut_between_two_nodes_says_so_and_cuts_no_node(tmp_path, gpt2, gpt2_text):
+    """Cut just before a node's opening brace, the message had said the JSON ends inside the next node, and then
+    that no node was cut."""
+    middle = gpt2_text.index(b'"id":', len(gpt2_text) // 2)
+    original = gpt2_text[:gpt2_text.rindex(b"{", 0, middle)]
+    path = write(tmp_path, "host.0.json", original)
+    kept = len(orjson.loads(gpt2_text[:gpt2_text.rindex(b"}", 0, middle) + 1] + b"]}")["nodes"])
+    line = repair_host_trace(path).line()
+    assert f"the JSON ends after node {kept}, inside the node list" in line and "inside node" not in line
+    assert f"closed the node list after {kept} complete nodes; no node was cut" in line
+    assert assert_repaired_then_idempotent(path, original)["nodes"] == gpt2["nodes"][:kept]
+
+
 def test_truncated_gzip_stream_is_recovered_as_a_truncated_trace(tmp_path, gpt2):
     original = GPT2_HOST.read_bytes()[:40000]  # the copy stopped part way: gzip and JSON both cut
     path = write(tmp_path, "host.0.json.gz", original)

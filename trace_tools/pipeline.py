@@ -847,6 +847,11 @@ def run_warnings(run: Run) -> list[str]:
     info = read_run_json(run.folder)
     if not isinstance(info, dict) or any(untraced_steps_after_the_first(info, rank) for rank in run.ranks):
         return passed_over
+    if not info.get("ranks"):  # not a tracer's run.json ({} had been blamed on the trace window's flags)
+        return passed_over + [
+            f"{run.folder / RUN_INFO} records no rank's step times ({'an empty object' if not info else 'no ranks'}), "
+            "so every .et keeps the profiler's cost (its ops take their traced time, the recording included): copy "
+            f"the run's own {RUN_INFO}, as the tracer wrote it, beside the traces"]
     numbers = info.get("untraced_steps")
     timed = (f" (untraced_steps {numbers})" if isinstance(numbers, list) else "")
     return passed_over + [

@@ -725,8 +725,12 @@ def _plan_truncated(path: Path, scan: _Scan, doc: _Doc, raw: _Raw, min_nodes: in
     in_nodes = doc.nodes_close is None
     dups = _duplicate_indices(doc.node_ids)
     kept = len(doc.node_ids) - len(dups)
-    if in_nodes:
+    last_end = (doc.node_spans[-1][1] if doc.node_spans else doc.nodes_open) if in_nodes else None
+    partial_node = in_nodes and bool(text[last_end:scan.end].strip(" \t\r\n,"))
+    if partial_node:
         problem = f"truncated JSON: {where} inside node {len(doc.node_ids) + 1} at byte {cut}"
+    elif in_nodes:  # cut between two nodes: none is cut, the node list is not closed
+        problem = f"truncated JSON: {where} after node {len(doc.node_ids)}, inside the node list, at byte {cut}"
     else:
         problem = f"truncated JSON: {where} after the node list at byte {cut}"
     if scan.trailing_nuls:
@@ -738,11 +742,8 @@ def _plan_truncated(path: Path, scan: _Scan, doc: _Doc, raw: _Raw, min_nodes: in
     kept_ids = set(doc.node_ids)
     lost_parents = {parent for parent in doc.node_parents if isinstance(parent, int) and parent not in kept_ids}
     orphans = sum(1 for parent in doc.node_parents if parent in lost_parents)
-    partial_node = False
     if in_nodes:
-        last_end = doc.node_spans[-1][1] if doc.node_spans else doc.nodes_open
         dropped_bytes = scan.end - last_end
-        partial_node = bool(text[last_end:scan.end].strip(" \t\r\n,"))
         cut_note = f"dropped 1 partial node ({dropped_bytes} bytes)" if partial_node else "no node was cut"
         action = f"closed the node list after {_plural(kept, 'complete node')}; {cut_note}"
     else:
