@@ -540,8 +540,11 @@ def test_folder_without_et_files_is_an_error(tmp_path):
     done = _run(["trace_report.py", str(tmp_path)])
     assert done.returncode == 1
     assert done.stderr.strip() == f"error: {tmp_path}: no <name>.<rank>.et files in it or in its sub-folders"
-    with pytest.raises(ReportError, match="not a folder"):
+    with pytest.raises(ReportError, match="nowhere: no such folder$"):  # as simulate.py and scale_et.py say it
         write_report(tmp_path / "nowhere")
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(ReportError, match="a_file: not a folder$"):
+        write_report(tmp_path / "a_file")
 
 
 def test_two_runs_in_one_folder_are_refused(tmp_path):

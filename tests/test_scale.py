@@ -1,6 +1,7 @@
 """Scale-out: a data-parallel run traced on k ranks becomes N ranks for ASTRA-sim; other parallelism is refused."""
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -444,6 +445,23 @@ def test_a_refused_scale_leaves_no_folder_it_made_and_a_killed_ones_staging_is_c
     (dead / "deep" / "run.5.et").write_bytes(b"partial")
     scale_run(gpt2_run, 4, output_dir=out, name="run")
     assert sorted(p.name for p in out.iterdir()) == ["SCALE_SUMMARY.md", *(f"run.{r}.et" for r in range(4))]
+
+
+def test_no_space_on_a_disk_with_space_names_the_folders_entry_limit(gpt2_run, tmp_path, monkeypatch, capsys):
+    """--ranks 100000000 ended in 'No space left on device' with 76 GB and 97% of the inodes free: the limit met was
+    one folder's entries. The error says so when the disk has room."""
+    disk = os.statvfs(tmp_path)
+    if disk.f_bavail * disk.f_frsize < 2 << 30:
+        pytest.skip("the disk under the test's folder is nearly full itself")
+
+    def folder_full(existing, new):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(new))
+    monkeypatch.setattr(scale, "link_or_copy", folder_full)
+    assert scale_et.main([str(gpt2_run), "--ranks", "8", "--output-dir", str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    assert "(No space left on device, with " in err and "the file system's limit on one folder's entries, which " \
+        "8 files reach; give fewer --ranks); nothing was changed" in err
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_missing_rank_is_named(gpt2_run, tmp_path):

@@ -178,6 +178,14 @@ def test_a_folder_without_et_files_says_to_convert_first(tmp_path):
         find_workload(tmp_path / "nope")
 
 
+def test_one_ranks_et_file_given_names_the_folder_and_the_prefix_to_give(converted):
+    """It had said: no such folder (nor a workload prefix with gpt2_tiny_2r.0.et.0.et beside it)."""
+    with pytest.raises(SimulationError) as raised:
+        find_workload(converted / "gpt2_tiny_2r.0.et")
+    assert str(raised.value) == (f"{converted / 'gpt2_tiny_2r.0.et'}: one rank's .et; give its folder ({converted}) "
+                                 f"or the set's prefix ({converted / 'gpt2_tiny_2r'})")
+
+
 def test_the_world_group_needs_no_communicator_file(converted):
     assert process_groups(converted / "gpt2_tiny_2r", 2) == {}
 

@@ -1175,7 +1175,7 @@ def write_report(et_dir: str | Path, trace_dirs: list[str | Path] | None = None,
     """
     et_dir = Path(et_dir)
     if not et_dir.is_dir():
-        raise ReportError(f"{et_dir}: not a folder")
+        raise ReportError(f"{et_dir}: {'not a folder' if et_dir.exists() else 'no such folder'}")
     # reports side by side, but none while a conversion rewrites the .et files (pipeline.only_conversion_in)
     with folder_held(et_dir, lambda: ReportError(f"{et_dir}: a conversion is writing into this folder now; report on it "
                                                  "when it has ended"), shared=True):
@@ -1233,7 +1233,7 @@ def find_report_folders(path: Path) -> list[Path]:
         return bool(et_sets(folder))
 
     if not path.is_dir():
-        raise ReportError(f"{path}: not a folder")
+        raise ReportError(f"{path}: {'not a folder' if path.exists() else 'no such folder'}")
     if has_et(path):
         return [path]
     found = []

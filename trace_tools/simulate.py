@@ -247,6 +247,10 @@ def find_workload(run: Path) -> tuple[Path, int]:
         ranks = et_sets(run.parent).get(run.name, {})
         if 0 in ranks:
             return run, _contiguous_ranks(run.parent, run.name, ranks)
+        named = re.fullmatch(r"(?P<prefix>.+)\.\d+\.et", run.name)
+        if run.is_file() and named and named["prefix"] in et_sets(run.parent):  # one rank's file of a set
+            raise SimulationError(f"{run}: one rank's .et; give its folder ({run.parent}) or the set's prefix "
+                                  f"({run.parent / named['prefix']})")
         raise SimulationError(f"{run}: no such folder (nor a workload prefix with {run.name}.0.et beside it)")
     every_set = et_sets(run)
     sets = {name: ranks for name, ranks in every_set.items() if 0 in ranks}
