@@ -4,8 +4,12 @@ import argparse
 import logging
 import sys
 
-from trace_tools.command_line import ArgumentParser, StopSignal
-from trace_tools.scale import DEFAULT_NAME, SUMMARY_NAME, ScaleError, parse_slow, scale_set
+from utils.environment import require
+
+require("conversion")  # one line naming the environment to use, not a ModuleNotFoundError
+
+from trace_tools.command_line import ArgumentParser, StopSignal  # noqa: E402
+from trace_tools.scale import DEFAULT_NAME, SUMMARY_NAME, ScaleError, parse_slow, scale_set  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -88,6 +88,21 @@ def test_traces_without_run_json_are_converted_with_a_warning_that_the_profiler_
     assert "no run.json beside" not in convert(folder, capsys)[1]
 
 
+def test_report_without_matplotlib_is_refused_before_converting(tmp_path, capsys, monkeypatch):
+    """pip install .[convert] and a plain chakra-venv have no matplotlib: --report converted every rank, then ended
+    in a ModuleNotFoundError traceback. It is now one line, before anything is written."""
+    import importlib.util
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else find_spec(name, *a))
+    folder = corpus.copy_run(GPT2_2R, tmp_path / "run")
+    code, output = convert(folder, capsys, "--report")
+    assert code == 2
+    assert errors(output) == [line for line in output.splitlines() if line]
+    [line] = errors(output)
+    assert line.startswith("error: --report: ") and "has no matplotlib" in line and "-- --report" in line
+    assert not list(folder.glob("*.et")) and not (folder / "CONVERSION_SUMMARY.md").exists()
+
+
 def test_an_empty_run_json_is_named_as_such_not_blamed_on_the_trace_window(tmp_path, capsys):
     folder = corpus.copy_run(GPT2_2R, tmp_path / "emptyrun")
     (folder / "run.json").write_text("{}")

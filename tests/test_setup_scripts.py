@@ -257,6 +257,8 @@ def bare_python(tmp_path_factory) -> Path:
     ("convert_remaining.py", "./setup_and_convert.sh"),
     ("fix_host_traces.py", "./setup_and_convert.sh"),
     ("trace_report.py", "./install_chakra_tools.sh --with-report"),
+    ("simulate.py", "./setup_and_convert.sh"),  # had been a ModuleNotFoundError traceback
+    ("scale_et.py", "./setup_and_convert.sh"),
     ("gpt2/train.py", "source .venv/bin/activate"),
     ("bert/train.py", "source .venv/bin/activate"),
 ])
@@ -267,6 +269,25 @@ def test_entry_point_without_its_packages_names_the_environment_in_one_line(bare
     [line] = proc.stderr.splitlines()
     assert line.startswith(f"error: {bare_python} has no ") and remedy in line, line
     assert "source .venv/bin/activate" in line
+
+
+def test_mosim_train_without_torch_names_the_environment_in_one_line(bare_python):
+    """pip install .[convert] installs mosim-train too; `mosim-train gpt2 --help` there was a torch traceback."""
+    code = f"import sys; sys.path.insert(0, {str(REPO)!r}); from utils.families import train_main; " \
+           "sys.exit(train_main(['gpt2', '--help']))"
+    proc = run([bare_python, "-c", code])
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    [line] = proc.stderr.splitlines()
+    assert line.startswith(f"error: {bare_python} has no torch") and "pip install '.[train]'" in line
+
+
+def test_the_environment_named_from_another_folder_is_named_by_its_full_path(bare_python, tmp_path):
+    """cd /tmp && python3 /repo/convert_to_et.py DIR had named ./setup_and_convert.sh and .venv/, which are not there."""
+    proc = subprocess.run([str(bare_python), str(REPO / "convert_to_et.py"), "--help"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1
+    [line] = proc.stderr.splitlines()
+    assert f"{REPO}/setup_and_convert.sh (creates {REPO}/chakra-venv/), or source {REPO}/.venv/bin/activate" in line
 
 
 def test_setup_and_convert_reuses_an_active_environment_that_has_the_packages(tmp_path):

@@ -178,6 +178,14 @@ def test_a_folder_without_et_files_says_to_convert_first(tmp_path):
         find_workload(tmp_path / "nope")
 
 
+def test_a_missing_run_folder_is_named_before_astra_sim_is_sought(tmp_path):
+    """simulate.py nosuch without ASTRA-sim at hand had said only that ASTRA-sim was not found."""
+    proc = run_cli(tmp_path / "nosuch", "--bandwidth", "1Gbit/s", "--astra-sim", tmp_path / "no-astra-sim")
+    assert proc.returncode == 1
+    assert proc.stderr.splitlines() == [f"error: {tmp_path / 'nosuch'}: no such folder (nor a workload prefix with "
+                                        "nosuch.0.et beside it)"]
+
+
 def test_one_ranks_et_file_given_names_the_folder_and_the_prefix_to_give(converted):
     """It had said: no such folder (nor a workload prefix with gpt2_tiny_2r.0.et.0.et beside it)."""
     with pytest.raises(SimulationError) as raised:
@@ -398,13 +406,14 @@ def test_the_command_line_without_astra_sim_exits_with_one_error_line(converted)
 
 
 @pytest.mark.parametrize("origin", ["--astra-sim", "$ASTRA_SIM"])
-def test_a_binary_path_that_does_not_exist_is_a_usage_error_from_the_flag_or_the_environment(tmp_path, origin):
+def test_a_binary_path_that_does_not_exist_is_a_usage_error_from_the_flag_or_the_environment(converted, tmp_path,
+                                                                                            origin):
     """$ASTRA_SIM pointing nowhere exited 1, --astra-sim pointing nowhere 2: both are the user's setting."""
     nowhere = tmp_path / "nope"
     if origin == "--astra-sim":
-        proc = run_cli(tmp_path, "--bandwidth", "1Gbit/s", "--astra-sim", nowhere, env={"ASTRA_SIM": ""})
+        proc = run_cli(converted, "--bandwidth", "1Gbit/s", "--astra-sim", nowhere, env={"ASTRA_SIM": ""})
     else:
-        proc = run_cli(tmp_path, "--bandwidth", "1Gbit/s", env={"ASTRA_SIM": str(nowhere)})
+        proc = run_cli(converted, "--bandwidth", "1Gbit/s", env={"ASTRA_SIM": str(nowhere)})
     assert proc.returncode == 2
     assert proc.stderr.startswith(f"error: {origin} {nowhere}: no such file (./install_astra_sim.sh builds")
     assert proc.stderr.count("\n") == 1

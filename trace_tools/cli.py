@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import logging
 import os
 import sys
@@ -72,6 +73,12 @@ def _main(args: argparse.Namespace, remaining: bool) -> int:
     missing = [p for p in args.paths if not Path(p).exists()]
     for path in missing:
         print(f"error: {path}: no such file or folder", file=sys.stderr)
+    if args.report and importlib.util.find_spec("matplotlib") is None:
+        # before any rank is converted (the report's figures need it; it had been a traceback after converting)
+        print(f"error: --report: {sys.executable} has no matplotlib, which the report's figures need: convert with "
+              "./setup_and_convert.sh DIR -- --report (it adds it to chakra-venv/), or install the [report] extra "
+              "(pip install '.[report]'), or leave out --report", file=sys.stderr)
+        return 2
     runs = find_runs([p for p in args.paths if Path(p).exists()])
     if not runs:
         if not missing:

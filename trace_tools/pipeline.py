@@ -843,7 +843,8 @@ def run_warnings(run: Run) -> list[str]:
         return passed_over + [
             f"no {RUN_INFO} beside the traces in {run.folder} (traces this project's tracer did not write, or "
             f"copied without it), so every .et keeps the profiler's cost (its ops take their traced time, the recording "
-            f"included) and simulate.py has no measured step to compare with: copy the run's {RUN_INFO} beside them"]
+            f"included) and simulate.py has no measured step to compare with: copy the run's {RUN_INFO} beside them if "
+            "there is one (this project's tracer writes it beside every traced run)"]
     info = read_run_json(run.folder)
     if not isinstance(info, dict) or any(untraced_steps_after_the_first(info, rank) for rank in run.ranks):
         return passed_over

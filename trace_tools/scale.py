@@ -682,6 +682,14 @@ def scale_set(source: str | Path, ranks: int, *, output_dir: str | Path | None =
                          slow=slow, parallelism=parallelism, traced_ranks=traced.count, traced_of_rank=traced_of_rank,
                          source_scaled=traced.scaled, slow_notes=slow_notes, unslowed=unslowed, warnings=warnings,
                          note=note)
+    _write_and_publish(result, sources, file_of_rank, started)
+    return result
+
+
+def _write_and_publish(result: ScaleResult, sources: list[SourceEt], file_of_rank: list[int], started: float) -> None:
+    """Write the set in a staging folder inside the output folder, then rename it into place: a failure leaves no
+    partial set, and no output folder this command made."""
+    out_dir, name, ranks = result.output_dir, result.name, result.ranks
     made = [folder for folder in (out_dir, *out_dir.parents) if not folder.exists()]  # innermost first
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -714,7 +722,6 @@ def scale_set(source: str | Path, ranks: int, *, output_dir: str | Path | None =
             except OSError:
                 break
         raise
-    return result
 
 
 def _why_no_space(error: OSError, out_dir: Path, ranks: int) -> str:

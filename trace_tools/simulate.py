@@ -1131,6 +1131,7 @@ def _main(args: argparse.Namespace, invocation: str) -> int:
     try:
         bandwidth = parse_bandwidth(args.bandwidth)
         Network(args.ranks or 2, bandwidth, args.latency, args.topology, args.collective)  # flags checked first
+        find_workload(Path(args.run))  # then the run: a folder that is not there is named before ASTRA-sim is sought
         binary = find_astra_sim(args.astra_sim)
         result = simulate_run(Path(args.run), ranks=args.ranks, bandwidth_gbs=bandwidth, latency_ns=args.latency,
                               topology=args.topology, collective=args.collective, binary=binary,

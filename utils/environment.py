@@ -23,7 +23,8 @@ MODULES = {
 }
 # How to get an environment that has them, in the words the README uses.
 REMEDY = {
-    "training": "source .venv/bin/activate (./run_tests.sh or ./run_all_profiling.sh creates .venv)",
+    "training": "source .venv/bin/activate (./run_tests.sh or ./run_all_profiling.sh creates .venv), or install "
+                "the [train] extra (pip install '.[train]')",
     "conversion": "./setup_and_convert.sh (creates chakra-venv/), or source .venv/bin/activate",
     "report": "./install_chakra_tools.sh --with-report, then source chakra-venv/bin/activate; "
               "or source .venv/bin/activate",
@@ -49,8 +50,20 @@ def require(purpose: str) -> None:
     missing = missing_modules(MODULES[purpose])
     if missing:
         print(f"error: {sys.executable} has no {', '.join(missing)}; use the project's environment: "
-              f"{REMEDY[purpose]}", file=sys.stderr)
+              f"{remedy(purpose)}", file=sys.stderr)
         sys.exit(1)
+
+
+def remedy(purpose: str) -> str:
+    """REMEDY[purpose] as it works from the working directory: its paths are the repository's (./setup_and_convert.sh,
+    .venv/), which a script run from elsewhere (cd /tmp && python3 /repo/convert_to_et.py ...) names in full."""
+    root = Path(__file__).resolve().parent.parent
+    text = REMEDY[purpose]
+    if not (root / "setup_and_convert.sh").is_file() or Path.cwd().resolve() == root:
+        return text
+    return (text.replace("./", f"{root}/").replace("source .venv/", f"source {root}/.venv/")
+            .replace("source chakra-venv/", f"source {root}/chakra-venv/").replace("creates .venv", f"creates {root}/.venv")
+            .replace("creates chakra-venv/", f"creates {root}/chakra-venv/"))
 
 
 # ---- requirements files ------------------------------------------------------------------------------------------

@@ -81,6 +81,8 @@ def train_main(argv: list[str] | None = None) -> int:
     if argv[0] not in FAMILIES:
         print(f"error: unknown model family {argv[0]!r}", file=sys.stderr)
         return 2
+    from utils.environment import require
+    require("training")  # `pip install .[convert]` installs this command too: one line, not a torch traceback
     from utils.trainer import main as train
 
     return train(load_family(argv[0]), argv[1:])
