@@ -325,6 +325,10 @@ main() {
         smoke_test "$src" "$binary"
         echo "$wanted" >"$PREFIX/$MARKER_NAME"
     fi
+    if [ "$DRY_RUN" = 1 ]; then
+        say "Dry run done: nothing was built; without --dry-run the binary would be $binary"
+        return 0
+    fi
     say "ASTRA-sim ready: $binary"
     echo "export ASTRA_SIM=$binary"
 }

@@ -192,7 +192,7 @@ main() {
     if [ "$WITH_OFFICIAL" = 1 ]; then
         install_official "$python" || rc=$?
     fi
-    say "Conversion environment ready: $python  (activate with: source $VENV/bin/activate)"
+    say "Conversion environment ready: $python  (activate with: source $(printf '%q' "$VENV")/bin/activate)"
     exit "$rc"
 }
 

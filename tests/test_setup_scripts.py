@@ -566,6 +566,9 @@ def test_astra_source_tree_edited_since_its_build_is_built_again_not_reused(tmp_
     git, was reported as "Reusing" the binary built from its earlier files."""
     prefix = tmp_path / "install"
     dry = run([ASTRA, "--source", astra_tree, "--prefix", prefix, "--dry-run"], env=no_build_tools)
+    # a dry run says it built nothing (it had ended "ASTRA-sim ready" with an export line for no binary)
+    assert "ASTRA-sim ready" not in dry.stdout and "export ASTRA_SIM=" not in dry.stdout
+    assert dry.stdout.splitlines()[-1].startswith("==> Dry run done: nothing was built")
     [described] = re.findall(r"would build (.+)\)$", dry.stdout.splitlines()[0])
     assert described.startswith(f"{astra_tree} (files checksum ")
     (prefix / "bin").mkdir(parents=True)  # as a build from these files leaves it
