@@ -26,7 +26,7 @@ BUNDLED_SQUAD = REPO_ROOT / "data" / "squad_sample.json"
 STEP_LINE = re.compile(r"\bstep (\d+)/(\d+) \|.*\| ([0-9][0-9.,]*) ms/step")
 STEP_CPU = re.compile(r"\| cpu ([0-9][0-9.,]*) ms/step")  # the process's CPU time per step (absent in older logs)
 # What Trainer._log_step_time adds to the step lines inside the trace window.
-TRACE_WINDOW_NOTE = "in the trace window"
+TRACE_WINDOW_NOTE = "loss read after the trace window"
 OUR_LOG_FILE = "training_rank_0.log"
 
 

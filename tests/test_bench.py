@@ -691,7 +691,7 @@ def test_the_rate_cycler_of_a_traced_run_starts_after_the_window_and_its_blocks_
         time.sleep(ms / 1000)
         now = time.time()
         stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(now)) + f",{int(now % 1 * 1000):03d}"
-        tail = f"{ms:.1f} ms/step | in the trace window: loss read after it" if in_window else \
+        tail = f"{ms:.1f} ms/step | loss read after the trace window" if in_window else \
             f"100 tok/s | {ms:.1f} ms/step | cpu {0.8 * ms:.1f} ms/step"
         with open(log, "a", encoding="utf-8") as out:
             out.write(f"{stamp} rank 0/2 INFO utils.trainer: step {n}/30 | epoch 0.10 | lr 1e-05 | {tail}\n")

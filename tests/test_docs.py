@@ -550,7 +550,7 @@ NOT_RUNNABLE: dict[str, str] = {
     "./run_gpt2_quick.sh --num-gpus 8 --nnodes 2 --node-rank 1 --master-addr 10.0.0.1 --master-port 29500": CLUSTER,
     "./run_gpt2_quick.sh --num-gpus 8 --nnodes 2 --node-rank R --master-addr 10.0.0.1 --master-port 29500": CLUSTER,
     "torchrun --nnodes=2 --node_rank=1 --master_addr=10.0.0.1 --master_port=29500 --nproc_per_node=8 gpt2/train.py "
-    "--model-name gpt2 --num-gpus 16 --batch-size 4 --max-steps 10 --precision bf16 --no-compile --enable-tracing "
+    "--model-name gpt2 --num-gpus 16 --batch-size 4 --test --precision bf16 --no-compile --enable-tracing "
     "--trace-output-dir ./outputs --trace-name gpt2_16gpu_quick_trace": CLUSTER,
     "./run.sh gpu --host-network": DOCKER,
     "set -euo pipefail": "line of the Slurm batch script: " + CLUSTER,

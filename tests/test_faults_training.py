@@ -374,6 +374,20 @@ def test_resumed_run_with_fewer_steps_left_than_the_trace_window_is_refused(step
     assert not (save_dir / "final_model").exists()
 
 
+def test_a_resumed_traced_run_runs_its_window_and_after_steps_from_the_checkpoint(finished_gpt2, tmp_path):
+    """Without --max-steps a traced run stops after its window and the untraced steps timed after it, counted from
+    the step it resumes at: it had stopped at the window's length from step 0, timing none of its after-steps."""
+    checkpoint = copy_checkpoint(finished_gpt2, tmp_path, "checkpoint-2")
+    out = tmp_path / "out"
+    status, save_dir, _ = train("gpt2", tmp_path, *QUICK, "--resume-from", str(checkpoint), "--enable-tracing",
+                                "--trace-output-dir", str(out), "--trace-wait-steps", "3", "--no-save-initial")
+    assert status == 0
+    assert info(save_dir / "final_model")["step"] == 2 + 3 + 1 + 3 + 3  # resumed + wait + warmup + active + after
+    [run_json] = out.glob("*/run.json")
+    run = json.loads(run_json.read_text())
+    assert run["traced_steps"] == [4, 5, 6] and run["untraced_steps"] == [0, 1, 2, 7, 8, 9]
+
+
 def test_num_epochs_trains_whole_epochs_when_accumulation_leaves_micro_batches_over(tmp_path):
     """The last optimizer step of an epoch takes the micro-batches left, as transformers.Trainer does."""
     status, save_dir, log_dir = train("gpt2", tmp_path, *QUICK, "--batch-size", "16", "--gradient-accumulation-steps",

@@ -129,8 +129,8 @@ def test_one_rank_traced_gpt2_step_has_no_trainer_bookkeeping(tmp_path):
              if " step " in line and "ms/step" in line]
     # --logging-steps 1: the lines of steps 1 and 2, written while the window records steps 2 and 3, read no loss
     assert [line.startswith(f"step {n}/3 |") for n, line in enumerate(lines, start=1)] == [True] * 3
-    assert "loss" not in lines[0].split("|")[2] and lines[0].endswith("in the trace window: loss read after it")
-    assert lines[1].endswith("in the trace window: loss read after it")
+    assert "loss" not in lines[0].split("|")[2] and lines[0].endswith("loss read after the trace window")
+    assert lines[1].endswith("loss read after the trace window")
     assert "| loss " in lines[2] and "tok/s" in lines[2]
 
 

@@ -442,6 +442,31 @@ def test_a_window_that_times_no_untraced_step_after_the_first_is_warned_of(flags
                                    "more, or --trace-after-steps 1 or more" in caplog.text, caplog.text
 
 
+@pytest.mark.parametrize("flags, start, says", [
+    # the quick launchers' --max-steps 12: the default window shrinks to wait 8 and leaves no step after it
+    (["--max-steps", "12"], 0, "--max-steps 12 ends the run 0 step(s) after the window, so 0 of the 8 untraced "
+     "steps to time after it are timed and the untraced pace the .et is corrected towards comes only from the run's "
+     "first steps, which still warm up: raise --max-steps to 20"),
+    (["--max-steps", "8", "--trace-after-steps", "5"], 0, "so 0 of the 5 untraced steps"),
+    (["--max-steps", "20", "--trace-wait-steps", "3"], 0, None),  # window 7 and 3 after: all reached
+    # resumed at step 12: --max-steps 20 leaves 8 steps, the window 7 of them
+    (["--max-steps", "20", "--trace-wait-steps", "3"], 12, "ends the run 1 step(s) after the window, so 1 of the 3 "
+     "untraced steps to time after it are timed and the untraced pace the .et is corrected towards comes mostly from "
+     "the run's first steps, which still warm up: raise --max-steps to 22"),
+])
+def test_after_steps_cut_by_max_steps_are_warned_of(flags, start, says, caplog):
+    """The after-steps a --max-steps near the window leaves out were dropped without a word, an explicit
+    --trace-after-steps 5 included."""
+    args = parse_tracing_args("--enable-tracing", *flags)
+    with caplog.at_level("WARNING", logger="utils.chakra_tracer"):
+        build_tracer(args, rank=0, world_size=1, local_rank=0, device="cpu", run_info={"model": "m"},
+                     first_log_step=start + 1)
+    if says is None:
+        assert "ends the run" not in caplog.text, caplog.text
+    else:
+        assert says in caplog.text, caplog.text
+
+
 def test_the_steps_timed_after_the_window_default_to_the_wait_steps_and_at_least_one(caplog):
     assert parse_tracing_args("--enable-tracing", "--trace-wait-steps", "0").trace_after_steps == 1
     assert parse_tracing_args("--enable-tracing", "--trace-wait-steps", "3").trace_after_steps == 3
@@ -1092,4 +1117,5 @@ def test_run_json_says_how_many_micro_batches_each_timed_step_took_and_warns_whe
             tracer.step(micro_batches)
     rank = json.loads((tmp_path / "unequal" / "run.json").read_text())["ranks"][0]
     assert rank["untraced_step_micro_batches"] == [4, 3, 3, 4] and rank["step_micro_batches"] == [3, 4]
-    assert "the timed steps 1 (3), 3 (3), 5 (3) took fewer micro-batches" in caplog.text
+    # numbered as the log numbers them (from 1), the traced one said so
+    assert "the timed steps 2 (3), 4 (3, traced), 6 (3) of the log took fewer micro-batches" in caplog.text

@@ -76,7 +76,17 @@ def build_tracer(config: RunConfig, *, rank: int, world_size: int, local_rank: i
         return NullTracer()
     device = torch.device(device)
     wait, warmup, active = config.trace_window
-    if rank == 0 and not config.timed_untraced_steps():
+    start = first_log_step - 1  # the step a resumed run continues after
+    reached, after = config.after_steps_reached(start), config.trace_after_steps
+    if rank == 0 and config.timed_untraced_steps(start) and reached < after:
+        # The first steps warm up (utils/run_config.py, DEFAULT_WAIT_STEPS): without the steps after the window the
+        # untraced pace comes from them alone
+        logger.warning("trace window: --max-steps %d ends the run %d step(s) after the window, so %d of the %d "
+                       "untraced steps to time after it are timed and the untraced pace the .et is corrected towards "
+                       "comes %s from the run's first steps, which still warm up: raise --max-steps to %d",
+                       config.optim.max_steps, reached, reached, after, "mostly" if reached else "only",
+                       start + wait + warmup + active + after)
+    if rank == 0 and not config.timed_untraced_steps(start):
         # The conversion takes the profiler's cost out of the .et against the untraced pace, the run's first step
         # (its start-up) left out: with none timed the .et keeps it, over twice a GPT-2 tiny step on a CPU
         logger.warning("trace window: --trace-wait-steps %d and --trace-after-steps %d time no untraced step after the "
@@ -419,8 +429,11 @@ class ChakraTracer:
         taken = {**self.untraced.micro_batches, **self.traced.micro_batches}
         if len(set(taken.values())) > 1:
             most = max(taken.values())
-            fewer = ", ".join(f"{step} ({n})" for step, n in sorted(taken.items()) if n < most)
-            logger.warning("rank %d: --gradient-accumulation-steps %d: the timed steps %s took fewer micro-batches, "
+            # numbered as the log numbers them (they had been the tracer's, one less), the traced ones said so
+            fewer = ", ".join(f"{self._log_step(step)} ({n}{', traced' if step in self.traced.micro_batches else ''})"
+                              for step, n in sorted(taken.items()) if n < most)
+            logger.warning("rank %d: --gradient-accumulation-steps %d: the timed steps %s of the log took fewer "
+                           "micro-batches, "
                            "as an epoch's last step takes the batches left: run.json's times compare unequal steps "
                            "(step_micro_batches); choose a --gradient-accumulation-steps that divides the batches of "
                            "an epoch", self.rank, most, fewer)

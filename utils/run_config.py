@@ -74,7 +74,8 @@ class OptimizationArguments:
     max_grad_norm: float = flag(1.0, "gradient clipping, 0 to disable (default: %(default)s)")
     gradient_accumulation_steps: int = flag(1, "micro-batches per optimizer step; DDP all-reduces only on the last")
     seed: int = flag(42, "random seed (default: %(default)s)")
-    test: bool = flag(False, f"quick check: stop after {TEST_MODE_STEPS} optimizer steps (or --max-steps)")
+    test: bool = flag(False, f"quick check: stop after {TEST_MODE_STEPS} optimizer steps, a traced run after its trace "
+                             "window and the untraced steps timed after it if more (or --max-steps)")
     overfit_one_batch: bool = flag(False, "train on the first batch over and over: the loss must fall toward zero")
 
 
@@ -193,21 +194,27 @@ class RunConfig:
         after = self.tracing.trace_after_steps
         return after if after is not None else max(1, self.trace_window[0])
 
-    def timed_untraced_steps(self) -> int:
-        """Untraced steps the tracer times that the conversion uses: the wait steps but the run's first, and the
-        steps after the window that the run reaches."""
-        wait, warmup, active = self.trace_window
+    def after_steps_reached(self, start_step: int = 0) -> int:
+        """Of the untraced steps to time after the window, those the run reaches: a --max-steps that ends the run
+        sooner leaves fewer (start_step: the step a resumed run continues after)."""
         after = self.trace_after_steps
         if self.optim.max_steps is not None:
-            after = max(0, min(after, self.optim.max_steps - wait - warmup - active))
-        return max(0, wait - 1) + after
+            after = max(0, min(after, self.optim.max_steps - start_step - sum(self.trace_window)))
+        return after
 
-    def planned_steps(self, steps_per_epoch: int) -> int:
+    def timed_untraced_steps(self, start_step: int = 0) -> int:
+        """Untraced steps the tracer times that the conversion uses: the wait steps but the run's first, and the
+        steps after the window that the run reaches."""
+        return max(0, self.trace_window[0] - 1) + self.after_steps_reached(start_step)
+
+    def planned_steps(self, steps_per_epoch: int, start_step: int = 0) -> int:
         """--max-steps, else --test's 10 (longer if the trace window needs it), else the trace window and the untraced
-        steps timed after it, else epochs."""
+        steps timed after it, else epochs. The tracer starts counting at the run's first step: a traced run resumed
+        at start_step runs its window and after-steps from there (it had stopped at the window's length from step 0,
+        a run resumed at step 10 tracing steps 22-24 of 24 and timing none of its after-steps)."""
         if self.optim.max_steps is not None:
             return self.optim.max_steps
-        window = sum(self.trace_window) + self.trace_after_steps if self.tracing.enable_tracing else 0
+        window = start_step + sum(self.trace_window) + self.trace_after_steps if self.tracing.enable_tracing else 0
         return max(TEST_MODE_STEPS, window) if self.optim.test else window or self.optim.num_epochs * steps_per_epoch
 
     def flags(self) -> "dict[str, Any]":

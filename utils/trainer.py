@@ -480,7 +480,7 @@ class Trainer:
     def _build_optimization(self, steps_per_epoch: int) -> None:
         """Step count, AdamW, the learning-rate schedule, the fp16 gradient scaler and the batch stream."""
         optim = self.config.optim
-        self.max_steps = self.config.planned_steps(steps_per_epoch)
+        self.max_steps = self.config.planned_steps(steps_per_epoch, self._resumed_step())
         self.warmup_steps = optim.warmup_steps if optim.warmup_steps is not None else int(0.1 * self.max_steps)
         self.optimizer = self._build_optimizer()
         from transformers import get_scheduler
@@ -488,6 +488,17 @@ class Trainer:
                                        num_warmup_steps=self.warmup_steps, num_training_steps=self.max_steps)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.settings.precision == "fp16")
         self.stream = RepeatedBatch(self.train_loader) if optim.overfit_one_batch else BatchStream(self.train_loader)
+
+    def _resumed_step(self) -> int:
+        """The step --resume-from continues after (its training_info.json), 0 for a fresh run: a traced run's window
+        is counted from there."""
+        if not self.settings.resume_from:
+            return 0
+        try:
+            step = read_training_info(Path(self.settings.resume_from)).get("step")
+        except CheckpointError:
+            return 0  # _restore names what is wrong with the checkpoint
+        return step if isinstance(step, int) and step > 0 else 0
 
     def _wrap_and_measure(self) -> None:
         """torch.compile and DDP around the model; its FLOPs per token, the peak to compare with, the metric sinks."""
@@ -992,7 +1003,7 @@ class Trainer:
         loss's all-reduce and device read would land in the traced step; the next line after the window has the
         loss and tokens/s), or between loss reads (--loss-sync-steps), where the CPU time per step is given too."""
         if self._inside_trace_window():
-            note = "in the trace window: loss read after it"
+            note = "loss read after the trace window"  # the step just logged may precede it: the read would be in it
         else:
             note = (f"cpu {1000 * cpu_seconds / steps:.1f} ms/step | between loss reads "
                     f"(every {self.config.checkpoint.loss_sync_steps} steps)")
