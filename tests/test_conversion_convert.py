@@ -382,6 +382,7 @@ def test_the_et_is_a_full_step_when_the_traced_window_also_holds_an_epochs_short
     assert not any("the run's own" in w for w in result.warnings)
     assert "one traced step of 4 micro-batches (the run's full step), ProfilerStep#2 of other micro-batches left " \
            "out" in durations_text(result)
+    assert result.untraced_left_out == 0 and "more left out" not in durations_text(result)
 
 
 @pytest.mark.parametrize("untraced_micro_batches, calibrated", [([4, 4, 4, 4, 4], False), ([4, 4, 2, 4, 4], True)])
@@ -398,6 +399,10 @@ def test_a_window_of_only_an_epochs_short_last_step_is_never_calibrated_to_a_ful
     result = convert_rank(folder / "host.0.json.gz", folder / "device.0.json.gz", folder / "run.0.et")
     if calibrated:
         assert result.untraced_step_us == pytest.approx(0.4 * traced_s * 1e6) and result.recording_overhead_us > 0
+        # the 3 untraced steps of 4 micro-batches are left out, and the summary says so (it had said nothing)
+        assert result.untraced_left_out == 3
+        assert "one untraced step (3 more left out: they took other micro-batches than the traced step" \
+            in durations_text(result)
     else:
         assert result.untraced_step_us == 0 and result.recording_overhead_us == 0
         _, nodes = read_et_with_protolib(folder / "run.0.et")

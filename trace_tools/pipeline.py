@@ -273,6 +273,7 @@ def _correct_for_profiler(linked, result: RankResult, info, rank: int, micro_bat
     result.untraced_step_us = times.untraced_median_us
     result.untraced_steps_us = [round(t, 1) for t in times.untraced_us]
     result.untraced_deviation = round(times.untraced_deviation, 4)
+    result.untraced_left_out = times.untraced_left_out
     _check_untraced_steps_agree(times, result)
     waits = times.run_queue_median_us
     cost = remove_recording_overhead(linked, times.traced_median_us, times.untraced_median_us, times.recording_cpu_us,

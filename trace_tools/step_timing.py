@@ -54,6 +54,8 @@ class StepTimes:
     usable_cpus: int | None = None  # the CPUs the rank's process could run on (run.json's machine_load), when recorded
     # How much longer a step's slowest rank computes than the slowest rank's median (_slowest_rank_scale)
     slowest_rank_scale: float = 1.0
+    # Untraced steps after the run's first left out because they took other micro-batches than the traced step
+    untraced_left_out: int = 0
 
     @property
     def untraced_op_time_us(self) -> float | None:
@@ -264,6 +266,8 @@ def step_times_of(info, rank: int, micro_batches: int | None = None) -> StepTime
     traced, untraced = traced_micros("step_wall_time_s"), untraced_micros("untraced_step_wall_time_s")
     if not traced or not untraced:
         return None
+    any_count = _comparable_untraced_steps(info, entry, None)
+    left_out = sum(1 for i in range(len(micros("untraced_step_wall_time_s"))) if any_count(i) and not kept(i))
 
     def counts(key: str, keep: Callable[[int], bool]) -> list[int]:
         return [int(n) for i, n in enumerate(entry.get(key) or []) if isinstance(n, int) and keep(i)]
@@ -289,7 +293,7 @@ def step_times_of(info, rank: int, micro_batches: int | None = None) -> StepTime
                          "untraced_step_communication_run_queue_wait_s"),
                      collective_start_wait_us=(float(start_wait) * 1e6 if isinstance(start_wait, (int, float))
                                                and start_wait >= 0 else None),
-                     traced_page_faults=counts("step_page_faults", taking),
+                     untraced_left_out=left_out, traced_page_faults=counts("step_page_faults", taking),
                      untraced_page_faults=counts("untraced_step_page_faults", kept),
                      intra_op_threads=threads if isinstance(threads, int) and threads > 0 else None,
                      traced_interrupt_cpu_us=traced_micros("step_interrupt_cpu_time_s"),

@@ -51,6 +51,7 @@ class RankResult:
     untraced_step_us: float = 0.0          # measured before the profiler's window (run.json); 0 when unknown
     untraced_steps_us: list = field(default_factory=list)  # the untraced steps it is the median of
     untraced_deviation: float = 0.0        # their median absolute deviation / their median
+    untraced_left_out: int = 0             # untraced steps left out of it: they took other micro-batches
     # median time the training thread waited for a core in a traced / an untraced step (run.json); 0 when unknown
     run_queue_wait_us: float = 0.0
     untraced_run_queue_wait_us: float = 0.0
@@ -166,9 +167,11 @@ def _untraced_samples_text(rank: RankResult) -> str:
     count = len(rank.untraced_steps_us)
     if count == 0:  # a summary written before the samples were recorded
         return "median of the untraced steps"
+    left_out = (f" ({rank.untraced_left_out} more left out: they took other micro-batches than the traced step, as "
+                "an epoch's last step does)" if rank.untraced_left_out else "")
     if count == 1:
-        return "one untraced step"
-    return f"median of {count} untraced steps, typically {rank.untraced_deviation:.1%} from it"
+        return f"one untraced step{left_out}"
+    return f"median of {count} untraced steps{left_out}, typically {rank.untraced_deviation:.1%} from it"
 
 
 def durations_text(rank: RankResult) -> str:
