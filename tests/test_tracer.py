@@ -467,6 +467,16 @@ def test_after_steps_cut_by_max_steps_are_warned_of(flags, start, says, caplog):
         assert says in caplog.text, caplog.text
 
 
+@pytest.mark.parametrize("wait, warmup, warned", [("0", "0", True), ("0", "1", False), ("1", "0", False)])
+def test_a_window_that_traces_the_runs_first_step_is_warned_of(wait, warmup, warned, caplog):
+    """Step 0 holds the run's start-up: traced, only PyTorch's 'Profiler won't be using warmup' hinted at it."""
+    args = parse_tracing_args("--enable-tracing", "--trace-wait-steps", wait, "--trace-warmup-steps", warmup,
+                              "--trace-after-steps", "2")
+    with caplog.at_level("WARNING", logger="utils.chakra_tracer"):
+        build_tracer(args, rank=0, world_size=1, local_rank=0, device="cpu", run_info={"model": "m"})
+    assert ("trace the run's first step, whose start-up" in caplog.text) == warned, caplog.text
+
+
 def test_the_steps_timed_after_the_window_default_to_the_wait_steps_and_at_least_one(caplog):
     assert parse_tracing_args("--enable-tracing", "--trace-wait-steps", "0").trace_after_steps == 1
     assert parse_tracing_args("--enable-tracing", "--trace-wait-steps", "3").trace_after_steps == 3

@@ -86,6 +86,12 @@ def build_tracer(config: RunConfig, *, rank: int, world_size: int, local_rank: i
                        "comes %s from the run's first steps, which still warm up: raise --max-steps to %d",
                        config.optim.max_steps, reached, reached, after, "mostly" if reached else "only",
                        start + wait + warmup + active + after)
+    if rank == 0 and wait + warmup == 0:
+        # step 0 allocates the model's and the optimizer's memory and builds DDP's buckets: as one of the traced
+        # steps, its one-time work is in the .et (a GPT-2 tiny step 0 faulted 2,011 pages, a later step none)
+        logger.warning("trace window: --trace-wait-steps 0 and --trace-warmup-steps 0 trace the run's first step, "
+                       "whose start-up (memory allocation, DDP's bucket building) the traces then hold as if every "
+                       "step did it: give --trace-warmup-steps 1 or more")
     if rank == 0 and not config.timed_untraced_steps(start):
         # The conversion takes the profiler's cost out of the .et against the untraced pace, the run's first step
         # (its start-up) left out: with none timed the .et keeps it, over twice a GPT-2 tiny step on a CPU
