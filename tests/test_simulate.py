@@ -1188,8 +1188,9 @@ def test_installer_dry_run_from_a_tree_needing_the_fixes_says_so_and_changes_not
     assert "Fix: declaring ETFeeder ETFeederNode in namespace Chakra" in out
     assert "Fix: empty CMakeLists.txt in the analytical backend's extern/yaml-cpp" in out
     assert f"cmake -S {prefix}/src/build/astra_analytical -B {prefix}/build" in out and "-j 2" in out
-    assert out.rstrip().endswith(f"export ASTRA_SIM={prefix}/bin/AstraSim_Analytical_Congestion_Unaware")
-    assert not prefix.exists()
+    assert out.rstrip().endswith(f"==> Dry run done: nothing was built; without --dry-run the binary would be "
+                                 f"{prefix}/bin/AstraSim_Analytical_Congestion_Unaware")
+    assert "export ASTRA_SIM=" not in out and not prefix.exists()
     assert {p: p.read_bytes() for p in tree.rglob("*") if p.is_file()} == before
 
 
