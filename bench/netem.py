@@ -296,12 +296,21 @@ def expected_goodput_share(mtu: int) -> float:
 
 
 if __name__ == "__main__":  # a manual check: python bench/netem.py 100mbit 1gbit
+    from trace_tools.command_line import ArgumentParser
+    parser = ArgumentParser(prog="bench/netem.py", description="Measure one TCP stream's payload rate "
+                                     "through a network namespace's loopback rate-limited with tc tbf (as root).")
+    parser.add_argument("rates", nargs="*", default=["unthrottled"], help="tc rates, e.g. 100mbit 1gbit unthrottled")
+    arguments = parser.parse_args()
+    try:  # the rates first: a bad one is named before a namespace is made (--help had made one, then a traceback)
+        limits = [parse_rate(text) for text in arguments.rates]
+    except ValueError as error:
+        parser.error(str(error))
     problem = missing_requirement()
     if problem:
         sys.exit(f"error: {problem}")
     with Namespace() as namespace:
         print(namespace.offload_note)
-        for text in sys.argv[1:] or ["unthrottled"]:
-            namespace.set_rate(parse_rate(text))
+        for limit in limits:
+            namespace.set_rate(limit)
             bits = measure_throughput(namespace, 1.0)
             print(f"{namespace.rate.label}: {format_bits(bits)} payload", flush=True)

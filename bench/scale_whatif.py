@@ -79,8 +79,9 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--model", choices=sorted(MODELS), default="tiny", help="(default: %(default)s)")
     parser.add_argument("--ranks", type=int, default=4, help="ranks of the real and simulated scale-out (default: "
                         "%(default)s)")
-    parser.add_argument("--ranks-per-core", type=int, default=1,
-                        help="ranks sharing each core, in every run (default: %(default)s)")
+    parser.add_argument("--ranks-per-core", type=int, default=None,
+                        help="ranks sharing each core, in every run (default: 1; --quick: 2 where --ranks outnumber "
+                        "the cores)")
     parser.add_argument("--rates", default="1gbit,400mbit,100mbit",
                         help="comma-separated throttled tc rates of the real runs (default: %(default)s)")
     parser.add_argument("--traces", type=int, default=2, help="traced 2-rank runs (default: %(default)s)")
@@ -123,6 +124,11 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     if args.quick:
         args.model, args.rates, args.traces, args.repeats, args.cycles = "tiny", "100mbit", 1, 1, 1
+    if args.ranks_per_core is None:
+        # 1 a core; a --quick smoke test on fewer cores than --ranks doubles up (it had refused on a 2-core machine)
+        cores = len(os.sched_getaffinity(0))
+        args.ranks_per_core = RANKS if args.quick and args.ranks > cores and args.ranks % RANKS == 0 \
+            and args.ranks // RANKS <= cores else 1
     foreign = foreign_checkout(__file__)
     if foreign:
         return fail(foreign)

@@ -1178,6 +1178,10 @@ def main(argv=None) -> int:
         return fail(f"bench/whatif_bench.py: {problem}")
     invocation = "python bench/whatif_bench.py " + shlex.join(argv) if argv else "python bench/whatif_bench.py"
     sim = find_simulator(args.astra_sim)
+    if not sim.ok and not (args.quick or args.no_docs):
+        # the model's part of docs/BENCHMARKS.md would be replaced by one without predictions, with exit 0
+        return fail(f"ASTRA-sim is needed for the predictions the docs' part holds ({sim.missing}); build it with "
+                    "./install_astra_sim.sh, or pass --no-docs to measure the real runs alone")
     env = child_env(threads=1)
     print(machine_description(("torch", "transformers", "mlc-chakra")))
     print(f"{setup.label}: rates {', '.join(r.label for r in rates)}; trace at {trace_rate.label} x {args.traces}; "
