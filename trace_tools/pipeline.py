@@ -831,6 +831,10 @@ def _convert_runs(runs, output_dir, jobs, emit_merged, progress, only, previous)
     return list(by_dir.values())
 
 
+# How a run's warnings say that no untraced step was measured for the .et durations to be corrected towards
+KEEPS_PROFILER_COST = "so every .et keeps the profiler's cost (its ops take their traced time, the recording included)"
+
+
 def run_warnings(run: Run) -> list[str]:
     """Warnings about the whole run, said once rather than per rank: a trace file passed over for its uncompressed
     twin (discover._prefer), and a run.json that times no untraced step after the run's first (the first holds its
@@ -843,23 +847,21 @@ def run_warnings(run: Run) -> list[str]:
     if not (run.folder / RUN_INFO).is_file():
         return passed_over + [
             f"no {RUN_INFO} beside the traces in {run.folder} (traces this project's tracer did not write, or "
-            f"copied without it), so every .et keeps the profiler's cost (its ops take their traced time, the recording "
-            f"included) and simulate.py has no measured step to compare with: copy the run's {RUN_INFO} beside them if "
-            "there is one (this project's tracer writes it beside every traced run)"]
+            f"copied without it), {KEEPS_PROFILER_COST} and simulate.py has no measured step to compare with: copy "
+            f"the run's {RUN_INFO} beside them if there is one (this project's tracer writes it beside every traced "
+            "run)"]
     info = read_run_json(run.folder)
     if not isinstance(info, dict) or any(untraced_steps_after_the_first(info, rank) for rank in run.ranks):
         return passed_over
     if not info.get("ranks"):  # not a tracer's run.json ({} had been blamed on the trace window's flags)
         return passed_over + [
             f"{run.folder / RUN_INFO} records no rank's step times ({'an empty object' if not info else 'no ranks'}), "
-            "so every .et keeps the profiler's cost (its ops take their traced time, the recording included): copy "
-            f"the run's own {RUN_INFO}, as the tracer wrote it, beside the traces"]
+            f"{KEEPS_PROFILER_COST}: copy the run's own {RUN_INFO}, as the tracer wrote it, beside the traces"]
     numbers = info.get("untraced_steps")
     timed = (f" (untraced_steps {numbers})" if isinstance(numbers, list) else "")
     return passed_over + [
         f"{run.folder / RUN_INFO} times no untraced step after the run's first{timed}, the first holding the run's "
-        "start-up, so every .et keeps the profiler's cost (its ops take their traced time, the recording included): "
-        "trace with --trace-wait-steps 2 or more, or --trace-after-steps 1 or more"]
+        f"start-up, {KEEPS_PROFILER_COST}: trace with --trace-wait-steps 2 or more, or --trace-after-steps 1 or more"]
 
 
 def _convert_in_pool(tasks: list, jobs: int, done: Callable[[str, RankResult], None], bar) -> None:

@@ -25,7 +25,7 @@ from .atomic import folder_held, process_is_alive
 from .discover import find_runs
 from .graph import longest_path, topological_order
 from .intervals import clip_intervals, merge_intervals, subtract_intervals, total_length
-from .layout import REPORT_FILE_RE, STEP_PREFIX, et_sets
+from .layout import REPORT_FILE_RE, STEP_PREFIX, et_sets, ranks_sharing_a_file
 from .link import COMM_TYPE_NAMES
 from .load import read_trace_bytes
 from .summary import (CONVERSION_SUMMARY, format_bytes, read_previous_results, reconvert_command, records_set,
@@ -391,7 +391,7 @@ def step_breakdown(trace: RankTrace) -> dict[str, int]:
         "communication_us": total_length(comm_exposed),
         "memcpy_us": total_length(memcpy_exposed),
         "profiler_us": profiler,
-        "idle_us": trace.step_dur - total_length(busy) - profiler,
+        "idle_us": left - profiler,
         "communication_total_us": total_length(comm),
         "communication_overlapped_us": total_length(comm) - total_length(comm_exposed),
         "memcpy_total_us": total_length(memcpy),
@@ -900,22 +900,6 @@ def build_report(et_dir: Path, trace_dirs: list[Path] | None = None, use_hta: bo
             report["hta"]["device_traces"] = where
             report["hta"]["ranks"] = sorted(devices)
     return report, traces
-
-
-def ranks_sharing_a_file(et_files: dict[int, Path]) -> dict[int, list[int]]:
-    """The ranks of each distinct file, under the lowest of them: the ranks of a set scale_et.py wrote that replay
-    one traced rank are hard links to one file, which is read, summarised and drawn once (a 1024-rank set had taken
-    198 s and drawn 1024 timelines of 2 files, and a breakdown figure 79,233 pixels wide)."""
-    groups: dict[int, list[int]] = {}
-    first_of: dict[tuple[int, int], int] = {}
-    for rank, path in sorted(et_files.items()):
-        try:
-            stat = path.stat()
-            key = (stat.st_dev, stat.st_ino)
-        except OSError:
-            key = (-1, -1 - rank)  # load_rank names the file
-        groups.setdefault(first_of.setdefault(key, rank), []).append(rank)
-    return groups
 
 
 def _rank_list(ranks: list[int]) -> str:

@@ -34,7 +34,7 @@ from chakra.schema.protobuf.et_def_pb2 import (
 from chakra.src.third_party.utils.protolib import encodeMessage
 
 from .atomic import folder_held, write_text_atomic
-from .layout import ET_FILE_RE, et_name, et_sets
+from .layout import ET_FILE_RE, et_name, et_sets, ranks_sharing_a_file
 from .link import COMM_TYPE_NAMES, COMMUNICATION_CPU_ATTR
 from .load import json_kind
 from .pipeline import _writable, fallback_output_dir
@@ -759,17 +759,10 @@ def _remove_dead_staging(out_dir: Path) -> None:
 def _read_sources(source_set: SourceSet) -> tuple[list[SourceEt], list[int]]:
     """The distinct files of the set, and the index in them of each rank's file: ranks sharing one file (a scaled set
     as source) are read once."""
-    sources: list[SourceEt] = []
-    file_of_rank: list[int] = []
-    by_inode: dict[tuple[int, int], int] = {}
-    for path in source_set.paths:
-        stat = path.stat()
-        key = (stat.st_dev, stat.st_ino)
-        if key not in by_inode:
-            by_inode[key] = len(sources)
-            sources.append(read_source_et(path))
-        file_of_rank.append(by_inode[key])
-    return sources, file_of_rank
+    sharing = ranks_sharing_a_file(dict(enumerate(source_set.paths)))
+    sources = [read_source_et(source_set.paths[first]) for first in sorted(sharing)]
+    index_of = {rank: i for i, first in enumerate(sorted(sharing)) for rank in sharing[first]}
+    return sources, [index_of[rank] for rank in range(len(source_set.paths))]
 
 
 def _write_set(result: ScaleResult, sources: list[SourceEt], file_of_rank: list[int], staging: Path) -> None:

@@ -182,7 +182,6 @@ class Network:
         return (f"{self.topology} of {self.npus} NPUs, {format_bandwidth(self.bandwidth_gbs)} per link, "
                 f"{self.latency_ns:g} ns latency, {collectives}")
 
-
     def caveat(self) -> str:
         """What of the network this simulation does not model, where it changes the prediction ("" otherwise).
         `direct` sends each NPU's npus-1 messages at once; the congestion-unaware backend gives every message the

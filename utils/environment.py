@@ -22,12 +22,14 @@ MODULES = {
                "chakra.src.third_party.utils.protolib", "matplotlib"),
 }
 # How to get an environment that has them, in the words the README uses.
+# Where the repository's scripts ({run}: "./") and environments ({repo}: "") are, named from its folder; from
+# elsewhere both are its full path (remedy).
 REMEDY = {
-    "training": "source .venv/bin/activate (./run_tests.sh or ./run_all_profiling.sh creates .venv), or install "
-                "the [train] extra (pip install '.[train]')",
-    "conversion": "./setup_and_convert.sh (creates chakra-venv/), or source .venv/bin/activate",
-    "report": "./install_chakra_tools.sh --with-report, then source chakra-venv/bin/activate; "
-              "or source .venv/bin/activate",
+    "training": "source {repo}.venv/bin/activate ({run}run_tests.sh or {run}run_all_profiling.sh creates "
+                "{repo}.venv), or install the [train] extra (pip install '.[train]')",
+    "conversion": "{run}setup_and_convert.sh (creates {repo}chakra-venv/), or source {repo}.venv/bin/activate",
+    "report": "{run}install_chakra_tools.sh --with-report, then source {repo}chakra-venv/bin/activate; "
+              "or source {repo}.venv/bin/activate",
 }
 
 
@@ -55,15 +57,11 @@ def require(purpose: str) -> None:
 
 
 def remedy(purpose: str) -> str:
-    """REMEDY[purpose] as it works from the working directory: its paths are the repository's (./setup_and_convert.sh,
-    .venv/), which a script run from elsewhere (cd /tmp && python3 /repo/convert_to_et.py ...) names in full."""
+    """REMEDY[purpose] as it works from the working directory: its paths are the repository's, which a script run
+    from elsewhere (cd /tmp && python3 /repo/convert_to_et.py ...) names in full."""
     root = Path(__file__).resolve().parent.parent
-    text = REMEDY[purpose]
-    if not (root / "setup_and_convert.sh").is_file() or Path.cwd().resolve() == root:
-        return text
-    return (text.replace("./", f"{root}/").replace("source .venv/", f"source {root}/.venv/")
-            .replace("source chakra-venv/", f"source {root}/chakra-venv/").replace("creates .venv", f"creates {root}/.venv")
-            .replace("creates chakra-venv/", f"creates {root}/chakra-venv/"))
+    elsewhere = (root / "setup_and_convert.sh").is_file() and Path.cwd().resolve() != root
+    return REMEDY[purpose].format(run=f"{root}/" if elsewhere else "./", repo=f"{root}/" if elsewhere else "")
 
 
 # ---- requirements files ------------------------------------------------------------------------------------------
