@@ -310,6 +310,15 @@ def test_a_scaled_set_is_reported_once_per_distinct_file(cpu_reports, tmp_path):
     assert md.splitlines()[2].startswith("16 rank(s) (CPU run")
     assert "- rank 0 stands for ranks 0, 2, 4, ..., 14 (8 ranks)" in md
     assert "- rank 1 stands for ranks 1, 3, 7, ..., 15 (7 ranks)" in md
+    # rank 5 replays traced rank 1 at twice its compute: its step ends where its work does, not at the traced step's
+    # end (its compute had been clipped to it)
+    traced, slowed = report["per_rank"]["1"], report["per_rank"]["5"]
+    assert slowed["compute_scale"] == 2.0 and traced["compute_scale"] == 1.0
+    assert slowed["traced_step_us"] == traced["step_us"] == traced["traced_step_us"]
+    assert slowed["breakdown"]["compute_us"] == pytest.approx(2 * traced["breakdown"]["compute_us"], rel=0.02)
+    assert slowed["step_us"] > traced["step_us"] + traced["breakdown"]["compute_us"] * 0.9
+    assert f"- rank 5: compute x2, step {slowed['step_us'] / 1000:.3f} ms (traced {traced['step_us'] / 1000:.3f} ms)" \
+        in md
 
 
 def test_cpu_reports_explain_what_counts_and_skip_hta(cpu_reports):
@@ -327,6 +336,8 @@ def _attr(name: str, value) -> AttributeProto:
         return AttributeProto(name=name, bool_val=value)
     if isinstance(value, str):
         return AttributeProto(name=name, string_val=value)
+    if isinstance(value, float):
+        return AttributeProto(name=name, double_val=value)
     return AttributeProto(name=name, int64_val=value)
 
 
@@ -372,6 +383,24 @@ def test_gpu_breakdown_counts_overlapping_work_once(tmp_path):
     md = (tmp_path / "report.md").read_text()
     assert "| 0 | 0.100 | 0.040 | 0.030 | 0.010 | 0.000 | 0.020 | 0.050 | 40.0% |" in md
     assert "Not used: HTA not run (--no-hta)" in md
+
+
+def test_a_stragglers_kernels_follow_one_another_and_its_step_holds_them(tmp_path):
+    """A straggler's file (scale_et.py --slow 0:2) keeps the traced start times with twice the durations: two kernels
+    traced back to back on one stream, [10, 30) and [30, 50) of a 70 µs step, are now 40 µs each. They run one after
+    the other, [10, 50) and [50, 90), so the step is 90 µs with 80 of compute (it had been 70 with 60: the kernels
+    overlapping each other and cut at the traced step's end)."""
+    gpu = {"is_cpu_op": False, "device": 0, "stream": 7}
+    write_et(tmp_path / "toy.0.et", 1000, 70, [
+        {"id": 0, "name": "aten::mm", "ts": 1000, "dur": 20, "attrs": {"tid": 1, "is_cpu_op": True}},
+        {"id": 1, "name": "gemm_kernel", "ts": 1010, "dur": 40, "ctrl": [0], "attrs": gpu},
+        {"id": 2, "name": "gemm_kernel", "ts": 1030, "dur": 40, "ctrl": [0], "attrs": gpu},
+    ], meta={"compute_scale": 2.0})
+    write_report(tmp_path, use_hta=False)
+    rank = load_json(tmp_path)["per_rank"]["0"]
+    assert (rank["step_us"], rank["traced_step_us"], rank["compute_scale"]) == (90, 70, 2.0)
+    assert (rank["breakdown"]["compute_us"], rank["breakdown"]["idle_us"]) == (80, 10)
+    assert "- rank 0: compute x2, step 0.090 ms (traced 0.070 ms)" in (tmp_path / "report.md").read_text()
 
 
 def test_the_profilers_cost_taken_out_of_the_et_is_its_own_part_of_the_step_not_idle(tmp_path):

@@ -94,6 +94,12 @@ class RankTrace:
     step_from_metadata: bool
     work: list[list[tuple[int, int]]] = field(default_factory=list)     # per node: when it did its .et duration
     span: list[tuple[int, int]] = field(default_factory=list)           # per node: placed inclusive span
+    traced_step_dur: int = 0  # the traced step; step_dur differs from it only for a straggler's file (stretch_step)
+
+    @property
+    def compute_scale(self) -> float:
+        """A straggler's compute durations against the traced ones (scale_et.py --slow); 1 for other files."""
+        return float(self.meta.get("compute_scale", 1.0) or 1.0)
 
     @property
     def step_end(self) -> int:
@@ -162,9 +168,22 @@ def load_rank(path: Path, rank: int) -> RankTrace:
         step_dur = max(n.start + n.dur for n in nodes) - step_start
         from_meta = False
     trace = RankTrace(rank=rank, path=path, meta=meta, nodes=nodes, step_name=str(meta.get("traced_step", "")),
-                      step_start=step_start, step_dur=step_dur, step_from_metadata=from_meta)
+                      step_start=step_start, step_dur=step_dur, step_from_metadata=from_meta, traced_step_dur=step_dur)
     place_work_intervals(trace)
+    stretch_step(trace)
     return trace
+
+
+def stretch_step(trace: RankTrace) -> None:
+    """A straggler's file (scale_et.py --slow: compute durations times compute_scale, start times as traced) did its
+    work at a pace nobody measured, so the traced step does not hold it: its step is taken to end where its placed
+    work ends (at least the traced step), and the work is not clipped to the traced step (it had been: a rank slowed
+    2x showed the compute of the traced step)."""
+    if trace.compute_scale == 1.0:
+        return
+    ends = [e for intervals in trace.work for _, e in intervals]
+    if ends:
+        trace.step_dur = max(trace.step_dur, max(ends) - trace.step_start)
 
 
 def _join_step_thread(nodes: list[EtNode]) -> None:
@@ -243,10 +262,14 @@ def place_work_intervals(trace: RankTrace) -> None:
     span: list[tuple[int, int]] = [(0, 0)] * n
     index_of = {node.id: i for i, node in enumerate(nodes)}
     lanes: dict[tuple, list[int]] = defaultdict(list)
-    for i, node in enumerate(nodes):
+    in_turn = trace.compute_scale != 1.0  # a straggler's stream kernels, longer than traced, follow one another
+    stream_free: dict[tuple, int] = {}
+    for i, node in sorted(enumerate(nodes), key=lambda item: (item[1].start, item[1].id)):
         if node.on_gpu or node.lane[0] == "cpu-comm":  # CPU collectives may run at once on several worker threads
-            work[i] = [(node.start, node.start + node.dur)] if node.dur > 0 else []
-            span[i] = (node.start, node.start + node.dur)
+            start = max(node.start, stream_free.get(node.lane, node.start)) if in_turn and node.on_gpu else node.start
+            stream_free[node.lane] = start + node.dur
+            work[i] = [(start, start + node.dur)] if node.dur > 0 else []
+            span[i] = (start, start + node.dur)
         else:
             lanes[node.lane].append(i)
     for members in lanes.values():
@@ -489,6 +512,8 @@ def rank_summary(trace: RankTrace) -> dict[str, Any]:
         "step_name": trace.step_name,
         "step_start_us": trace.step_start,
         "step_us": trace.step_dur,
+        "traced_step_us": trace.traced_step_dur,
+        "compute_scale": trace.compute_scale,
         "step_from_metadata": trace.step_from_metadata,
         "host_trace_repaired": str(trace.meta.get("host_trace_repaired", "")),
         "nodes": len(trace.nodes),
@@ -924,6 +949,13 @@ def _intro_lines(report: dict, ranks: dict[int, dict], gpu_run: bool) -> list[st
                       "reported once, under its lowest rank; the totals over ranks below count each file once:"]
         lines += [f"- rank {first} stands for ranks {_rank_list(members)} ({len(members)} ranks)"
                   for first, members in sorted((int(f), m) for f, m in report["shared_files"].items())]
+    stragglers = {r: s for r, s in sorted(ranks.items()) if s.get("compute_scale", 1.0) != 1.0}
+    if stragglers:
+        lines += ["", "**Stragglers:** these files have their compute durations scaled against the traced ones "
+                      "(scale_et.py --slow); no step was measured at that pace, so their step here ends where their "
+                      "work ends, never before the traced step:"]
+        lines += [f"- rank {r}: compute x{s['compute_scale']:g}, step {_ms(s['step_us'])} ms (traced "
+                  f"{_ms(s['traced_step_us'])} ms)" for r, s in stragglers.items()]
     if report["missing_ranks"]:
         lines += ["", f"**Missing ranks:** no `.et` for rank(s) {', '.join(map(str, report['missing_ranks']))} "
                       f"(see CONVERSION_SUMMARY.md for why they failed)."]
