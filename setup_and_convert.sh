@@ -122,9 +122,18 @@ check_given_python() {
             exit 1
         fi
         if ! has_modules "$PYTHON_GIVEN" "$(needed_side)"; then
-            echo "error: $PYTHON_GIVEN cannot import the conversion packages" \
-                 "($("$PYTHON_GIVEN" "$ROOT/utils/environment.py" has "$(needed_side)" 2>&1 | sed 's/^missing: //'));" \
-                 "drop --python to use chakra-venv/, or run ./install_chakra_tools.sh" >&2
+            local missing
+            missing="$("$PYTHON_GIVEN" "$ROOT/utils/environment.py" has "$(needed_side)" 2>&1 | sed 's/^missing: //' || true)"
+            if [ "$(needed_side)" = report ] && has_modules "$PYTHON_GIVEN" conversion; then
+                # it converts; only the report's figures are missing (the conversion hint had sent the user to an
+                # install that does not add them)
+                echo "error: $PYTHON_GIVEN cannot draw the report (-- --report) without $missing: install it there" \
+                     "(pip install -r $ROOT/requirements-report.txt), drop --python to use chakra-venv/ (it is" \
+                     "added there), or leave out --report" >&2
+            else
+                echo "error: $PYTHON_GIVEN cannot import the conversion packages ($missing);" \
+                     "drop --python to use chakra-venv/, or run ./install_chakra_tools.sh" >&2
+            fi
             exit 1
         fi
         [ "$WITH_OFFICIAL" = 0 ] || echo "note: --with-official is ignored with --python (nothing is installed into $PYTHON_GIVEN)" >&2
@@ -185,6 +194,21 @@ follow_up_python() {
     fi
 }
 
+# convert_to_et.py's own parser on the options after -- (and the folders), before fix_host_traces.py repairs
+# anything: a bad option had been refused only after the host traces were checked and rewritten. -h/--help there
+# shows convert_to_et.py's help.
+check_convert_args() {
+    [ ${#CONVERT_ARGS[@]} -gt 0 ] || return 0
+    local arg
+    for arg in "${CONVERT_ARGS[@]}"; do
+        case "$arg" in -h|--help) "$PYTHON" "$ROOT/convert_to_et.py" --help; exit 0 ;; esac
+    done
+    local rc=0
+    "$PYTHON" -c 'import sys; sys.path.insert(0, sys.argv.pop(1)); from trace_tools.cli import build_parser
+build_parser(remaining=False).parse_args(sys.argv[1:])' "$ROOT" "${DIRS[@]}" "${CONVERT_ARGS[@]}" || rc=$?
+    [ "$rc" = 0 ] || exit "$rc"  # argparse has said what is wrong, in one line
+}
+
 main() {
     parse_args "$@"
     check_dirs
@@ -194,6 +218,7 @@ main() {
         exit 1
     fi
     pick_python
+    check_convert_args
     say "Checking host traces: fix_host_traces.py ${DIRS[*]}"
     local fix_rc=0
     "$PYTHON" "$ROOT/fix_host_traces.py" "${DIRS[@]}" || fix_rc=$?

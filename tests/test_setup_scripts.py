@@ -123,6 +123,24 @@ def test_python_without_the_packages_is_refused(tmp_path):
     assert "cannot import the conversion packages" in proc.stderr
 
 
+def test_python_that_converts_but_cannot_draw_the_report_is_told_what_to_install(tmp_path):
+    """--python X -- --report, X with the conversion packages and no matplotlib: the hint had been the conversion
+    packages' (run ./install_chakra_tools.sh), which does not add matplotlib."""
+    shutil.copytree(DATA / "gpt2_tiny_1r", tmp_path / "outputs" / "gpt2_tiny_1r")
+    blocker = tmp_path / "blocker" / "matplotlib"
+    blocker.mkdir(parents=True)
+    (blocker / "__init__.py").write_text("raise ImportError('not installed here')\n")
+    python = tmp_path / "python-without-matplotlib"
+    python.write_text(f"#!/bin/sh\nPYTHONPATH={tmp_path / 'blocker'} exec {sys.executable} \"$@\"\n")
+    python.chmod(0o755)
+    proc = run([SETUP, "--python", python, "outputs", "--", "--report"], cwd=tmp_path)
+    assert proc.returncode == 1
+    assert proc.stderr.strip() == (f"error: {python} cannot draw the report (-- --report) without matplotlib: install it "
+                                   f"there (pip install -r {REPO}/requirements-report.txt), drop --python to use "
+                                   "chakra-venv/ (it is added there), or leave out --report")
+    assert not list((tmp_path / "outputs").rglob("*.et"))
+
+
 # --- install_chakra_tools.sh ------------------------------------------------------------------------------
 
 
@@ -365,6 +383,10 @@ def test_setup_and_convert_names_the_retry_only_for_failed_ranks_and_quotes_it(t
     retry = [line for line in proc.stderr.splitlines() if "retry them with" in line]
     if case == "a bad flag":
         assert proc.returncode == 2 and not retry, proc.stderr
+        # refused by convert_to_et.py's parser before any host trace was checked or rewritten
+        assert proc.stderr.splitlines()[-1] == ("error: convert_to_et.py: argument --jobs: invalid int value: 'many' "
+                                                "(see convert_to_et.py --help)")
+        assert "Checking host traces" not in proc.stdout
     else:
         assert proc.returncode == 1 and len(retry) == 1, proc.stderr
         command = retry[0].split("retry them with: ", 1)[1]
