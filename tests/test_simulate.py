@@ -939,6 +939,30 @@ def test_sigterm_stops_astra_sim_too_and_says_so_in_one_line(converted, tmp_path
     assert not (folder / "SIMULATION.md").exists() and not list(folder.glob(".astra-sim.*"))
 
 
+def test_a_long_simulation_says_it_is_still_running_and_one_past_its_timeout_is_stopped(converted, tmp_path,
+                                                                                         monkeypatch):
+    """A 1024-NPU simulation had run 8 minutes without a line: a simulation still running says so every
+    PROGRESS_EVERY_S (here 0.4 s), and one past its timeout is stopped, ASTRA-sim with it."""
+    import trace_tools.simulate as simulate
+    monkeypatch.setattr(simulate, "PROGRESS_EVERY_S", 0.4)
+    slow = tmp_path / "slow_astra"
+    slow.write_text("#!/bin/sh\nsleep 1.5\n"
+                    + "".join(f"echo 'sys[{r}] finished, 1000000 cycles, exposed communication 10 cycles.'\n"
+                              for r in range(2)))
+    slow.chmod(0o755)
+    lines: list[str] = []
+    result = simulate_workload(converted / "gpt2_tiny_2r", 2, bandwidth_gbs=1.0, binary=slow, work_dir=tmp_path / "w",
+                               progress=lines.append)
+    assert result.step_ms == 1.0
+    assert 2 <= len(lines) <= 4 and all(re.fullmatch(r"\.\.\. ASTRA-sim on 2 NPUs: still running, 0 min 0\d s so far",
+                                                     line) for line in lines), lines
+    fake, pid_file = sleeping_astra_sim(tmp_path)
+    with pytest.raises(SimulationError, match=r"still running after 1 s; stopped"):
+        simulate_workload(converted / "gpt2_tiny_2r", 2, bandwidth_gbs=1.0, binary=fake, work_dir=tmp_path / "w2",
+                          timeout_s=1)
+    assert not process_runs(int(pid_file.read_text()))
+
+
 def sleeping_astra_sim(folder: Path) -> tuple[Path, Path]:
     """A stand-in for ASTRA-sim that writes its pid and sleeps: (the binary, its pid file)."""
     fake = folder / "sleeping_astra"

@@ -14,10 +14,11 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 from .atomic import atomic_output, atomic_path, folder_held, process_is_alive, write_text_atomic
 from .command_line import ArgumentParser, StopSignal, die_with_parent
@@ -36,6 +37,7 @@ WORK_DIR_NAME = SIMULATION_WORK_DIR  # inside the run folder: the configuration 
 NETWORK_FILE, SYSTEM_FILE, MEMORY_FILE, COMM_GROUP_FILE = "network.yml", "system.json", "remote_memory.json", \
     "comm_groups.json"
 OUTPUT_FILE = "astra-sim.out"
+PROGRESS_EVERY_S = 60.0  # a line on a simulation still running (1024 NPUs had run 8 minutes without one)
 LOG_DIR = "log"  # ASTRA-sim's --logging-folder in the work folder: it appends, so each run starts it anew
 SCALED_DIR = "scaled_{ranks}"  # in the work folder: the set scaled from the traced one for --ranks N
 WITHOUT_COMMUNICATION_CPU_DIR = "without_communication_cpu"  # in the work folder: the .et copies and their simulation
@@ -559,7 +561,8 @@ def check_clock_range(network: Network, collectives: list[tuple[str, int]]) -> N
 def simulate_workload(workload_prefix: Path, ranks: int, *, bandwidth_gbs: float,
                       latency_ns: float = DEFAULT_LATENCY_NS, topology: str = "Ring", collective: str = "ring",
                       binary: Path | None = None, work_dir: Path | None = None,
-                      timeout_s: float | None = None) -> SimulationResult:
+                      timeout_s: float | None = None,
+                      progress: Callable[[str], None] | None = None) -> SimulationResult:
     """Simulate `<workload_prefix>.<rank>.et` for ranks 0..ranks-1 on one network dimension of `ranks` NPUs.
 
     Args:
@@ -567,6 +570,7 @@ def simulate_workload(workload_prefix: Path, ranks: int, *, bandwidth_gbs: float
         bandwidth_gbs: per-link bandwidth in ASTRA-sim's GB/s (2^30 bytes; see parse_bandwidth).
         binary: ASTRA-sim's analytical congestion-unaware binary (default: find_astra_sim()).
         work_dir: where the configuration files, ASTRA-sim's output and its log/ go (default: a new temp folder).
+        progress: called with a line every PROGRESS_EVERY_S while ASTRA-sim runs.
     """
     network = Network(ranks, bandwidth_gbs, latency_ns, topology, collective)
     workload = Path(workload_prefix).absolute()
@@ -586,13 +590,18 @@ def simulate_workload(workload_prefix: Path, ranks: int, *, bandwidth_gbs: float
         named = workload
     command = [str(binary), f"--workload-configuration={named}", *flags, f"--logging-folder={LOG_DIR}"]
     shutil.rmtree(work_dir / LOG_DIR, ignore_errors=True)  # ASTRA-sim appends: the log would hold every earlier run
-    try:
-        with open_files_for(ranks, binary):
-            proc = subprocess.run(command, cwd=work_dir, capture_output=True, text=True, errors="replace",
-                                  timeout=timeout_s, preexec_fn=_ending_with(os.getpid()))
-    except subprocess.TimeoutExpired as e:
-        raise SimulationError(f"{binary}: still running after {timeout_s:g} s; stopped") from e
-    output = proc.stdout + proc.stderr
+    with open_files_for(ranks, binary):
+        proc = subprocess.Popen(command, cwd=work_dir, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                errors="replace", preexec_fn=_ending_with(os.getpid()))
+        try:
+            stdout, stderr = _wait_telling(proc, timeout_s, progress, f"ASTRA-sim on {ranks} NPUs")
+            if stdout is None:
+                raise SimulationError(f"{binary}: still running after {timeout_s:g} s; stopped")
+        except BaseException:  # the timeout, Ctrl-C, SIGTERM: ASTRA-sim is stopped with this
+            proc.kill()
+            proc.wait()
+            raise
+    output = stdout + (stderr or "")
     write_text_atomic(work_dir / OUTPUT_FILE, output)
     finished: dict[int, tuple[int, int]] = {}
     for match in FINISHED_RE.finditer(output):
@@ -617,6 +626,24 @@ def simulate_workload(workload_prefix: Path, ranks: int, *, bandwidth_gbs: float
     return SimulationResult(per_rank_ns=per_rank, step_ms=max(per_rank) / 1e6, workload=workload, network=network,
                             command=command, work_dir=work_dir,
                             exposed_comm_ns=[finished[r][1] for r in range(ranks)], traced_ranks=ranks)
+
+
+def _wait_telling(proc: subprocess.Popen, timeout_s: float | None, progress: Callable[[str], None] | None,
+                  what: str) -> tuple[str | None, str | None]:
+    """proc's stdout and stderr once it ends, telling progress every PROGRESS_EVERY_S that it still runs; (None, None)
+    past timeout_s (the caller stops it). communicate() may be called again after its timeout without losing output."""
+    started = time.monotonic()
+    while True:
+        elapsed = time.monotonic() - started
+        if timeout_s is not None and elapsed >= timeout_s:
+            return None, None
+        wait = PROGRESS_EVERY_S if timeout_s is None else min(PROGRESS_EVERY_S, timeout_s - elapsed)
+        try:
+            return proc.communicate(timeout=wait)
+        except subprocess.TimeoutExpired:
+            if progress is not None and (timeout_s is None or time.monotonic() - started < timeout_s):
+                minutes, seconds = divmod(round(time.monotonic() - started), 60)
+                progress(f"... {what}: still running, {minutes} min {seconds:02d} s so far")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -818,7 +845,8 @@ def check_unrecorded_set(workload: Path, ranks: int) -> None:
 
 def simulate_run(run_dir: Path, *, ranks: int | None = None, work_dir: Path | None = None,
                  communication_cpu_bound: bool = True, assume_data_parallel: bool = False,
-                 invocation: str | None = None, **network) -> SimulationResult:
+                 invocation: str | None = None, progress: Callable[[str], None] | None = None,
+                 **network) -> SimulationResult:
     """Simulate a converted run (its <name>.<rank>.et set) on the given network, with `ranks` NPUs (default: as
     many as were traced; more are made by trace_tools.scale.scale_run first, which assume_data_parallel lets scale
     a run that has no run.json saying it is data-parallel). The result carries the measured step
@@ -827,7 +855,8 @@ def simulate_run(run_dir: Path, *, ranks: int | None = None, work_dir: Path | No
 
     ASTRA-sim's files go to a staging folder beside work_dir (default <run>/astra-sim/), renamed over work_dir only
     when the simulation succeeds, together with SIMULATION.md when `invocation` (the command line it records) is
-    given: work_dir keeps the files of the simulation SIMULATION.md describes, whatever stops a later one."""
+    given: work_dir keeps the files of the simulation SIMULATION.md describes, whatever stops a later one. `progress`
+    is told, a line at a time, what a long simulation is doing (simulate_workload)."""
     run_dir = Path(run_dir)
     folder = run_dir if run_dir.is_dir() else run_dir.parent
     if not folder.is_dir():
@@ -862,13 +891,14 @@ def simulate_run(run_dir: Path, *, ranks: int | None = None, work_dir: Path | No
                                                            "there now; wait for it to end")), \
                 staged(work_dir) as staging:
             result = _simulate_run(workload, traced, ranks, staging, communication_cpu_bound, network,
-                                   assume_data_parallel=assume_data_parallel)
+                                   assume_data_parallel=assume_data_parallel, progress=progress)
             publish(result, staging, work_dir, invocation)
         return result
 
 
 def _simulate_run(workload: Path, traced: int, ranks: int, work_dir: Path, communication_cpu_bound: bool,
-                  network: dict, *, assume_data_parallel: bool = False) -> SimulationResult:
+                  network: dict, *, assume_data_parallel: bool = False,
+                  progress: Callable[[str], None] | None = None) -> SimulationResult:
     folder, traced_name = workload.parent, workload.name
     if ranks > traced:
         try:
@@ -885,7 +915,7 @@ def _simulate_run(workload: Path, traced: int, ranks: int, work_dir: Path, commu
         workload, scale_notes = Path(written.prefix), list(written.slow_notes)
     else:
         scale_notes = []
-    result = simulate_workload(workload, ranks, work_dir=work_dir, **network)
+    result = simulate_workload(workload, ranks, work_dir=work_dir, progress=progress, **network)
     result.scale_notes = scale_notes
     # A scaled set simulated as it is was still traced on fewer ranks: SIMULATION.md says so.
     result.traced_ranks, result.run_folder = traced_world_size(workload) or traced, folder
@@ -894,7 +924,7 @@ def _simulate_run(workload: Path, traced: int, ranks: int, work_dir: Path, commu
         zeroed = without_communication_cpu(workload, ranks, bound_dir)
         if zeroed is not None:
             result.without_communication_cpu_ms = simulate_workload(zeroed, ranks, work_dir=bound_dir,
-                                                                    **network).step_ms
+                                                                    progress=progress, **network).step_ms
     if ranks > traced:
         # The run's steps and the converted .et files' critical paths are of its traced ranks, not of the scaled set
         # simulated: none here, as for a set scale_et.py wrote (unmeasured_set). The 2-rank measured step had been
@@ -1135,7 +1165,8 @@ def _main(args: argparse.Namespace, invocation: str) -> int:
         result = simulate_run(Path(args.run), ranks=args.ranks, bandwidth_gbs=bandwidth, latency_ns=args.latency,
                               topology=args.topology, collective=args.collective, binary=binary,
                               communication_cpu_bound=not args.no_cpu_bound,
-                              assume_data_parallel=args.assume_data_parallel, invocation=invocation)
+                              assume_data_parallel=args.assume_data_parallel, invocation=invocation,
+                              progress=lambda line: print(line, file=sys.stderr, flush=True))
     except SimulationError as e:
         print(f"error: {e}", file=sys.stderr)
         # A bad flag or $ASTRA_SIM is the user's setting (a usage error); anything else is the run's or ASTRA-sim's
