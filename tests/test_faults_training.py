@@ -649,6 +649,30 @@ def test_failing_rank_under_utils_torchrun_ends_without_a_traceback(tmp_path):
     assert "missing.jsonl" in done.error_lines[0]
 
 
+@pytest.mark.parametrize("exit_code", [0, 3])
+def test_utils_torchrun_leaves_no_folder_in_tmp(tmp_path, exit_code):
+    """torchrun made a /tmp/torchelastic_* folder for every run and left it there (850 on one machine): under
+    utils.torchrun the folder is removed when torchrun ends, whether the ranks succeeded or not, and a --log-dir
+    given to torchrun is the user's, kept."""
+    script = tmp_path / "rank.py"
+    script.write_text(f"import sys\nprint('rank ran', flush=True)\nsys.exit({exit_code})\n")
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    env = dict(os.environ, TMPDIR=str(scratch), PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    done = subprocess.run([sys.executable, "-m", "utils.torchrun", "--standalone", "--nproc_per_node=1", str(script),
+                           "--log-dir", "not-torchruns"], env=env, cwd=tmp_path, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == (1 if exit_code else 0), done.stderr[-2000:]
+    assert "rank ran" in done.stdout
+    assert not list(scratch.glob("torchelastic_*")), list(scratch.iterdir())
+    given = tmp_path / "torchruns-own"
+    done = subprocess.run([sys.executable, "-m", "utils.torchrun", "--log-dir", str(given), "--standalone",
+                           "--nproc_per_node=1", str(script)], env=env, cwd=tmp_path, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == (1 if exit_code else 0) and given.is_dir() and list(given.iterdir())
+    assert not list(scratch.glob("torchelastic_*"))
+
+
 @pytest.mark.parametrize("flags, named", [(["--dataset-path", "missing.jsonl"], "missing.jsonl"),
                                           (["--batch-size", "0"], "--batch-size")])
 def test_error_every_rank_hits_is_printed_even_when_rank_0_is_the_slowest(tmp_path, monkeypatch, flags, named):

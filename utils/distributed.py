@@ -4,8 +4,10 @@ import datetime
 import logging
 import os
 import re
+import shutil
 import signal
 import sys
+import tempfile
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
@@ -162,12 +164,20 @@ def run_torchrun(argv: list) -> int:
     On SIGTERM or Ctrl-C torchrun passes the signal to every rank (each saves a checkpoint and says where) and then
     raises SignalException; when a rank fails it raises ChildFailedError with a page-long report. Both become one
     `error:` line and the exit status a plain run would have.
+
+    Without torchrun's own --log-dir, its per-rank folders (error files) go to a temporary folder removed when it
+    ends: torchrun made a /tmp/torchelastic_* folder for every run and left it (850 of them on one machine).
     """
     from torch.distributed.elastic.multiprocessing import api as processes
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser
     from torch.distributed.run import main as torchrun_main
     processes._terminate_process_handler = _first_signal_only(processes._terminate_process_handler)
+    own_log_dir = None
+    if get_args_parser().parse_args(argv).log_dir is None:  # the trainer's --log-dir, after the script, is not it
+        own_log_dir = tempfile.mkdtemp(prefix="torchelastic_")
+        argv = ["--log-dir", own_log_dir, *argv]
     try:
         torchrun_main(argv)
     except SignalException as exc:
@@ -184,6 +194,9 @@ def run_torchrun(argv: list) -> int:
         print(f"error: torchrun: rank {rank} (pid {failure.pid}) {problem}; its messages are above and in its "
               f"training_rank_{rank}.log in --log-dir", file=sys.stderr)
         return 1 if failure.exitcode >= 0 else 128 - failure.exitcode
+    finally:
+        if own_log_dir is not None:
+            shutil.rmtree(own_log_dir, ignore_errors=True)
     return 0
 
 
