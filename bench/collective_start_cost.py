@@ -21,7 +21,7 @@ import sys
 
 from bench.allreduce_child import compute_range_ms
 from bench.common import (REPO_ROOT, BenchError, child_env, exit_on_sigterm, fail, format_table, machine_description,
-                          run_child)
+                          quick_settings, run_child)
 from trace_tools.command_line import ArgumentParser
 from utils.collective_start import wait_beyond_fastest
 
@@ -73,9 +73,10 @@ def main(argv: list | None = None) -> int:
     parser.add_argument("--compute-ms", default="10,30", metavar="LOW,HIGH",
                         help="range of the compute time before each all-reduce (default: %(default)s)")
     parser.add_argument("--quick", action="store_true", help="a smoke test: one small size, a few repeats, one round")
+    argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
     if args.quick:
-        args.sizes, args.repeats, args.rounds = "65536", 5, 1
+        quick_settings(parser, argv, args, dict(sizes="65536", repeats=5, rounds=1))
     if min(args.repeats, args.rounds) < 1:
         return fail("--repeats and --rounds must be at least 1")
     try:

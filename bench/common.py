@@ -1,10 +1,12 @@
 """Shared by the benchmarks: child processes with wall time and peak memory, step-time logs, tables, versions."""
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import os
 import platform
 import re
+import shutil
 import signal
 import statistics
 import subprocess
@@ -280,6 +282,20 @@ def below_minimum(args, minimums: Sequence[tuple[str, float]]) -> str | None:
     return None
 
 
+_NOT_GIVEN = object()
+
+
+def quick_settings(parser: argparse.ArgumentParser, argv: Sequence[str], args: argparse.Namespace,
+                   settings: dict) -> None:
+    """--quick's smaller settings put into args, each only where the command line did not give that flag itself
+    (--quick had overridden them: `--quick --ranks 4` ran 8 and 64 ranks). The command line is parsed again into a
+    namespace preset to a marker: argparse leaves a preset attribute alone unless its flag is given."""
+    given = parser.parse_args(list(argv), namespace=argparse.Namespace(**{name: _NOT_GIVEN for name in settings}))
+    for name, value in settings.items():
+        if getattr(given, name) is _NOT_GIVEN:
+            setattr(args, name, value)
+
+
 def exit_on_sigterm() -> None:
     """SIGTERM ends the benchmark like Ctrl-C does: children stopped, scratch folders removed (finally blocks run)."""
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
@@ -302,3 +318,33 @@ def foreign_checkout(script: str) -> str | None:
 def fail(message: str) -> int:
     print(f"error: {message}", file=sys.stderr)
     return 1
+
+
+class WorkFolder:
+    """Where a benchmark's runs write their logs, traces and .et files: the --keep folder, which stays, or a new
+    temporary one, removed when the benchmark ends, except after a failure: `fail` (or an exception other than an
+    interrupt) keeps it and says where, so the logs its error line names are still there to read (the folder had been
+    removed before the line was printed)."""
+
+    def __init__(self, keep: str | Path | None, prefix: str) -> None:
+        self.kept = keep is not None
+        self.path = Path(keep) if keep is not None else Path(tempfile.mkdtemp(prefix=prefix))
+        self.path.mkdir(parents=True, exist_ok=True)
+        self.failed = False
+
+    def fail(self, message: str) -> int:
+        """fail(message), the temporary folder kept and named in the same line."""
+        self.failed = True
+        return fail(message if self.kept else f"{message} (the runs' files are kept in {self.path})")
+
+    def __enter__(self) -> "WorkFolder":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if self.kept:
+            return
+        if exc_type is not None and not issubclass(exc_type, (KeyboardInterrupt, SystemExit)):
+            self.failed = True
+            print(f"note: the runs' files are kept in {self.path}", file=sys.stderr)
+        if not self.failed:
+            shutil.rmtree(self.path, ignore_errors=True)

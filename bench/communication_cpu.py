@@ -27,7 +27,7 @@ import statistics
 import sys
 
 from bench.common import (REPO_ROOT, BenchError, child_env, exit_on_sigterm, fail, format_table, machine_description,
-                          run_child)
+                          quick_settings, run_child)
 from bench.netem import Namespace, NetemUnavailable, Rate, missing_requirement, parse_rate
 from trace_tools.command_line import ArgumentParser
 
@@ -129,9 +129,10 @@ def main(argv: list | None = None) -> int:
                         help="passes over the rates, in alternating order, pooled (default: %(default)s)")
     parser.add_argument("--quick", action="store_true",
                         help="a smoke test: 1 MB at unthrottled and 100mbit, one run of about a second each")
+    argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
     if args.quick:
-        args.rates, args.mb, args.seconds, args.rounds = "unthrottled,100mbit", 1.0, 1.0, 1
+        quick_settings(parser, argv, args, dict(rates="unthrottled,100mbit", mb=1.0, seconds=1.0, rounds=1))
     try:
         rates = [parse_rate(text) for text in args.rates.split(",")]
     except ValueError as error:

@@ -9,8 +9,9 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.common import (BUNDLED_SQUAD, REPO_ROOT, BenchError, child_env, exit_on_sigterm, fail, format_table,
-                          full_vocab_tokenizer, machine_description, median, one_core, ratio, run_child, train_script)
+from bench.common import (BUNDLED_SQUAD, REPO_ROOT, BenchError, WorkFolder, child_env, exit_on_sigterm, fail,
+                          format_table, full_vocab_tokenizer, machine_description, median, one_core, quick_settings,
+                          ratio, run_child, train_script)
 from trace_tools.command_line import ArgumentParser
 from utils.families import FAMILIES
 from trace_tools.atomic import atomic_path
@@ -301,10 +302,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    argv, parser = sys.argv[1:] if argv is None else argv, build_parser()
+    args = parser.parse_args(argv)
     exit_on_sigterm()
     if args.quick:
-        args.model_name, args.ranks, args.steps, args.batch_size, args.max_seq_length = "tiny", 1, "1,2", 2, 64
+        quick_settings(parser, argv, args, dict(model_name="tiny", ranks=1, steps="1,2", batch_size=2,
+                                                max_seq_length=64))
     try:
         steps = sorted({int(s) for s in args.steps.split(",") if s.strip()})
     except ValueError:
@@ -323,8 +326,8 @@ def main(argv=None) -> int:
             print(note)
             sets = [generate_traces(args, count, Path(args.cache_dir), tokenizer, vocab) for count in steps]
         results = {}
-        with tempfile.TemporaryDirectory(prefix="convert_bench-") as tmp:
-            work = Path(tmp)
+        with WorkFolder(None, "convert_bench-") as scratch:  # kept, and named, when a conversion fails in it
+            work = scratch.path
             for traces in sets:
                 for rank in traces.ranks:
                     host_mb, device_mb = traces.megabytes(rank)

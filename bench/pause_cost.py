@@ -25,7 +25,7 @@ import statistics
 import sys
 
 from bench.common import (BenchError, below_minimum, child_env, exit_on_sigterm, fail, format_table,
-                          machine_description, one_core, run_child)
+                          machine_description, one_core, quick_settings, run_child)
 from trace_tools.command_line import ArgumentParser
 
 KINDS = ("back to back", "after a sleep", "after a spin")
@@ -117,9 +117,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    argv, parser = sys.argv[1:] if argv is None else argv, build_parser()
+    args = parser.parse_args(argv)
     if args.quick:
-        args.rounds, args.steps, args.pause_s, args.model = 1, 2, 0.2, "tiny"
+        quick_settings(parser, argv, args, dict(rounds=1, steps=2, pause_s=0.2, model="tiny"))
     too_small = below_minimum(args, (("rounds", 1), ("steps", 1)))
     if too_small:
         return fail(too_small)

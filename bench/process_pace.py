@@ -18,7 +18,7 @@ import statistics
 import sys
 
 from bench.common import (BenchError, below_minimum, child_env, exit_on_sigterm, fail, format_table,
-                          machine_description, one_core, run_child)
+                          machine_description, one_core, quick_settings, run_child)
 from trace_tools.command_line import ArgumentParser
 
 GPT2_124M_SHAPE_PARAMETERS = 86_949_120
@@ -85,9 +85,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    argv, parser = sys.argv[1:] if argv is None else argv, build_parser()
+    args = parser.parse_args(argv)
     if args.quick:
-        args.processes, args.steps, args.parameters = 2, 4, 1_048_576
+        quick_settings(parser, argv, args, dict(processes=2, steps=4, parameters=1_048_576))
     too_small = below_minimum(args, (("processes", 1), ("steps", 1), ("parameters", 16)))  # 16: one per tensor
     if too_small:
         return fail(too_small)

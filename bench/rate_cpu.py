@@ -20,11 +20,10 @@ import json
 import shutil
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 
-from bench.common import (OUR_LOG_FILE, BenchError, below_minimum, child_env, exit_on_sigterm, fail, format_table,
-                          machine_description)
+from bench.common import (OUR_LOG_FILE, BenchError, WorkFolder, below_minimum, child_env, exit_on_sigterm, fail,
+                          format_table, machine_description, quick_settings)
 from bench.netem import Namespace, NetemUnavailable, missing_requirement, parse_rate
 from bench.whatif_bench import (MODELS, ModelSetup, RateCycler, cycle_schedule, cycled_run, once_more_on_failure,
                                 timed_steps)
@@ -133,9 +132,10 @@ def build_parser() -> ArgumentParser:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    argv, parser = sys.argv[1:] if argv is None else argv, build_parser()
+    args = parser.parse_args(argv)
     if args.quick:
-        args.model, args.rates, args.cycles, args.block, args.settle = "tiny", "unthrottled,100mbit", 1, 6, 1
+        quick_settings(parser, argv, args, dict(model="tiny", rates="unthrottled,100mbit", cycles=1, block=6, settle=1))
     setup = MODELS[args.model]
     args.rates = args.rates or ",".join(setup.rates)
     args.block = setup.block if args.block is None else args.block
@@ -156,12 +156,11 @@ def main(argv=None) -> int:
         return fail(f"bench/rate_cpu.py: {problem}")
     exit_on_sigterm()
     print(machine_description(("torch", "transformers")))
-    with tempfile.TemporaryDirectory(prefix="rate_cpu-") as scratch:
-        work = Path(args.keep) if args.keep else Path(scratch)
+    with WorkFolder(args.keep, "rate_cpu-") as work:
         try:
-            info, at_rate = run(args, setup, rates, work)
+            info, at_rate = run(args, setup, rates, work.path)
         except (BenchError, NetemUnavailable) as exc:
-            return fail(str(exc))
+            return work.fail(str(exc))
     medians, first = per_rate_medians(info, at_rate), rates[0].label
     if not any(label == first for label, _ in medians):
         return fail(f"no step of the run was timed at {first}: nothing to compare with")

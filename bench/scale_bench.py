@@ -5,11 +5,10 @@ import os
 import re
 import shutil
 import sys
-import tempfile
 from pathlib import Path
 
-from bench.common import (REPO_ROOT, BenchError, child_env, exit_on_sigterm, fail, format_table, machine_description,
-                          median, run_child)
+from bench.common import (REPO_ROOT, BenchError, WorkFolder, child_env, exit_on_sigterm, fail, format_table,
+                          machine_description, median, quick_settings, run_child)
 from trace_tools.command_line import ArgumentParser
 from trace_tools.layout import CONVERSION_SUMMARY, RUN_INFO, et_name
 
@@ -70,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def converted_bundled_run(work: Path) -> Path:
     folder = work / BUNDLED_RUN.name
+    shutil.rmtree(folder, ignore_errors=True)  # an earlier run's, under the same --keep folder
     shutil.copytree(BUNDLED_RUN, folder)
     run = run_child([sys.executable, REPO_ROOT / "convert_to_et.py", folder, "--no-progress", "--jobs", "1"],
                     env=child_env(), timeout_s=SCALE_TIMEOUT_S)
@@ -145,10 +145,12 @@ def scale_table(runs: dict[int, list[dict]]) -> str:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    argv, parser = sys.argv[1:] if argv is None else argv, build_parser()
+    args = parser.parse_args(argv)
     exit_on_sigterm()
     if args.quick:
-        args.ranks, args.repeats, args.astra_sim, args.growth, args.consistency = [8, 64], 1, None, False, None
+        quick_settings(parser, argv, args, dict(ranks=[8, 64], repeats=1, astra_sim=None, growth=False,
+                                                consistency=None))
     if min(args.ranks) < 1 or args.repeats < 1:
         return fail("--ranks and --repeats must be at least 1")
     if args.astra_sim and not os.access(args.astra_sim, os.X_OK):
@@ -156,11 +158,10 @@ def main(argv=None) -> int:
     if (args.growth or args.consistency) and not args.astra_sim:
         return fail("--growth and --consistency simulate: give --astra-sim PATH (or set $ASTRA_SIM)")
     print(machine_description(("orjson", "protobuf", "mlc-chakra")))
-    try:
-        with tempfile.TemporaryDirectory(prefix="scale_bench-") as tmp:
-            work = args.keep or Path(tmp)
-            work.mkdir(parents=True, exist_ok=True)
-            run = args.run or converted_bundled_run(Path(tmp))
+    with WorkFolder(args.keep, "scale_bench-") as folder:
+        try:
+            work = folder.path
+            run = args.run or converted_bundled_run(work)
             print(f"source: {run} ({len(list(run.glob('*.et')))} .et files, "
                   f"{_mb(sum(p.stat().st_size for p in run.glob('*.et')))} MB)")
             runs: dict[int, list[dict]] = {}
@@ -178,8 +179,8 @@ def main(argv=None) -> int:
             if args.consistency:
                 print()
                 print(consistency_table(args, args.consistency, work))
-    except BenchError as exc:
-        return fail(str(exc))
+        except BenchError as exc:
+            return folder.fail(str(exc))
     return 0
 
 

@@ -25,12 +25,11 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
 from dataclasses import replace
 from pathlib import Path
 
-from bench.common import BenchError, child_env, exit_on_sigterm, fail, foreign_checkout, format_table, \
-    machine_description
+from bench.common import (BenchError, WorkFolder, child_env, exit_on_sigterm, fail, foreign_checkout, format_table,
+                          machine_description, quick_settings)
 from bench.netem import DEFAULT_MTU, Namespace, NetemUnavailable, Rate, missing_requirement, parse_rate
 from bench.whatif_bench import (MODELS, RANKS, RealRuns, find_simulator, fmt_ms, label_slug, link_gbs,
                                 real_run, traced_run, verify_rates)
@@ -121,9 +120,10 @@ def check(args) -> tuple:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    argv, parser = sys.argv[1:] if argv is None else argv, build_parser()
+    args = parser.parse_args(argv)
     if args.quick:
-        args.model, args.rates, args.traces, args.repeats, args.cycles = "tiny", "100mbit", 1, 1, 1
+        quick_settings(parser, argv, args, dict(model="tiny", rates="100mbit", traces=1, repeats=1, cycles=1))
     if args.ranks_per_core is None:
         # 1 a core; a --quick smoke test on fewer cores than --ranks doubles up (it had refused on a 2-core machine)
         cores = len(os.sched_getaffinity(0))
@@ -146,9 +146,8 @@ def main(argv=None) -> int:
     print(machine_description(("torch", "transformers")))
     traced_scale, scaled = pinned(setup, RANKS, args.ranks_per_core), pinned(setup, args.ranks, args.ranks_per_core)
     settings, env = run_settings(args, setup), child_env(threads=1)
-    with tempfile.TemporaryDirectory(prefix="scale_whatif-") as scratch:
-        root = Path(args.keep) if args.keep else Path(scratch)
-        root.mkdir(parents=True, exist_ok=True)
+    with WorkFolder(args.keep, "scale_whatif-") as work:
+        root = work.path
         real = {RANKS: {r.label: RealRuns(r) for r in rates}, args.ranks: {r.label: RealRuns(r) for r in rates}}
         try:
             with Namespace(mtu=DEFAULT_MTU, burst_slack_s=setup.burst_slack_s) as ns:
@@ -185,7 +184,7 @@ def main(argv=None) -> int:
                                  f"{predicted[args.ranks] - predicted[RANKS]:+,.1f}",
                                  " / ".join(fmt_ms(measured[n].cpu_ms) for n in scales)])
         except (BenchError, NetemUnavailable, sim.module.SimulationError) as exc:
-            return fail(f"bench/scale_whatif.py: {exc}")
+            return work.fail(f"bench/scale_whatif.py: {exc}")
     print(f"\n{setup.label}: a 2-rank trace at full speed, simulated at 2 and {args.ranks} ranks (ring, P/N per "
           f"link; P the payload rate through tbf), against real untraced runs at each scale, "
           f"{args.ranks_per_core} ranks a core:\n")

@@ -18,13 +18,11 @@ from __future__ import annotations
 import argparse
 import datetime
 from collections import Counter
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-from bench.common import (BenchError, child_env, exit_on_sigterm, fail, format_table, machine_description,
+from bench.common import (BenchError, WorkFolder, child_env, exit_on_sigterm, fail, format_table, machine_description,
                           run_child)
 from bench.netem import Namespace, NetemUnavailable, missing_requirement, parse_rate
 from trace_tools.command_line import ArgumentParser
@@ -142,19 +140,16 @@ def main(argv=None) -> int:
     if problem:
         return fail(f"bench/tbf_stalls.py: {problem}")
     print(machine_description(("torch",)))
-    work = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="tbf_stalls-"))
-    work.mkdir(parents=True, exist_ok=True)
+    work = WorkFolder(args.keep, "tbf_stalls-")
     results = []
-    try:
-        for mode in modes:
-            print(f"... {mode}: {args.cycles} cycle(s) over {', '.join(r.label for r in rates)}, "
-                  f"{args.block} steps a block", flush=True)
-            results.append(run_mode(mode, rates, args, work))
-    except (BenchError, NetemUnavailable) as exc:
-        return fail(f"bench/tbf_stalls.py: {exc}")
-    finally:
-        if not args.keep:
-            shutil.rmtree(work, ignore_errors=True)
+    with work:
+        try:
+            for mode in modes:
+                print(f"... {mode}: {args.cycles} cycle(s) over {', '.join(r.label for r in rates)}, "
+                      f"{args.block} steps a block", flush=True)
+                results.append(run_mode(mode, rates, args, work.path))
+        except (BenchError, NetemUnavailable) as exc:
+            return work.fail(f"bench/tbf_stalls.py: {exc}")
     print()
     print(format_table(["rate changes", "blocks", "steps", "seconds", "stalls", "stalled at"],
                        [[r["mode"], r["blocks"], r["steps"], f"{r['seconds']:.0f}", r["stalls"],

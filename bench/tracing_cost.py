@@ -3,13 +3,12 @@ import argparse
 import json
 import shutil
 import sys
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.common import (BUNDLED_SQUAD, BenchError, child_env, exit_on_sigterm, fail, format_table,
-                          full_vocab_tokenizer, machine_description, median, our_step_times, run_child, steps_between,
-                          train_script)
+from bench.common import (BUNDLED_SQUAD, BenchError, WorkFolder, child_env, exit_on_sigterm, fail, format_table,
+                          full_vocab_tokenizer, machine_description, median, our_step_times, quick_settings, run_child,
+                          steps_between, train_script)
 from trace_tools.command_line import ArgumentParser
 from utils.families import FAMILIES
 from trace_tools.layout import RUN_INFO
@@ -177,13 +176,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    argv, parser = sys.argv[1:] if argv is None else argv, build_parser()
+    args = parser.parse_args(argv)
     exit_on_sigterm()
     if args.repeats is None:
         args.repeats = 1 if args.quick else DEFAULT_REPEATS
     if args.quick:
-        args.model_names, args.batch_size, args.max_seq_length = "tiny", 2, 64
-        args.skip_steps, args.wait_steps, args.active_steps, args.after_steps = 1, 3, 3, 2
+        quick_settings(parser, argv, args, dict(model_names="tiny", batch_size=2, max_seq_length=64, skip_steps=1,
+                                                wait_steps=3, active_steps=3, after_steps=2))
     names = [n.strip() for n in args.model_names.split(",") if n.strip()]
     if not names:
         return fail("--model-names is empty")
@@ -201,18 +201,17 @@ def main(argv=None) -> int:
     print(f"{args.model}/train.py, batch {args.batch_size} x {args.max_seq_length} tokens, {plan.max_steps} steps per "
           f"run (first {plan.skip} left out; traced run: {plan.wait} wait, {PROFILER_WARMUP_STEPS} profiler warm-up, "
           f"{plan.active} active, {plan.after} after), {args.repeats} run(s) per condition", flush=True)
-    root = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="tracing_cost-"))
+    work = WorkFolder(args.keep, "tracing_cost-")
+    root = work.path
     rows = []
-    try:
-        for name in names:
-            print(f"... {args.model} {name}", flush=True)
-            samples = measure(args.model, name, args, plan, root, env)
-            rows += table_rows(f"{args.model} {SIZE_LABELS.get(name, name)}", samples)
-    except BenchError as exc:
-        return fail(str(exc))
-    finally:
-        if not args.keep:
-            shutil.rmtree(root, ignore_errors=True)
+    with work:
+        try:
+            for name in names:
+                print(f"... {args.model} {name}", flush=True)
+                samples = measure(args.model, name, args, plan, root, env)
+                rows += table_rows(f"{args.model} {SIZE_LABELS.get(name, name)}", samples)
+        except BenchError as exc:
+            return work.fail(str(exc))
     print()
     print(format_table(["model", "condition", "steps", "median ms/step", "vs off", "note"], rows))
     print("\nStep time = the trainer's own per-step log (wall time between consecutive optimizer-step ends, "

@@ -3,13 +3,12 @@ import argparse
 import json
 import shutil
 import sys
-import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from bench.common import (BUNDLED_SQUAD, REPO_ROOT, BenchError, child_env, exit_on_sigterm, fail, format_table,
-                          full_vocab_tokenizer, machine_description, median, our_step_times, ratio, run_child,
-                          steps_between, train_script)
+from bench.common import (BUNDLED_SQUAD, REPO_ROOT, BenchError, WorkFolder, child_env, exit_on_sigterm, fail,
+                          format_table, full_vocab_tokenizer, machine_description, median, our_step_times, ratio,
+                          run_child, steps_between, train_script)
 from trace_tools.command_line import ArgumentParser
 from utils.families import FAMILIES, family_info
 
@@ -191,8 +190,9 @@ def main(argv=None) -> int:
     print(f"device: {torch.cuda.get_device_name() if cuda else 'CPU'}; threads per trainer: "
           f"{args.threads or torch.get_num_threads()}")
     rows, errors = [], []
-    root = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="train_bench-"))
-    try:
+    work = WorkFolder(args.keep, "train_bench-")
+    root = work.path
+    with work:
         for case in cases:
             label = f"{case.family} {size_label(case)}"
             print(f"... {label}: {case.batch_size} x {case.seq} tokens, {case.precision}"
@@ -221,9 +221,7 @@ def main(argv=None) -> int:
                 for side in ("ours", "trainer"):
                     row.append(f"{100 * fpt * rate[side] / peak:.1f}%" if rate[side] and fpt and peak else "n/a")
             rows.append(row)
-    finally:
-        if not args.keep:
-            shutil.rmtree(root, ignore_errors=True)
+        work.failed = bool(errors)  # the logs the errors name stay
     headers = ["model", "precision", "batch x seq", "steps (skipped + measured)", "ours ms/step", "Trainer ms/step",
                "ours tok/s", "Trainer tok/s", "ours / Trainer"]
     if cuda:
@@ -235,6 +233,8 @@ def main(argv=None) -> int:
           "precision.")
     for error in errors:
         print(f"error: {error}", file=sys.stderr)
+    if errors and not work.kept:
+        print(f"note: the runs' files are kept in {root}", file=sys.stderr)
     return 1 if errors else 0
 
 

@@ -13,7 +13,6 @@ import shutil
 import signal
 import statistics
 import sys
-import tempfile
 import textwrap
 import threading
 import time
@@ -21,8 +20,8 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from bench.common import (BUNDLED_SQUAD, OUR_LOG_FILE, REPO_ROOT, STEP_CPU, STEP_LINE, TRACE_WINDOW_NOTE, BenchError,
-                          child_env, exit_on_sigterm, fail, foreign_checkout, format_table, machine_description,
-                          our_step_times, run_child, source_revision, train_script)
+                          WorkFolder, child_env, exit_on_sigterm, fail, foreign_checkout, format_table,
+                          machine_description, our_step_times, quick_settings, run_child, source_revision, train_script)
 from bench.netem import (DEFAULT_MTU, QUEUE_LATENCY, Namespace, NetemUnavailable, Rate, describe_queue,
                          expected_goodput_share, format_bits, measure_throughput, missing_requirement, parse_rate,
                          queue_counters)
@@ -107,6 +106,11 @@ MODELS["bert-base-shape"] = replace(MODELS["gpt2-124m-shape"], key="bert-base-sh
 MODELS["bert-6x384"] = replace(MODELS["gpt2-6x384"], key="bert-6x384", label="BERT 6 x 384 (offline vocabulary)",
                                model_name="bench/models/bert-6x384", family="bert")
 QUICK_RATES = ("unthrottled", "100mbit")
+# --quick (a smoke test): the tiny model, two rates, one short pass, one 10 MB all-reduce; a flag given on the command
+# line wins over its setting here
+QUICK_SETTINGS = dict(model="tiny", rates=",".join(QUICK_RATES), traces=1, repeats=1, cycles=1, warmup_cycles=0,
+                      after_window_cycles=1, block=5, settle=1, skip=3, micro_repeats=1, check_seconds=0.3,
+                      micro_rate="100mbit", micro_sizes="10000000")
 REPLAY_BAND, WHATIF_BAND = 0.05, 0.10  # issue 9's targets: a replay within 5% of the real step, another rate within 10%
 RESULTS_FILE = "whatif_results.json"   # what a --keep folder records for bench/whatif_repredict.py
 DRIFT_WARNING = 0.2  # block medians of one rate further apart than this: the report says the machine was unsteady
@@ -1112,15 +1116,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def resolve(args) -> tuple:
-    """The model setup and the parsed rates, after --quick and the per-model defaults."""
-    if args.quick:  # smaller defaults; flags given on the command line still win
-        quick = dict(repeats=1, cycles=1, warmup_cycles=0, after_window_cycles=1, block=5, settle=1, skip=3,
-                     rates=",".join(QUICK_RATES))
-        for name, value in quick.items():
-            if getattr(args, name) is None:
-                setattr(args, name, value)
-        args.model, args.traces, args.micro_repeats, args.check_seconds = "tiny", 1, 1, 0.3
-        args.micro_rate, args.micro_sizes = "100mbit", "10000000"
+    """The model setup and the parsed rates, after the per-model defaults (main has put in --quick's settings)."""
     setup = MODELS[args.model]
     for name in ("skip", "block", "settle", "cycles", "warmup_cycles", "after_window_cycles", "repeats"):
         if getattr(args, name) is None:
@@ -1164,7 +1160,10 @@ def kept_note(root: Path, keep: str | None) -> str:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.quick:
+        quick_settings(parser, argv, args, QUICK_SETTINGS)
     foreign = foreign_checkout(__file__)
     if foreign:
         return fail(foreign)
@@ -1187,53 +1186,52 @@ def main(argv=None) -> int:
     print(f"{setup.label}: rates {', '.join(r.label for r in rates)}; trace at {trace_rate.label} x {args.traces}; "
           f"untraced: {args.repeats} run(s) changing the rate every {args.block} steps, {args.cycles} cycle(s)")
     print("ASTRA-sim: " + (str(sim.binary) if sim.ok else f"predictions skipped: {sim.missing}"), flush=True)
-    root = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="whatif_bench-"))
-    root.mkdir(parents=True, exist_ok=True)
+    work = WorkFolder(args.keep, "whatif_bench-")
+    root = work.path
     if args.keep:  # a results file left by an earlier run in this folder would stand for this run's
         (root / RESULTS_FILE).unlink(missing_ok=True)
-    try:
-        slack = args.burst_slack_us * 1e-6 if args.burst_slack_us is not None else setup.burst_slack_s
-        with Namespace(args.mtu, slack) as ns:
-            print(f"namespace {ns.name}: lo MTU {ns.mtu}, {ns.offload_note}", flush=True)
-            phase("tbf check (payload rate of one TCP stream)")
-            checked = sorted({r.label: r for r in rates + [micro_rate]}.values(), key=lambda r: -(r.bits_per_s or 1e30))
-            verification, payload = verify_rates(ns, checked, args.check_seconds)
-            phase(f"all-reduce micro-benchmark at {micro_rate.label}" + ("" if args.quick else " and unthrottled"))
-            micro, allreduce_bits = micro_benchmark(ns, micro_rate, sizes, args.micro_repeats, env, sim,
-                                                    root / "micro", args.sim_latency_ns, unthrottled=not args.quick,
-                                                    payload_bits=payload[micro_rate.label])
-            unthrottled_bits, source = ((allreduce_bits, "a gloo all-reduce's 2S/t, unthrottled") if allreduce_bits
-                                        else (payload.get("unthrottled"), "one TCP stream's payload rate"))
-            sim_bits = simulated_rates(rates, payload, unthrottled_bits)
+    with work:
+        try:
+            slack = args.burst_slack_us * 1e-6 if args.burst_slack_us is not None else setup.burst_slack_s
+            with Namespace(args.mtu, slack) as ns:
+                print(f"namespace {ns.name}: lo MTU {ns.mtu}, {ns.offload_note}", flush=True)
+                phase("tbf check (payload rate of one TCP stream)")
+                checked = sorted({r.label: r for r in rates + [micro_rate]}.values(),
+                                 key=lambda r: -(r.bits_per_s or 1e30))
+                verification, payload = verify_rates(ns, checked, args.check_seconds)
+                phase(f"all-reduce micro-benchmark at {micro_rate.label}" + ("" if args.quick else " and unthrottled"))
+                micro, allreduce_bits = micro_benchmark(ns, micro_rate, sizes, args.micro_repeats, env, sim,
+                                                        root / "micro", args.sim_latency_ns, unthrottled=not args.quick,
+                                                        payload_bits=payload[micro_rate.label])
+                unthrottled_bits, source = ((allreduce_bits, "a gloo all-reduce's 2S/t, unthrottled") if allreduce_bits
+                                            else (payload.get("unthrottled"), "one TCP stream's payload rate"))
+                sim_bits = simulated_rates(rates, payload, unthrottled_bits)
 
-            def keep_results(traces: list, real: dict, progress: Progress) -> None:
-                write_results(root, setup, trace_rate, rates, traces, real, sim_bits, args.sim_latency_ns, progress)
+                def keep_results(traces: list, real: dict, progress: Progress) -> None:
+                    write_results(root, setup, trace_rate, rates, traces, real, sim_bits, args.sim_latency_ns, progress)
 
-            traces, real = interleaved_runs(ns, setup, trace_rate, rates, args, env, root,
-                                            keep_results if args.keep else None)
-            if sim.ok:
-                phase("ASTRA-sim")
-                predict(sim, traces, rates, sim_bits, args.sim_latency_ns)
-            text = report(setup, args, sim, verification, micro, traces, real, unthrottled_bits, source, ns,
-                          invocation)
-    except (BenchError, NetemUnavailable) as exc:
-        return fail(str(exc) + kept_note(root, args.keep))
-    except KeyboardInterrupt:
-        print("error: bench/whatif_bench.py: interrupted; the runs were stopped and the namespace removed"
-              + kept_note(root, args.keep), file=sys.stderr)
-        return 130
-    except SystemExit as exc:
-        if exc.code == 128 + signal.SIGTERM:  # exit_on_sigterm: a `timeout` or a job scheduler ended the benchmark
-            print("error: bench/whatif_bench.py: stopped by SIGTERM; the runs were stopped and the namespace removed"
+                traces, real = interleaved_runs(ns, setup, trace_rate, rates, args, env, root,
+                                                keep_results if args.keep else None)
+                if sim.ok:
+                    phase("ASTRA-sim")
+                    predict(sim, traces, rates, sim_bits, args.sim_latency_ns)
+                text = report(setup, args, sim, verification, micro, traces, real, unthrottled_bits, source, ns,
+                              invocation)
+        except (BenchError, NetemUnavailable) as exc:
+            return work.fail(str(exc) + kept_note(root, args.keep))
+        except KeyboardInterrupt:
+            print("error: bench/whatif_bench.py: interrupted; the runs were stopped and the namespace removed"
                   + kept_note(root, args.keep), file=sys.stderr)
-        raise
-    except Exception as exc:  # the simulator's errors (SimulationError) and a broken .et: one line, exit 1
-        if type(exc).__name__ != "SimulationError":
+            return 130
+        except SystemExit as exc:
+            if exc.code == 128 + signal.SIGTERM:  # exit_on_sigterm: a `timeout` or a job scheduler ended it
+                print("error: bench/whatif_bench.py: stopped by SIGTERM; the runs were stopped and the namespace "
+                      "removed" + kept_note(root, args.keep), file=sys.stderr)
             raise
-        return fail(str(exc))
-    finally:
-        if not args.keep:
-            shutil.rmtree(root, ignore_errors=True)
+        except Exception as exc:  # the simulator's errors (SimulationError) and a broken .et: one line, exit 1
+            if type(exc).__name__ != "SimulationError":
+                raise
+            return work.fail(str(exc))
     print()
     print(text)
     if not (args.quick or args.no_docs):

@@ -16,11 +16,10 @@ import json
 import shutil
 import statistics
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.common import BenchError, child_env, fail, foreign_checkout, format_table
+from bench.common import BenchError, WorkFolder, child_env, fail, foreign_checkout, format_table
 from bench.whatif_bench import (REPLAY_BAND, RESULTS_FILE, WHATIF_BAND, Progress, bands_count, bound_verdict, convert,
                                 find_simulator, read_run_json, simulate_at, within_band)
 from trace_tools.command_line import ArgumentParser
@@ -204,20 +203,19 @@ def main(argv=None) -> int:
     sim = find_simulator(args.astra_sim)
     if not sim.ok:
         return fail(f"bench/whatif_repredict.py: {sim.missing}")
-    work = args.work or Path(tempfile.mkdtemp(prefix="whatif_repredict-"))
-    try:
-        points = []
-        for number, (folder, results) in enumerate(kept.items(), 1):
-            points += repredict(folder, results, work / f"{number}-{folder.name}", sim, child_env(threads=1))
-    except BenchError as exc:
-        return fail(str(exc))
-    except Exception as exc:  # the simulator's errors (SimulationError): one line, exit 1
-        if type(exc).__name__ != "SimulationError":
-            raise
-        return fail(str(exc))
-    finally:
-        if args.work is None:
-            shutil.rmtree(work, ignore_errors=True)
+    scratch = WorkFolder(args.work, "whatif_repredict-")
+    work = scratch.path
+    with scratch:
+        try:
+            points = []
+            for number, (folder, results) in enumerate(kept.items(), 1):
+                points += repredict(folder, results, work / f"{number}-{folder.name}", sim, child_env(threads=1))
+        except BenchError as exc:
+            return scratch.fail(str(exc))
+        except Exception as exc:  # the simulator's errors (SimulationError): one line, exit 1
+            if type(exc).__name__ != "SimulationError":
+                raise
+            return scratch.fail(str(exc))
     print()
     print(report(points))
     return 0

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.common import BenchError, format_table, our_step_times, run_child
+from bench.common import BenchError, WorkFolder, format_table, our_step_times, quick_settings, run_child
 from bench.convert_bench import build_parser, generate_traces, growth_exponent
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -291,7 +291,7 @@ def test_scale_whatif_sets_n_real_ranks_against_the_trace_made_into_n(tmp_path, 
     assert float(row[8].replace(",", "")) == pytest.approx(real[4] - real[2], abs=0.11)
     assert float(row[9].replace(",", "")) == pytest.approx(predicted[4] - predicted[2], abs=0.11)
     assert list((tmp_path / "traced-0" / "traces").glob("*/astra-sim-4-ranks-100Mbits"))
-    assert f"At 4 ranks: predicted / real" in result.stdout
+    assert "At 4 ranks: predicted / real" in result.stdout
 
 
 @pytest.mark.parametrize("args, says", [
@@ -418,12 +418,63 @@ def test_tracing_cost_prints_step_time_ratios_of_each_condition():
         assert int(rows[condition][2]) >= 1
 
 
-def test_tracing_cost_fails_when_a_run_cannot_be_measured():
+def test_tracing_cost_fails_when_a_run_cannot_be_measured(tmp_path):
     result = run_bench("tracing_cost.py", "--model-names", "tiny", "--max-seq-length", "8", "--skip-steps", "0",
-                       "--wait-steps", "1", "--active-steps", "2", "--after-steps", "0")
+                       "--wait-steps", "1", "--active-steps", "2", "--after-steps", "0",
+                       env_extra={"TMPDIR": str(tmp_path)})
     assert result.returncode == 1
     assert "(tiny, tracing off) failed" in result.stderr and "--max-seq-length" in result.stderr
     assert "| tracing off" not in result.stdout
+    # the run's folder is kept and named in the error line (it had been removed before the line was printed)
+    [kept] = re.findall(r"\(the runs' files are kept in (\S+)\)$", result.stderr.strip())
+    assert Path(kept).parent == tmp_path and Path(kept).is_dir()
+
+
+@pytest.mark.parametrize("script", ["whatif_bench", "scale_whatif", "rate_cpu", "tracing_cost", "convert_bench"])
+def test_quick_settings_leave_alone_the_flags_given_on_the_command_line(script):
+    """--quick puts in its smaller settings where the command line gave none; a flag given, in any of argparse's
+    spellings, wins (`--quick` had overridden them: `scale_bench.py --quick --ranks 4` ran 8 and 64 ranks)."""
+    import importlib
+    parser = importlib.import_module(f"bench.{script}").build_parser()
+    given = {"whatif_bench": ["--rates=unthrottled,1gbit", "--cycles", "3"], "scale_whatif": ["--rates", "1gbit"],
+             "rate_cpu": ["--rates", "1gbit,100mbit"], "tracing_cost": ["--batch-size", "3"],
+             "convert_bench": ["--steps", "3"]}[script]
+    argv = ["--quick", *given]
+    args = parser.parse_args(argv)
+    before = vars(args).copy()
+    settings = {"whatif_bench": dict(rates="unthrottled,100mbit", cycles=1, block=5),
+                "scale_whatif": dict(rates="100mbit", traces=1), "rate_cpu": dict(rates="unthrottled,100mbit", block=6),
+                "tracing_cost": dict(batch_size=2, max_seq_length=64), "convert_bench": dict(steps="1,2", ranks=1)}[script]
+    quick_settings(parser, argv, args, settings)
+    flags_given = {flag.split("=")[0].lstrip("-").replace("-", "_") for flag in given if flag.startswith("--")}
+    for name, value in settings.items():
+        assert getattr(args, name) == (before[name] if name in flags_given else value), name
+
+
+def test_a_benchmarks_temporary_folder_is_removed_after_success_and_kept_after_a_failure(tmp_path, monkeypatch,
+                                                                                           capsys):
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    with WorkFolder(None, "ok-") as work:
+        (work.path / "log").write_text("fine")
+    assert not work.path.exists()
+    with pytest.raises(KeyboardInterrupt):
+        with WorkFolder(None, "interrupted-") as work:
+            raise KeyboardInterrupt
+    assert not work.path.exists()
+    with WorkFolder(None, "failed-") as work:
+        assert work.fail("the run failed: see its log") == 1
+    assert work.path.is_dir()
+    assert capsys.readouterr().err == f"error: the run failed: see its log (the runs' files are kept in {work.path})\n"
+    with pytest.raises(ValueError):
+        with WorkFolder(None, "crashed-") as crashed:
+            raise ValueError("a bug")
+    assert crashed.path.is_dir() and capsys.readouterr().err == f"note: the runs' files are kept in {crashed.path}\n"
+    with WorkFolder(tmp_path / "kept", "unused-") as kept:
+        pass
+    assert kept.path == tmp_path / "kept" and kept.path.is_dir()
+    with WorkFolder(tmp_path / "kept", "unused-") as kept:
+        kept.fail("no note about a folder the user named")
+    assert capsys.readouterr().err == "error: no note about a folder the user named\n"
 
 
 # --------------------------------------------------------------------------------------------- whatif_bench

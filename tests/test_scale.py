@@ -642,12 +642,14 @@ def test_scale_et_runs_on_the_conversion_side_without_torch(gpt2_run, tmp_path):
     assert f"--workload-configuration={tmp_path / f'{GPT2_2R}_32npus'}" in result.stdout
 
 
-def test_the_benchmark_measures_time_and_disk_per_rank_count():
-    result = subprocess.run([sys.executable, "bench/scale_bench.py", "--quick"], cwd=REPO, capture_output=True,
+@pytest.mark.parametrize("flags, ranks", [([], [8, 64]), (["--ranks", "4", "16"], [4, 16])])
+def test_the_benchmark_measures_time_and_disk_per_rank_count(flags, ranks):
+    """--quick's rank counts are 8 and 64 unless --ranks is given (--quick had overridden it)."""
+    result = subprocess.run([sys.executable, "bench/scale_bench.py", "--quick", *flags], cwd=REPO, capture_output=True,
                             text=True, timeout=600)
     assert result.returncode == 0, result.stderr
     rows = [line for line in result.stdout.splitlines() if line.startswith("|") and line.split("|")[1].strip().isdigit()]
-    assert [int(row.split("|")[1]) for row in rows] == [8, 64]
+    assert [int(row.split("|")[1]) for row in rows] == ranks
     assert all(float(row.split("|")[4]) < 10 for row in rows)  # new disk (MB): two files, whatever N
 
 
