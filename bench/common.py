@@ -141,7 +141,7 @@ def one_core() -> int:
 
 def child_env(threads: int | None = None, **extra: str) -> dict:
     """The environment of a measured child: offline hub (the benchmarks use bundled data, so no network waits),
-    the repository importable, and a fixed thread count when given."""
+    the repository importable, torchrun's folders nowhere, and a fixed thread count when given."""
     env = dict(os.environ)
     env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
                PYTHONUNBUFFERED="1")
@@ -150,6 +150,9 @@ def child_env(threads: int | None = None, **extra: str) -> dict:
     if threads is not None:
         for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
             env[name] = str(threads)
+    # torchrun's --log-dir: nowhere, so a benchmark's torchrun runs leave no /tmp/torchelastic_* folder each (a
+    # failure is read from the ranks' own output)
+    env.setdefault("PET_LOG_DIR", os.devnull)
     env.update(extra)
     return env
 

@@ -10,6 +10,11 @@ import pytest
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SHARED_FIXTURES = REPO_ROOT.parent / "shared" / "fixtures"
 
+# torchrun started by the tests (`python -m torch.distributed.run`) writes its per-rank folders nowhere (its --log-dir
+# from the environment): it had left a /tmp/torchelastic_* folder for each of the suite's ~30 multi-rank runs.
+# utils.torchrun's own folder is tested with this unset (tests/test_faults_training.py).
+os.environ.setdefault("PET_LOG_DIR", os.devnull)
+
 
 @pytest.fixture(scope="session")
 def repo_root() -> Path:

@@ -16,8 +16,11 @@ ROOT = Path(__file__).resolve().parent.parent
 CPU_TRACES = ROOT / "tests" / "data" / "cpu"
 
 
-def run_bench(script: str, *args: str, env_extra: dict = None, timeout: int = 600) -> subprocess.CompletedProcess:
+def run_bench(script: str, *args: str, env_extra: dict = None, timeout: int = 600,
+              env_remove: tuple = ()) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", **(env_extra or {}))
+    for name in env_remove:
+        env.pop(name, None)
     return subprocess.run([sys.executable, str(ROOT / "bench" / script), *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout)
 
@@ -159,9 +162,12 @@ def test_train_bench_fails_when_transformers_trainer_cannot_run(tmp_path):
 
 
 # ------------------------------------------------------------------------------------- collective_start_cost
-def test_collective_start_cost_times_each_size_after_compute_and_after_a_barrier():
-    result = run_bench("collective_start_cost.py", "--quick", "--compute-ms", "3,6", timeout=300)
+def test_collective_start_cost_times_each_size_after_compute_and_after_a_barrier(tmp_path):
+    # torchrun's folders nowhere (bench/common.child_env): each torchrun had left a /tmp/torchelastic_* folder
+    result = run_bench("collective_start_cost.py", "--quick", "--compute-ms", "3,6", timeout=300,
+                       env_extra={"TMPDIR": str(tmp_path)}, env_remove=("PET_LOG_DIR",))
     assert result.returncode == 0, result.stderr
+    assert not list(tmp_path.glob("torchelastic_*"))
     (row,) = table_rows(result.stdout, "0.065536")
     assert row[1] == "5"  # repeats pooled per condition
     after_compute, after_barrier = float(row[2]), float(row[3])

@@ -659,6 +659,7 @@ def test_utils_torchrun_leaves_no_folder_in_tmp(tmp_path, exit_code):
     scratch = tmp_path / "tmp"
     scratch.mkdir()
     env = dict(os.environ, TMPDIR=str(scratch), PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    env.pop("PET_LOG_DIR", None)  # torchrun's --log-dir from the environment (tests/conftest.py sets it)
     done = subprocess.run([sys.executable, "-m", "utils.torchrun", "--standalone", "--nproc_per_node=1", str(script),
                            "--log-dir", "not-torchruns"], env=env, cwd=tmp_path, capture_output=True, text=True,
                           timeout=300)
