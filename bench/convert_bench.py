@@ -328,18 +328,21 @@ def main(argv=None) -> int:
         results = {}
         with WorkFolder(None, "convert_bench-") as scratch:  # kept, and named, when a conversion fails in it
             work = scratch.path
-            for traces in sets:
-                for rank in traces.ranks:
-                    host_mb, device_mb = traces.megabytes(rank)
-                    print(f"... {traces.folder.name} rank {rank}: {host_mb:.1f} MB host + {device_mb:.1f} MB device",
-                          flush=True)
-                    merged = merged_input(traces, rank, work)
-                    ours, reference, parse = Measurement(), Measurement(), Measurement()
-                    for _ in range(args.repeats):
-                        time_ours(traces, rank, work, core, ours)
-                        time_chakra(chakra, merged, rank, work, core, reference)
-                        time_parse(traces, rank, core, parse)
-                    results[(traces.folder, rank)] = (ours, reference, parse)
+            try:
+                for traces in sets:
+                    for rank in traces.ranks:
+                        host_mb, device_mb = traces.megabytes(rank)
+                        print(f"... {traces.folder.name} rank {rank}: {host_mb:.1f} MB host + {device_mb:.1f} MB "
+                              "device", flush=True)
+                        merged = merged_input(traces, rank, work)
+                        ours, reference, parse = Measurement(), Measurement(), Measurement()
+                        for _ in range(args.repeats):
+                            time_ours(traces, rank, work, core, ours)
+                            time_chakra(chakra, merged, rank, work, core, reference)
+                            time_parse(traces, rank, core, parse)
+                        results[(traces.folder, rank)] = (ours, reference, parse)
+            except BenchError as exc:
+                return scratch.fail(str(exc))
     except BenchError as exc:
         return fail(str(exc))
     print()

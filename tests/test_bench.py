@@ -121,6 +121,21 @@ def test_convert_bench_fails_when_chakra_converter_is_missing(tmp_path):
     assert "| ours s" not in result.stdout
 
 
+def test_convert_bench_keeps_the_input_its_failed_reference_run_was_given(tmp_path):
+    """The error line names the merged JSON chakra_converter failed on; the temporary folder holding it had been
+    removed before the line was printed."""
+    failing = tmp_path / "chakra_converter"
+    failing.write_text("#!/bin/sh\necho 'error: cannot read the input' >&2\nexit 1\n")
+    failing.chmod(0o755)
+    result = run_bench("convert_bench.py", "--traces", str(CPU_TRACES / "gpt2_tiny_1r"), "--repeats", "1",
+                       "--chakra-converter", str(failing), env_extra={"TMPDIR": str(tmp_path)})
+    assert result.returncode == 1
+    line = result.stderr.strip().splitlines()[-1]
+    merged, kept = re.fullmatch(r"error: (\S+): chakra_converter failed: exit status 1: error: cannot read the input "
+                                r"\(the runs' files are kept in (\S+)\)", line).groups()
+    assert Path(merged).is_file() and Path(merged).is_relative_to(kept) and Path(kept).parent == tmp_path
+
+
 @pytest.mark.slow
 def test_convert_bench_traces_with_our_tracer_and_caches_the_traces(tmp_path):
     cache = tmp_path / "cache"
