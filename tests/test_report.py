@@ -532,8 +532,8 @@ def test_hta_is_not_given_a_device_trace_the_et_was_not_made_from(tmp_path, shar
     hta = load_json(run)["hta"]
     assert hta["status"] == "skipped"
     assert hta["reason"] == (f"{device}: not the device trace rank 0's .et was made from ({run}/CONVERSION_SUMMARY.md "
-                             f"records {recorded:,} bytes, it has {recorded + 10:,}); convert_remaining.py {run} "
-                             f"converts the run again")
+                             f"records {recorded:,} bytes, it has {recorded + 10:,}); {sys.executable} "
+                             f"{REPO}/convert_remaining.py {run} converts the run again")
     assert f"Not used: {hta['reason']}" in (run / "report.md").read_text()
 
 
@@ -645,9 +645,16 @@ def test_et_files_the_summary_did_not_record_are_refused(tmp_path, cpu_reports):
     assert done.returncode == 1
     assert done.stderr.strip() == (f"error: {run / 'bert_tiny_2r.1.et'}: not the file {run / 'CONVERSION_SUMMARY.md'} "
                                    "recorded (another run's .et, or changed or cut short since it was written); "
-                                   f"convert_remaining.py {CPU_DATA / 'bert_tiny_2r'} --output-dir {run} makes it again")
+                                   f"{sys.executable} {REPO}/convert_remaining.py {CPU_DATA / 'bert_tiny_2r'} "
+                                   f"--output-dir {run} makes it again")
     assert (run / "report.md").read_bytes() == before
     assert not [p for p in run.iterdir() if p.name.startswith(".report.")]
+    # the command runs as printed, pasted into a shell anywhere (it had been a bare `convert_remaining.py`: command
+    # not found), and converts the rank again
+    command = done.stderr.strip().split("; ")[-1].removesuffix(" makes it again")
+    again = subprocess.run(["bash", "-c", command], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr
+    assert _run(["trace_report.py", str(run), "--no-hta"]).returncode == 0
 
 
 def test_no_report_while_a_conversion_writes_into_the_folder(tmp_path):

@@ -344,8 +344,8 @@ def test_after_a_retrace_without_previous_the_summarys_step_stands_in_and_says_t
     converted, traces = retraced["converted"], retraced["traces"]
     assert source == (f"traced step (CONVERSION_SUMMARY.md in {converted}); passed over {traces / 'run.json'}: "
                       f"another run's (run_id {ANOTHER_RUN_ID}; the .et files in {converted} were made from run "
-                      f"{retraced['run_id']}); convert_remaining.py {traces} --output-dir {converted} converts the "
-                      "traces as they are now")
+                      f"{retraced['run_id']}); {sys.executable} {REPO}/convert_remaining.py {traces} --output-dir "
+                      f"{converted} converts the traces as they are now")
 
 
 def test_a_run_json_without_run_id_is_the_converted_one_only_if_it_is_the_file_the_conversion_read(retraced):

@@ -7,6 +7,7 @@ import json
 import os
 import re
 import shlex
+import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
@@ -374,13 +375,22 @@ def et_fingerprint(path: str | Path, name: str | None = None) -> dict[str, Any]:
     return {"name": name or Path(path).name, "size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
 
 
+def convert_remaining_command() -> str:
+    """convert_remaining.py as a shell command runs it from anywhere: this Python (it has the conversion packages) on
+    the checkout's script, as setup_and_convert.sh prints its retry, or `-m convert_remaining` where the package was
+    installed without a checkout. A bare `convert_remaining.py ...`, pasted as the docs say, was `command not found`."""
+    script = Path(__file__).resolve().parent.parent / "convert_remaining.py"
+    python = shlex.quote(sys.executable)
+    return f"{python} {shlex.quote(str(script))}" if script.is_file() else f"{python} -m convert_remaining"
+
+
 def reconvert_command(folder: Path) -> str:
     """The command that converts again the run whose .et files are in folder (its traces may be elsewhere)."""
     source = converted_from(folder)
     holds_traces = any(TRACE_FILE_RE.match(path.name) or FLAT_FILE.match(path.name) for path in folder.iterdir())
     if source is None or holds_traces or not source.is_dir():
-        return f"convert_remaining.py {shlex.quote(str(folder))}"
-    return f"convert_remaining.py {shlex.quote(str(source))} --output-dir {shlex.quote(str(folder))}"
+        return f"{convert_remaining_command()} {shlex.quote(str(folder))}"
+    return f"{convert_remaining_command()} {shlex.quote(str(source))} --output-dir {shlex.quote(str(folder))}"
 
 
 def records_set(folder: Path, name: str) -> bool:
