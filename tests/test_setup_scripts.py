@@ -287,6 +287,8 @@ def test_entry_point_without_its_packages_names_the_environment_in_one_line(bare
     [line] = proc.stderr.splitlines()
     assert line.startswith(f"error: {bare_python} has no ") and remedy in line, line
     assert "source .venv/bin/activate" in line
+    if not entry.endswith("train.py"):  # pip install '.[convert]' users have neither chakra-venv/ nor .venv/
+        assert "pip install '.[report]'" in line if entry == "trace_report.py" else "pip install '.[convert]'" in line
 
 
 def test_mosim_train_without_torch_names_the_environment_in_one_line(bare_python):

@@ -27,9 +27,10 @@ MODULES = {
 REMEDY = {
     "training": "source {repo}.venv/bin/activate ({run}run_tests.sh or {run}run_all_profiling.sh creates "
                 "{repo}.venv), or install the [train] extra (pip install '.[train]')",
-    "conversion": "{run}setup_and_convert.sh (creates {repo}chakra-venv/), or source {repo}.venv/bin/activate",
+    "conversion": "{run}setup_and_convert.sh (creates {repo}chakra-venv/), or source {repo}.venv/bin/activate, or "
+                  "install the [convert] extra (pip install '.[convert]')",
     "report": "{run}install_chakra_tools.sh --with-report, then source {repo}chakra-venv/bin/activate; "
-              "or source {repo}.venv/bin/activate",
+              "or source {repo}.venv/bin/activate; or install the [report] extra (pip install '.[report]')",
 }
 
 
