@@ -218,8 +218,10 @@ def test_rank_announced_by_run_json_but_absent_fails(tmp_path, capsys):
 
 
 def test_no_traces_at_all_is_a_usage_error(tmp_path, capsys):
+    """The folder first, as setup_and_convert.sh and the docs' table word it."""
     assert cli.main([str(tmp_path), "--no-progress"]) == 2
-    assert "no traces found" in capsys.readouterr().err
+    assert capsys.readouterr().err == (f"error: {tmp_path}: no traces found (expected host.<rank>.json[.gz] + "
+                                       "device.<rank>.json[.gz], or <name>_host.json + <name>_device.json)\n")
 
 
 # ---- discovery -----------------------------------------------------------------------------------------------------

@@ -82,8 +82,8 @@ def _main(args: argparse.Namespace, remaining: bool) -> int:
     runs = find_runs([p for p in args.paths if Path(p).exists()])
     if not runs:
         if not missing:
-            print(f"error: no traces found in {', '.join(args.paths)} (expected host.<rank>.json + "
-                  "device.<rank>.json, or <name>_host.json + <name>_device.json, gzipped or not)", file=sys.stderr)
+            print(f"error: {', '.join(args.paths)}: no traces found (expected host.<rank>.json[.gz] + "
+                  "device.<rank>.json[.gz], or <name>_host.json + <name>_device.json)", file=sys.stderr)
         return 2
     several = len(runs) > 1
     clash = output_dir_clash(runs, args.output_dir)  # before output_dir_problem makes the folder: none is left
