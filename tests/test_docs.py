@@ -362,6 +362,7 @@ RUN: dict[str, Run] = {
     "./setup_and_convert.sh outputs/bert_tiny_2r -- --emit-merged --output-dir converted":
         Run([files("converted/bert_tiny_2r.0.et", "converted/bert_tiny_2r.1.merged.json")]),
     "./install_chakra_tools.sh": Run([says("Reusing", "Conversion environment ready")]),
+    "./install_chakra_tools.sh --with-report": Run([says("Reusing", "Conversion environment ready")]),
     "chakra-venv/bin/python fix_host_traces.py --check outputs": Run([says("already valid")]),
     "chakra-venv/bin/python fix_host_traces.py outputs":
         Run([says("repaired:"), files("outputs/gpt2_tiny_1r/host.0.json.orig")], setup=[host_trace_written_twice]),
