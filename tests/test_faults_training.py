@@ -649,6 +649,14 @@ def test_failing_rank_under_utils_torchrun_ends_without_a_traceback(tmp_path):
     assert "missing.jsonl" in done.error_lines[0]
 
 
+def test_the_largest_seed_trains_on_every_rank(tmp_path):
+    """Each rank seeds its dropout and masking with --seed + rank: rank 1 of --seed 4294967295 had raised NumPy's
+    'Seed must be between 0 and 2**32 - 1' (and rank 0 called it a lost rank). The per-rank seed wraps around."""
+    done = run(torchrun_command([sys.executable, "-m", "utils.torchrun"], "gpt2", tmp_path / "ckpt", tmp_path / "logs",
+                                "--max-steps", "1", "--seed", "4294967295", "--no-save-initial"))
+    assert done.status == 0 and not done.error_lines, done.stderr[-3000:]
+
+
 @pytest.mark.parametrize("exit_code", [0, 3])
 def test_utils_torchrun_leaves_no_folder_in_tmp(tmp_path, exit_code):
     """torchrun made a /tmp/torchelastic_* folder for every run and left it there (850 on one machine): under

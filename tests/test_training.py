@@ -472,6 +472,8 @@ def test_bad_input_gives_one_error_line_and_a_nonzero_status(flags, message, tmp
     (["--weight-decay", "nan"], "--weight-decay must be a number, got nan"),
     (["--peak-tflops", "-3"], "--peak-tflops must be a positive number, got -3.0"),
     (["--learning-rate", "inf"], "--learning-rate must be a positive number, got inf"),
+    # NumPy's seed is one 32-bit word: set_seed had raised a traceback after the folders were made
+    (["--seed", "4294967296"], "--seed must be at most 4294967295, got 4294967296"),
 ])
 def test_a_flag_value_that_can_never_work_is_refused_while_parsing_before_anything_starts(flags, message, tmp_path,
                                                                                             capsys):

@@ -28,6 +28,8 @@ MINIMUM = dict(seed=0, max_seq_length=16, eval_batches=0, batch_size=1, num_epoc
                gradient_accumulation_steps=1, save_steps=0, logging_steps=1, loss_sync_steps=0, eval_steps=0,
                num_gpus=1, trace_wait_steps=0, trace_warmup_steps=0, trace_active_steps=1, trace_after_steps=0,
                weight_decay=0, max_grad_norm=0)
+# The most: a seed is one 32-bit word to NumPy (set_seed refused 2**32 with a traceback after the folders were made)
+MAXIMUM = dict(seed=2 ** 32 - 1)
 
 
 class ConfigError(ValueError):
@@ -162,6 +164,8 @@ class RunConfig:
         for name, value in self.flags().items():
             if name in MINIMUM and value is not None and value < MINIMUM[name]:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least {MINIMUM[name]}, got {value}")
+            if name in MAXIMUM and value is not None and value > MAXIMUM[name]:
+                raise ConfigError(f"--{name.replace('_', '-')} must be at most {MAXIMUM[name]}, got {value}")
         if not 0 < self.data.validation_fraction < 1:
             raise ConfigError(f"--validation-fraction must be between 0 and 1, got {self.data.validation_fraction}")
         for name, value in (("learning-rate", self.optim.learning_rate), ("peak-tflops", self.devices.peak_tflops)):

@@ -427,7 +427,8 @@ class Trainer:
         self.model = self._build_model()
         self.model_config = self.model.config
         self.train_data, self.val_data = self._tokenize()
-        set_seed(seed + self.ctx.rank)  # from here on: per-rank dropout and masking streams
+        # from here on: per-rank dropout and masking streams (modulo 2**32: rank 1 of --seed 4294967295 had crashed)
+        set_seed((seed + self.ctx.rank) % 2 ** 32)
         enable_tf32_matmuls(self.device)
         self.model.to(self.device)
         steps_per_epoch = self._build_loaders()
