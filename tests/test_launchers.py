@@ -494,11 +494,32 @@ def test_background_mode_writes_the_pid_file_and_the_console_log(squad_file, tmp
 def test_background_mode_refuses_to_start_over_a_live_run(squad_file, tmp_path):
     logs = tmp_path / "logs"
     logs.mkdir()
-    (logs / "training.pid").write_text(f"{os.getpid()}\n")  # a live process: this test
-    result = launch("run_gpt2.sh", "--cpu", "--background", "--dataset-path", str(squad_file), "--logs-dir", str(logs))
+    # a live process with the background launcher's command line (python <repo>/utils/launch ...)
+    running = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", str(REPO / "utils" / "launch")])
+    try:
+        (logs / "training.pid").write_text(f"{running.pid}\n")
+        result = launch("run_gpt2.sh", "--cpu", "--background", "--dataset-path", str(squad_file), "--logs-dir",
+                        str(logs))
+    finally:
+        running.kill()
+        running.wait()
     assert result.returncode == 1
-    assert f"error: a background run is still going (PID {os.getpid()}" in result.stderr
+    assert f"error: a background run is still going (PID {running.pid}" in result.stderr
     assert not (logs / "training_console.log").exists()
+
+
+def test_a_pid_file_naming_another_process_is_left_from_an_ended_run(squad_file, tmp_path):
+    """The PID file outlives its run; after a reboot or when PIDs wrap, the number belongs to another process, and
+    the launcher had refused to start and told the user to kill that process (here: this test)."""
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / "training.pid").write_text(f"{os.getpid()}\n")
+    result = launch("run_gpt2.sh", "1", "--cpu", "--dry-run", "--background", "--dataset-path", str(squad_file),
+                    "--logs-dir", str(logs))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"note: {logs}/training.pid names PID {os.getpid()}, which is not a launcher of this checkout" in \
+        result.stdout
+    assert "kill" not in result.stderr and (logs / "training.pid").read_text().strip() != str(os.getpid())
 
 
 def test_background_mode_with_an_unusable_logs_folder_is_one_line_not_a_traceback(squad_file, tmp_path):

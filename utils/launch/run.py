@@ -120,15 +120,36 @@ def _non_empty(path: Path) -> bool:
     return path.is_file() and path.stat().st_size > 0
 
 
+def is_background_launcher(pid: int) -> bool:
+    """Whether the live process pid runs this checkout's launcher (python <repo>/utils/launch ..., as
+    start_background starts it); True where its command line cannot be read."""
+    try:
+        command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except FileNotFoundError:
+        return False  # ended since
+    except OSError:  # no /proc (macOS): ps
+        try:
+            command = subprocess.run(["ps", "-p", str(pid), "-o", "command="], capture_output=True, text=True,
+                                     timeout=10).stdout
+        except (OSError, subprocess.SubprocessError):
+            return True
+    return str(ROOT / "utils" / "launch") in command
+
+
 def start_background(launcher: Launcher, plan: Plan) -> int:
     """This launcher again, detached, in the foreground with the probe's results; prints how to follow it."""
     logs = plan.opts.logs_dir
     pid_file, console = ROOT / logs / PID_FILE, f"{logs}/{CONSOLE_LOG}"
     old = pid_file.read_text().strip() if pid_file.is_file() else ""
     if old.isdigit() and process_is_alive(int(old)):
-        print(f"error: a background run is still going (PID {old}, {logs}/{PID_FILE}); stop it (kill {old}) or use "
-              "another --logs-dir", file=sys.stderr)
-        return 1
+        if is_background_launcher(int(old)):
+            print(f"error: a background run is still going (PID {old}, {logs}/{PID_FILE}); stop it (kill {old}) or "
+                  "use another --logs-dir", file=sys.stderr)
+            return 1
+        # the file outlived its run (it is not removed when the run ends): after a reboot or when the numbers wrap,
+        # another process has that PID, and the error had told the user to kill it
+        print(f"note: {logs}/{PID_FILE} names PID {old}, which is not a launcher of this checkout now (the file was "
+              "left by a run that ended); starting")
     make_logs_folder(logs)
     print(f"\n🎯 Starting in the background\n📋 Console log: {console}")
     extra = ["--", *plan.opts.extra] if plan.opts.extra else []
