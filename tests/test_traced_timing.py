@@ -80,6 +80,37 @@ def test_loss_reads_evaluations_and_checkpoints_are_in_no_timed_step_and_never_r
         (tmp_path / "logs" / "training_rank_0.log").read_text()
 
 
+def test_the_logs_pace_leaves_out_the_tracers_export_and_publication(tmp_path, monkeypatch, offline):
+    """The traces' export after the last traced step had been counted as that step's time (354.6 ms/step for a
+    39 ms step), and the publication after the last timed step, left out of ms/step, was counted in tokens/s (478
+    tok/s beside 8.8 ms/step, against 14,598 a step before). Both take BETWEEN_STEPS_S longer here."""
+    from utils.chakra_tracer import ChakraTracer
+    for name in ("_finalize_capture", "_conclude"):
+        def slowed(self, *args, _original=getattr(ChakraTracer, name), **kwargs):
+            time.sleep(BETWEEN_STEPS_S)
+            return _original(self, *args, **kwargs)
+        monkeypatch.setattr(ChakraTracer, name, slowed)
+    status = gpt2.train.main([*TINY_TRACED_RUN, "--trace-wait-steps", "2", "--trace-warmup-steps", "1",
+                              "--trace-active-steps", "2", "--trace-after-steps", "3", "--max-steps", "9",
+                              "--logging-steps", "1", "--trace-output-dir", str(tmp_path / "outputs"),
+                              "--save-dir", str(tmp_path / "ckpt"), "--log-dir", str(tmp_path / "logs")])
+    assert status == 0
+    lines = {int(line.split("step ", 1)[1].split("/")[0]): line
+             for line in (tmp_path / "logs" / "training_rank_0.log").read_text().splitlines()
+             if "| epoch " in line and "ms/step" in line}
+    ms = {step: float(line.split(" ms/step")[0].rsplit("| ", 1)[1].replace(",", "")) for step, line in lines.items()}
+    # traced steps 3-4 (log steps 4-5), timed after the window 5-7 (log 6-8): the window published after log step 8
+    assert ms[5] < BETWEEN_STEPS_S * 1000 / 2, lines[5]
+    assert ms[9] < BETWEEN_STEPS_S * 1000 / 2, lines[9]
+    rates = {step: float(line.split(" tok/s")[0].rsplit("| ", 1)[1].replace(",", ""))
+             for step, line in lines.items() if "tok/s" in line}
+    # tok/s counts the tokens since the last line with a loss over the time since: on a line after another with a
+    # loss, tok/s x ms/step is one step's tokens (2 x 64 at most), on the line after the publication too
+    tokens_per_step = {step: rates[step] * ms[step] / 1000 for step in rates if step - 1 in rates}
+    assert sorted(tokens_per_step) == [6, 7, 8, 9], lines
+    assert all(100 < tokens <= 2 * 64 * 1.05 for tokens in tokens_per_step.values()), tokens_per_step
+
+
 RANK_ZERO_LOGS_SLOWLY = '''
 import os, sys, time
 sys.path.insert(0, sys.argv[1])

@@ -212,7 +212,9 @@ def test_the_heap_is_reserved_once_before_the_warmup_step_and_its_time_is_return
             optimizer.zero_grad()
             returned.append(tracer.step())
     assert calls == [2]  # after the second (last untraced) step, before the warmup step
-    assert returned[1][0] >= 0.3 and all(wall == 0.0 for wall, _ in returned[:1] + returned[2:])
+    # the export after the traced step (the fourth call) is the tracer's own work too; the other steps have none
+    assert returned[1][0] >= 0.3 and returned[3][0] > 0.0
+    assert all(wall == 0.0 for wall, _ in [returned[0], returned[2], returned[4]])
     [rank] = load(tmp_path / "reserve" / "run.json")["ranks"]
     assert rank["heap_reserved_bytes"] == 123 << 20
     assert max(rank["untraced_step_wall_time_s"] + rank["step_wall_time_s"]) < 0.3  # in no timed step
