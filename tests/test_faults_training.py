@@ -5,6 +5,7 @@ import errno
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -17,9 +18,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from faults.training_corpus import (LOCK_FILE, can_mount, dead_pid, read_only_prefix, run, small_disk_prefix,  # noqa: E402
-                                    torchrun_command, train_command, truncate, write_code_running_pickle,
-                                    write_lock_file)
+from faults.training_corpus import (LOCK_FILE, can_mount, dead_pid, launcher_command, read_only_prefix,  # noqa: E402
+                                    run, small_disk_prefix, torchrun_command, train_command, truncate,
+                                    write_code_running_pickle, write_lock_file)
 from test_training import (ENTRY, QUICK, error_lines, info, offline, offline_single_thread,  # noqa: E402,F401
                            train)  # offline: the autouse fixture of test_training.py, here too
 
@@ -647,6 +648,18 @@ def test_failing_rank_under_utils_torchrun_ends_without_a_traceback(tmp_path):
                                 tmp_path / "logs", "--max-steps", "2", "--dataset-path", tmp_path / "missing.jsonl"))
     assert done.status == 1 and not done.has_traceback, done.stderr[-3000:]
     assert "missing.jsonl" in done.error_lines[0]
+
+
+def test_a_flag_train_py_refuses_under_the_launcher_names_no_log_it_did_not_write(tmp_path):
+    """train.py refuses its flags before it logs anything: the launcher had pointed at training_rank_0.log and a
+    per-rank logs folder that were never written, under torchrun's own `E... failed (exitcode: 2)` line."""
+    done = run(launcher_command("gpt2", tmp_path, "--seed", "-1", ranks=2, max_steps=3))
+    assert done.status == 1 and not done.has_traceback, done.stderr[-3000:]
+    assert "error: --seed must be at least 0, got -1" in done.stderr
+    assert re.search(r"^error: torchrun: rank \d \(pid \d+\) refused its flags \(exit status 2\); its message is "
+                     r"above$", done.stderr, re.M), done.stderr
+    assert not re.search(r"^E\d{4} ", done.stderr, re.M), done.stderr
+    assert "it wrote no log (its messages are above)" in done.stdout and "per-rank logs" not in done.stdout
 
 
 def test_the_largest_seed_trains_on_every_rank(tmp_path):

@@ -158,6 +158,9 @@ def distributed_context(num_gpus: Optional[int] = None) -> Iterator[DistributedC
             dist.destroy_process_group()
 
 
+USAGE_EXIT_STATUS = 2  # train.py's parser refusing a flag, on every rank, before anything is logged
+
+
 def run_torchrun(argv: list) -> int:
     """torchrun (same arguments) that ends in one line instead of its launcher's tracebacks.
 
@@ -174,6 +177,8 @@ def run_torchrun(argv: list) -> int:
     from torch.distributed.run import get_args_parser
     from torch.distributed.run import main as torchrun_main
     processes._terminate_process_handler = _first_signal_only(processes._terminate_process_handler)
+    # torchrun's own `E... failed (exitcode: N) local_rank: ...` line: the one-line error below says it
+    logging.getLogger(processes.__name__).setLevel(logging.CRITICAL)
     own_log_dir = None
     if get_args_parser().parse_args(argv).log_dir is None:  # the trainer's --log-dir, after the script, is not it
         own_log_dir = tempfile.mkdtemp(prefix="torchelastic_")
@@ -187,6 +192,10 @@ def run_torchrun(argv: list) -> int:
         return 128 + int(exc.sigval)
     except ChildFailedError as exc:
         rank, failure = exc.get_first_failure()
+        if failure.exitcode == USAGE_EXIT_STATUS:  # refused its flags before it logged anything
+            print(f"error: torchrun: rank {rank} (pid {failure.pid}) refused its flags (exit status 2); its message "
+                  "is above", file=sys.stderr)
+            return USAGE_EXIT_STATUS
         if failure.exitcode < 0:
             problem = f"was killed by {failure.signal_name()}"
         else:

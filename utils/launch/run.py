@@ -256,8 +256,12 @@ def run_plan(plan: Plan) -> int:
             results.append((run.name, "ok", took, where))
             traced += [f"{opts.output_dir}/{run.name}"] if opts.trace else []
         else:
-            print(f"❌ {run.name} failed (exit {rc}) after {took}; per-rank logs in {opts.logs_dir}/{run.name}/")
-            results.append((run.name, f"failed (exit {rc})", took, f"{opts.logs_dir}/{run.name}/"))
+            logs = f"{opts.logs_dir}/{run.name}/"
+            # a flag train.py refused stops it before it logs: the folder the line had named did not exist
+            wrote_logs = any(log.stat().st_mtime >= started - 1 for log in (ROOT / logs).glob("training_rank_*.log"))
+            print(f"❌ {run.name} failed (exit {rc}) after {took}; "
+                  + (f"per-rank logs in {logs}" if wrote_logs else "it wrote no log (its messages are above)"))
+            results.append((run.name, f"failed (exit {rc})", took, logs if wrote_logs else "-"))
             failed = True
     conversion, next_run = None, None
     if opts.convert and opts.trace and not runner.stopped:
