@@ -473,6 +473,19 @@ def test_a_family_registered_in_one_line_is_planned_by_the_launchers(monkeypatch
 # Background mode
 # ---------------------------------------------------------------------------------------------------------
 
+def test_help_piped_into_a_reader_that_stops_early_ends_without_a_traceback():
+    """`./run_gpt2.sh --help | head -5` had ended in a BrokenPipeError traceback about half the time: the help
+    is written line by line, and head closes the pipe after five."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader is gone before the first line: every write fails (EPIPE)
+    try:
+        done = subprocess.run([str(REPO / "run_gpt2.sh"), "--help"], stdout=write_end, stderr=subprocess.PIPE,
+                              text=True, timeout=120)
+    finally:
+        os.close(write_end)
+    assert done.returncode == 0 and "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr, done.stderr
+
+
 def test_background_mode_writes_the_pid_file_and_the_console_log(squad_file, tmp_path):
     logs = tmp_path / "logs"
     result = launch("run_gpt2.sh", "1", "--cpu", "--dry-run", "--background", "--dataset-path", str(squad_file),

@@ -294,11 +294,15 @@ def print_summary(plan: Plan, results: list, conversion: Optional[str], next_run
 
 def main(argv: Optional[list] = None) -> int:
     """argv: the launcher script's name (run_gpt2.sh), then the user's arguments."""
+    argv = sys.argv[1:] if argv is None else argv
     try:
-        return launch(sys.argv[1:] if argv is None else argv)
+        return launch(argv)
     except KeyboardInterrupt:  # Ctrl-C while checking the environment, before any run started
         print("\n🛑 Stopped (Ctrl-C) before any run started", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # whoever read the output stopped reading (`--help | head`): nothing more to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0 if {"-h", "--help"} & set(argv) else 1
 
 
 def launch(argv: list) -> int:
