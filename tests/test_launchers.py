@@ -120,6 +120,28 @@ def test_unknown_option_is_one_line_pointing_at_the_help_and_exits_2(script):
     assert result.stdout == ""
 
 
+@pytest.mark.parametrize("args, shown", [(["--overwrite-output-dir"], "--overwrite-output-dir"),
+                                         (["--resume-from", "ckpt/checkpoint-5"], "--resume-from ckpt/checkpoint-5"),
+                                         (["--seed=3"], "--seed=3")])
+def test_a_train_py_flag_given_to_the_launcher_is_shown_after_the_double_dash(args, shown):
+    """train.py's advice (pass --overwrite-output-dir, resume with --resume-from) names its own flags, which a
+    launcher had called `unknown option`, with nothing saying they go after --."""
+    result = launch("run_gpt2.sh", "1", *args, "--dry-run")
+    assert result.returncode == 2
+    assert result.stderr == (f"error: {args[0].split('=')[0]} is train.py's flag, not the launcher's: give it after "
+                             f"--, as in ./run_gpt2.sh ... -- {shown} (see ./run_gpt2.sh --help)\n")
+
+
+def test_the_launchers_list_of_train_py_flags_is_train_py_parsers():
+    """The launcher reads train.py's flags from utils/run_config.py's source (it runs under a python3 without
+    transformers): every one of them is a flag of the real parser."""
+    from utils.launch.options import train_flags
+    from utils.run_config import build_parser
+    flags = train_flags()
+    assert {"--resume-from", "--overwrite-output-dir", "--seed", "--enable-tracing"} <= flags
+    assert flags <= set(build_parser("gpt2")._option_string_actions)
+
+
 @pytest.mark.parametrize("args, message", [
     (["--batch-size", "abc"], "--batch-size: 'abc' is not a positive integer"),
     (["--batch-size"], "--batch-size needs a value"),

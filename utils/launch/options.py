@@ -1,9 +1,11 @@
 """The launchers' options: what each run_*.sh runs by default, --help, and the parser (errors name the flag)."""
 from __future__ import annotations
 
+import ast
 import os
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Optional
 
 from utils.errors import UsageError
@@ -260,6 +262,12 @@ def parse_options(launcher: Launcher, argv: list) -> Options:
                 setattr(opts, name, check(value))
             except ValueError as exc:
                 raise UsageError(f"{opt}: '{value}' {exc}") from None
+        elif opt not in FLAGS and opt.startswith("--") and opt in train_flags():
+            # the trainer's advice names its own flags (--resume-from, --overwrite-output-dir): it had been `unknown
+            # option`, with nothing saying they go after --
+            value = f" {args[0]}" if args and not inline and not args[0].startswith("-") else ""
+            raise UsageError(f"{opt} is train.py's flag, not the launcher's: give it after --, as in "
+                             f"./{launcher.script} ... -- {arg}{value}")
         elif inline:
             raise UsageError(f"{opt} takes no value ({arg})")
         elif opt in FLAGS and (opt != "--no-convert" or launcher.convert):
@@ -283,6 +291,20 @@ def parse_options(launcher: Launcher, argv: list) -> Options:
     if opts.models is None:
         opts.models = launcher.families
     return opts
+
+
+def train_flags() -> set:
+    """train.py's flags, read from the fields of utils/run_config.py's *Arguments dataclasses without importing it
+    (it needs transformers; the launcher runs under any python3)."""
+    source = Path(__file__).resolve().parent.parent / "run_config.py"
+    try:
+        tree = ast.parse(source.read_text(encoding="utf-8"))
+    except (OSError, SyntaxError):
+        return set()
+    return {"--" + node.target.id.replace("_", "-")
+            for cls in tree.body if isinstance(cls, ast.ClassDef) and cls.name.endswith("Arguments")
+            for node in cls.body if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+            and not node.target.id.startswith("_")}
 
 
 def _take_positionals(opts: Options, positionals: list) -> None:
