@@ -132,6 +132,20 @@ def test_a_train_py_flag_given_to_the_launcher_is_shown_after_the_double_dash(ar
                              f"--, as in ./run_gpt2.sh ... -- {shown} (see ./run_gpt2.sh --help)\n")
 
 
+@pytest.mark.parametrize("args, mode", [
+    ([], "train (3 epochs)"),
+    (["--max-steps", "5000", "--num-epochs", "1"], "train (5000 steps: --max-steps sets the length, not --num-epochs)"),
+    (["--trace"], "train (the trace window and the untraced steps timed after it, not 3 epochs: --trace; --max-steps "
+                  "for more)"),
+])
+def test_the_settings_say_what_sets_a_training_runs_length(args, mode):
+    """train.py runs --max-steps steps, else a traced run's window and after-steps, else the epochs: the line had
+    said "1 epochs, at most 5000 steps" of a run that trained 5000, and "3 epochs" of a traced run of 24 steps."""
+    result = launch("run_gpt2.sh", "1", *args, "--dry-run")
+    assert result.returncode == 0, result.stderr
+    assert f"• mode: {mode}\n" in result.stdout
+
+
 def test_the_launchers_list_of_train_py_flags_is_train_py_parsers():
     """The launcher reads train.py's flags from utils/run_config.py's source (it runs under a python3 without
     transformers): every one of them is a flag of the real parser."""

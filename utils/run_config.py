@@ -68,7 +68,8 @@ class OptimizationArguments:
     batch_size: int = flag(4, "sequences per rank and micro-step (default: %(default)s)")
     learning_rate: float = flag(5e-5, "peak learning rate (default: %(default)s)")
     weight_decay: float = flag(0.01, "AdamW weight decay of matrices; biases and norms get none (default: %(default)s)")
-    num_epochs: int = flag(3, "epochs when --max-steps is not given (default: %(default)s)")
+    num_epochs: int = flag(3, "epochs when neither --max-steps nor --enable-tracing (which runs its window and the "
+                              "untraced steps after it) sets the length (default: %(default)s)")
     max_steps: Optional[int] = flag(None, "optimizer steps; overrides --num-epochs")
     warmup_steps: Optional[int] = flag(None, "linear warm-up steps, then decay to 0 (default: 10%% of the steps)")
     lr_scheduler: Literal["linear", "cosine", "constant_with_warmup"] = flag(

@@ -285,8 +285,12 @@ def print_settings(plan: Plan) -> None:
     opts = plan.opts
     test_steps = f"{opts.max_steps} steps" if opts.max_steps else \
         "the trace window and the untraced steps timed after it" if opts.trace else f"{TEST_STEPS} steps"
-    mode = f"test ({test_steps})" if opts.mode == "test" else \
-        f"train ({opts.num_epochs} epochs{f', at most {opts.max_steps} steps' if opts.max_steps else ''})"
+    # train.py's rule: --max-steps, else a traced run's window and after-steps, else the epochs (the line had said
+    # "1 epochs, at most 5000 steps" of a run that trained 5000 steps, and "3 epochs" of a traced run's 24)
+    train_steps = f"{opts.max_steps} steps: --max-steps sets the length, not --num-epochs" if opts.max_steps else \
+        f"the trace window and the untraced steps timed after it, not {opts.num_epochs} epochs: --trace; " \
+        "--max-steps for more" if opts.trace else f"{opts.num_epochs} epochs"
+    mode = f"test ({test_steps})" if opts.mode == "test" else f"train ({train_steps})"
     nodes = f" · nodes: {opts.nnodes} (this is node {opts.node_rank})" if opts.nnodes > 1 else ""
     default = "train.py default"
     print(f"""
