@@ -178,6 +178,20 @@ def test_a_resumed_run_trains_with_its_own_learning_rate_weight_decay_and_schedu
         assert difference in warning[0]
 
 
+def test_resuming_a_checkpoint_already_past_max_steps_warns_that_nothing_is_trained(tmp_path, capsys):
+    """A checkpoint at step 3 resumed with --max-steps 2 ended "done: 3 steps", exit 0, with an info line only: a
+    user who meant to raise --max-steps is told, on stderr."""
+    common = [*QUICK, "--eval-steps", "0", "--save-steps", "0", "--no-save-initial"]
+    status, first, _ = train("gpt2", tmp_path / "first", *common, "--max-steps", "3")
+    assert status == 0
+    capsys.readouterr()
+    status, _, _ = train("gpt2", tmp_path / "again", *common, "--max-steps", "2", "--resume-from",
+                         str(first / "final_model"))
+    assert status == 0
+    assert (f"--resume-from {first / 'final_model'}: already at step 3, and this run ends at step 2: nothing to train; "
+            "raise --max-steps (or --num-epochs) to train on") in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_resuming_with_another_number_of_ranks_names_it_as_why_the_data_order_restarts(tmp_path):
     """The warning blamed "a different batch size or dataset" when only the number of ranks had changed."""

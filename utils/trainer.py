@@ -934,7 +934,11 @@ class Trainer:
         """Optimizer steps up to max_steps; True when a signal asked to stop early."""
         every, ctx = self.config.checkpoint, self.ctx
         if self.step >= self.max_steps:
-            logger.info("already at step %d of %d: nothing to train", self.step, self.max_steps)
+            # a warning, on stderr: the run ends "done" with the checkpoint's weights, and a resumed run whose
+            # --max-steps (or epochs) was meant to be raised should be told (a requeued finished run may be meant)
+            logger.warning("--resume-from %s: already at step %d, and this run ends at step %d: nothing to train; "
+                           "raise --max-steps (or --num-epochs) to train on", self.settings.resume_from, self.step,
+                           self.max_steps)
             return False
         window_start, window_steps, cpu_start = time.perf_counter(), 0, time.process_time()
         self._loop_first_step, self._rate_started = self.step, window_start
