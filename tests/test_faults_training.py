@@ -206,6 +206,25 @@ def test_checkpoint_of_the_other_model_family_is_refused(saved, resumed_by, fini
                         f"resume it with {saved}/train.py")
 
 
+def test_a_checkpoint_config_without_model_type_is_named_as_such(finished_gpt2, tmp_path, capsys):
+    """config.json of {}: the refusal had called it "a None checkpoint"."""
+    checkpoint = copy_checkpoint(finished_gpt2, tmp_path)
+    (checkpoint / "config.json").write_text("{}")
+    status, _, _ = train("gpt2", tmp_path, *TWO_STEPS, "--resume-from", str(checkpoint))
+    fails_with_one_line(status, capsys, f"{checkpoint}/config.json: has no model_type, so it is no checkpoint "
+                        "gpt2/train.py saved; resume from one it saved")
+
+
+def test_a_checkpoint_without_its_rng_state_says_the_file_is_missing(finished_gpt2, tmp_path, capsys):
+    """rng_state.pt deleted: the warning had said the checkpoint "holds RNG state for 0 rank(s)"."""
+    checkpoint = copy_checkpoint(finished_gpt2, tmp_path)
+    (checkpoint / "rng_state.pt").unlink()
+    status, _, _ = train("gpt2", tmp_path, *TWO_STEPS, "--max-steps", "2", "--resume-from", str(checkpoint))
+    assert status == 0
+    assert (f"{checkpoint} has no rng_state.pt: dropout and masking will not repeat the original run"
+            in capsys.readouterr().err)
+
+
 # ---- output folders ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("flag", ["--save-dir", "--log-dir", "--trace-output-dir"])
 def test_output_folder_that_is_a_file_fails_before_the_first_step(flag, tmp_path, capsys):

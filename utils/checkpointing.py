@@ -422,6 +422,9 @@ def check_resumable(checkpoint: Path, model_type: Optional[str] = None, script: 
         raise CheckpointError(f"{checkpoint}: no such checkpoint directory (--resume-from)")
     config = _read_config(checkpoint)
     saved_type = config.get("model_type")
+    if model_type and saved_type is None:  # it had said "a None checkpoint"
+        raise CheckpointError(f"{checkpoint}/config.json: has no model_type, so it is no checkpoint "
+                              f"{script or 'this script'} saved; resume from one it saved")
     if model_type and saved_type != model_type:
         other = f"; resume it with {FAMILIES[saved_type].train_script}" if saved_type in FAMILIES else ""
         raise CheckpointError(f"{checkpoint}/config.json: a {saved_type!r} checkpoint, but {script or 'this script'} "

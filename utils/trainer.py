@@ -23,7 +23,7 @@ from transformers import set_seed
 
 from trace_tools.layout import PREVIOUS_RUN_DIR
 from utils.chakra_tracer import TraceError, build_tracer, claim_trace_dir, default_trace_name
-from utils.checkpointing import (BEST_MODEL, FINAL_MODEL, INITIAL_MODEL, TOKENIZER_FILES, SaveDirLock,
+from utils.checkpointing import (BEST_MODEL, FINAL_MODEL, INITIAL_MODEL, RNG_STATE_FILE, TOKENIZER_FILES, SaveDirLock,
                                  capture_rng_state, check_resumable, check_writable_folder, checkpoint_name,
                                  clean_partial_checkpoints, earlier_checkpoints, later_checkpoints, load_resume_state,
                                  read_training_info, restore_rng_state, weights_fingerprint, write_checkpoint)
@@ -636,10 +636,12 @@ class Trainer:
                            self._why_batching_differs(state), self.stream.epoch)
         if rng_states is not None and len(rng_states) == ctx.world_size:
             restore_rng_state(rng_states[ctx.rank], self.device)
+        elif rng_states is None:  # it had said "holds RNG state for 0 rank(s)"
+            logger.warning("%s has no %s: dropout and masking will not repeat the original run", resume_dir,
+                           RNG_STATE_FILE)
         else:
-            saved = len(rng_states) if rng_states else 0
             logger.warning("%s holds RNG state for %d rank(s), this run has %d: dropout and masking will not "
-                           "repeat the original run", resume_dir, saved, ctx.world_size)
+                           "repeat the original run", resume_dir, len(rng_states), ctx.world_size)
         for key, flag in (("world_size", None), ("gradient_accumulation_steps", "--gradient-accumulation-steps")):
             now = ctx.world_size if key == "world_size" else self.config.optim.gradient_accumulation_steps
             if state.get(key) not in (None, now):
