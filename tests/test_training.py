@@ -178,6 +178,15 @@ def test_a_resumed_run_trains_with_its_own_learning_rate_weight_decay_and_schedu
         assert difference in warning[0]
 
 
+def test_a_warm_up_as_long_as_the_run_is_warned_of(tmp_path, capsys):
+    """--warmup-steps 100 over 3 steps trained at 0, 5e-07 and 1e-06 of a 5e-05 rate, with no word of it."""
+    status, _, _ = train("gpt2", tmp_path, *QUICK, "--max-steps", "3", "--warmup-steps", "100", "--eval-steps", "0",
+                         "--save-steps", "0", "--no-save-initial")
+    assert status == 0
+    assert ("--warmup-steps 100 is not below the run's 3 steps: the learning rate never reaches --learning-rate 5e-05"
+            in capsys.readouterr().err)
+
+
 def test_resuming_a_checkpoint_already_past_max_steps_warns_that_nothing_is_trained(tmp_path, capsys):
     """A checkpoint at step 3 resumed with --max-steps 2 ended "done: 3 steps", exit 0, with an info line only: a
     user who meant to raise --max-steps is told, on stderr."""

@@ -483,6 +483,10 @@ class Trainer:
         optim = self.config.optim
         self.max_steps = self.config.planned_steps(steps_per_epoch, self._resumed_step())
         self.warmup_steps = optim.warmup_steps if optim.warmup_steps is not None else int(0.1 * self.max_steps)
+        if self.warmup_steps >= self.max_steps and self.ctx.is_main_process:
+            # it had trained at a fraction of the rate asked for, silently (warm-up 100 over a 3-step run: 1e-6)
+            logger.warning("--warmup-steps %d is not below the run's %d steps: the learning rate never reaches "
+                           "--learning-rate %g", self.warmup_steps, self.max_steps, optim.learning_rate)
         self.optimizer = self._build_optimizer()
         from transformers import get_scheduler
         self.scheduler = get_scheduler(optim.lr_scheduler, optimizer=self.optimizer,
