@@ -509,6 +509,13 @@ def test_a_family_registered_in_one_line_is_planned_by_the_launchers(monkeypatch
 # Background mode
 # ---------------------------------------------------------------------------------------------------------
 
+def test_a_run_ended_by_a_signal_is_said_as_a_shell_says_it():
+    """A background run killed while starting had been reported as `exit -15` (Popen's sign for a signal)."""
+    from utils.launch.run import exit_text
+    assert [exit_text(rc) for rc in (0, 1, 143, -15, -9)] == ["exit 0", "exit 1", "exit 143", "killed by SIGTERM",
+                                                               "killed by SIGKILL"]
+
+
 def test_help_piped_into_a_reader_that_stops_early_ends_without_a_traceback():
     """`./run_gpt2.sh --help | head -5` had ended in a BrokenPipeError traceback about half the time: the help
     is written line by line, and head closes the pipe after five."""

@@ -120,6 +120,17 @@ def _non_empty(path: Path) -> bool:
     return path.is_file() and path.stat().st_size > 0
 
 
+def exit_text(rc: int) -> str:
+    """A child's end as a shell says it: `exit 143` for a status, `killed by SIGTERM` where Popen gives -15 (the
+    launcher had printed `exit -15`)."""
+    if rc < 0:
+        try:
+            return f"killed by {signal.Signals(-rc).name}"
+        except ValueError:
+            return f"killed by signal {-rc}"
+    return f"exit {rc}"
+
+
 def is_background_launcher(pid: int) -> bool:
     """Whether the live process pid runs this checkout's launcher (python <repo>/utils/launch ..., as
     start_background starts it); True where its command line cannot be read."""
@@ -193,7 +204,7 @@ def start_background(launcher: Launcher, plan: Plan) -> int:
     if child.returncode == 0:
         print(f"✅ The background run already finished (exit 0); full output in {console}")
     else:
-        print(f"❌ The background run already ended with exit code {child.returncode}; see {console}")
+        print(f"❌ The background run already ended ({exit_text(child.returncode)}); see {console}")
     return child.returncode
 
 
@@ -249,7 +260,7 @@ def run_plan(plan: Plan) -> int:
             saved = written_since(ROOT / opts.save_dir / run.name, started)
             kept = f"checkpoints in {opts.save_dir}/{run.name}/ (this run wrote {', '.join(saved)})" if saved else \
                 f"this run wrote no checkpoint in {opts.save_dir}/{run.name}/"
-            print(f"🛑 {run.name} stopped by a signal after {took} (exit {rc}); {kept}")
+            print(f"🛑 {run.name} stopped by a signal after {took} ({exit_text(rc)}); {kept}")
             results.append((run.name, "stopped", took, f"{opts.save_dir}/{run.name}/"))
         elif rc == 0:
             print(f"✅ {run.name} finished in {took}")
@@ -259,9 +270,9 @@ def run_plan(plan: Plan) -> int:
             logs = f"{opts.logs_dir}/{run.name}/"
             # a flag train.py refused stops it before it logs: the folder the line had named did not exist
             wrote_logs = any(log.stat().st_mtime >= started - 1 for log in (ROOT / logs).glob("training_rank_*.log"))
-            print(f"❌ {run.name} failed (exit {rc}) after {took}; "
+            print(f"❌ {run.name} failed ({exit_text(rc)}) after {took}; "
                   + (f"per-rank logs in {logs}" if wrote_logs else "it wrote no log (its messages are above)"))
-            results.append((run.name, f"failed (exit {rc})", took, logs if wrote_logs else "-"))
+            results.append((run.name, f"failed ({exit_text(rc)})", took, logs if wrote_logs else "-"))
             failed = True
     conversion, next_run = None, None
     if opts.convert and opts.trace and not runner.stopped:
