@@ -954,8 +954,9 @@ def test_a_long_simulation_says_it_is_still_running_and_one_past_its_timeout_is_
     result = simulate_workload(converted / "gpt2_tiny_2r", 2, bandwidth_gbs=1.0, binary=slow, work_dir=tmp_path / "w",
                                progress=lines.append)
     assert result.step_ms == 1.0
-    assert 2 <= len(lines) <= 4 and all(re.fullmatch(r"\.\.\. ASTRA-sim on 2 NPUs: still running, 0 min 0\d s so far",
-                                                     line) for line in lines), lines
+    # one line a PROGRESS_EVERY_S while it runs (3 in 1.5 s on a quiet machine, more on a loaded one)
+    assert len(lines) >= 2 and all(re.fullmatch(r"\.\.\. ASTRA-sim on 2 NPUs: still running, \d+ min \d\d s so far",
+                                                line) for line in lines), lines
     fake, pid_file = sleeping_astra_sim(tmp_path)
     with pytest.raises(SimulationError, match=r"still running after 1 s; stopped"):
         simulate_workload(converted / "gpt2_tiny_2r", 2, bandwidth_gbs=1.0, binary=fake, work_dir=tmp_path / "w2",
