@@ -727,7 +727,8 @@ def test_error_every_rank_hits_is_printed_even_when_rank_0_is_the_slowest(tmp_pa
     flags = [str(tmp_path / flag) if flag.endswith(".jsonl") else flag for flag in flags]
     done = run(torchrun_command([sys.executable, "-m", "utils.torchrun"], "gpt2", tmp_path / "ckpt",
                                 tmp_path / "logs", "--max-steps", "2", *flags))
-    assert done.status == 1 and not done.has_traceback, done.stderr[-3000:]
+    # a flag refused while parsing exits 2 under utils.torchrun as in one process; a missing file, found later, 1
+    assert done.status == (2 if named.startswith("--") else 1) and not done.has_traceback, done.stderr[-3000:]
     assert named in done.error_lines[0] and "[rank 1]" not in done.stderr, done.stderr[-3000:]
     assert done.error_lines[1].startswith("error: torchrun: rank 0 "), done.error_lines
 
