@@ -73,7 +73,6 @@ def main(argv: list | None = None) -> int:
     parser.add_argument("--compute-ms", default="10,30", metavar="LOW,HIGH",
                         help="range of the compute time before each all-reduce (default: %(default)s)")
     parser.add_argument("--quick", action="store_true", help="a smoke test: one small size, a few repeats, one round")
-    argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
     if args.quick:
         quick_settings(parser, argv, args, dict(sizes="65536", repeats=5, rounds=1))

@@ -288,12 +288,13 @@ def below_minimum(args, minimums: Sequence[tuple[str, float]]) -> str | None:
 _NOT_GIVEN = object()
 
 
-def quick_settings(parser: argparse.ArgumentParser, argv: Sequence[str], args: argparse.Namespace,
+def quick_settings(parser: argparse.ArgumentParser, argv: Sequence[str] | None, args: argparse.Namespace,
                    settings: dict) -> None:
     """--quick's smaller settings put into args, each only where the command line did not give that flag itself
-    (--quick had overridden them: `--quick --ranks 4` ran 8 and 64 ranks). The command line is parsed again into a
-    namespace preset to a marker: argparse leaves a preset attribute alone unless its flag is given."""
-    given = parser.parse_args(list(argv), namespace=argparse.Namespace(**{name: _NOT_GIVEN for name in settings}))
+    (--quick had overridden them: `--quick --ranks 4` ran 8 and 64 ranks). The command line (argv, or sys.argv's as
+    parse_args takes None) is parsed again into a namespace preset to a marker: argparse leaves a preset attribute
+    alone unless its flag is given."""
+    given = parser.parse_args(argv, namespace=argparse.Namespace(**{name: _NOT_GIVEN for name in settings}))
     for name, value in settings.items():
         if getattr(given, name) is _NOT_GIVEN:
             setattr(args, name, value)

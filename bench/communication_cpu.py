@@ -129,7 +129,6 @@ def main(argv: list | None = None) -> int:
                         help="passes over the rates, in alternating order, pooled (default: %(default)s)")
     parser.add_argument("--quick", action="store_true",
                         help="a smoke test: 1 MB at unthrottled and 100mbit, one run of about a second each")
-    argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
     if args.quick:
         quick_settings(parser, argv, args, dict(rates="unthrottled,100mbit", mb=1.0, seconds=1.0, rounds=1))

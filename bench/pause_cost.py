@@ -117,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    argv, parser = sys.argv[1:] if argv is None else argv, build_parser()
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.quick:
         quick_settings(parser, argv, args, dict(rounds=1, steps=2, pause_s=0.2, model="tiny"))

@@ -85,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    argv, parser = sys.argv[1:] if argv is None else argv, build_parser()
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.quick:
         quick_settings(parser, argv, args, dict(processes=2, steps=4, parameters=1_048_576))

@@ -132,7 +132,7 @@ def build_parser() -> ArgumentParser:
 
 
 def main(argv=None) -> int:
-    argv, parser = sys.argv[1:] if argv is None else argv, build_parser()
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.quick:
         quick_settings(parser, argv, args, dict(model="tiny", rates="unthrottled,100mbit", cycles=1, block=6, settle=1))

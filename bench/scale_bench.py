@@ -145,7 +145,7 @@ def scale_table(runs: dict[int, list[dict]]) -> str:
 
 
 def main(argv=None) -> int:
-    argv, parser = sys.argv[1:] if argv is None else argv, build_parser()
+    parser = build_parser()
     args = parser.parse_args(argv)
     exit_on_sigterm()
     if args.quick:

@@ -120,7 +120,7 @@ def check(args) -> tuple:
 
 
 def main(argv=None) -> int:
-    argv, parser = sys.argv[1:] if argv is None else argv, build_parser()
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.quick:
         quick_settings(parser, argv, args, dict(model="tiny", rates="100mbit", traces=1, repeats=1, cycles=1))

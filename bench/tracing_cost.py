@@ -176,7 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    argv, parser = sys.argv[1:] if argv is None else argv, build_parser()
+    parser = build_parser()
     args = parser.parse_args(argv)
     exit_on_sigterm()
     if args.repeats is None:

@@ -264,7 +264,9 @@ def place_work_intervals(trace: RankTrace) -> None:
     lanes: dict[tuple, list[int]] = defaultdict(list)
     in_turn = trace.compute_scale != 1.0  # a straggler's stream kernels, longer than traced, follow one another
     stream_free: dict[tuple, int] = {}
-    for i, node in sorted(enumerate(nodes), key=lambda item: (item[1].start, item[1].id)):
+    # in start order where kernels are placed in turn; each node where the trace put it otherwise
+    placed = sorted(enumerate(nodes), key=lambda item: (item[1].start, item[1].id)) if in_turn else enumerate(nodes)
+    for i, node in placed:
         if node.on_gpu or node.lane[0] == "cpu-comm":  # CPU collectives may run at once on several worker threads
             start = max(node.start, stream_free.get(node.lane, node.start)) if in_turn and node.on_gpu else node.start
             stream_free[node.lane] = start + node.dur

@@ -391,9 +391,9 @@ class ChakraTracer:
             self._load_start = sample_machine_load()
         if self._profiler is not None and not self._finalized:
             window_ends = self._step >= self.traced_steps[-1] + 1
-            started = time.perf_counter(), time.process_time()
+            started = (time.perf_counter(), time.process_time()) if window_ends else None
             self._profiler.step()  # after the last traced step, the profiler's own trace handler runs in it
-            if window_ends:
+            if started is not None:
                 self._finalize_capture()
                 self._start_next_step_together()
                 preparation = (preparation[0] + time.perf_counter() - started[0],
