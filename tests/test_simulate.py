@@ -1032,6 +1032,36 @@ def test_a_conversion_waits_for_a_simulation_and_a_simulation_for_a_conversion(c
                                 "has ended")
 
 
+def test_a_signal_held_back_while_the_simulation_is_written_says_it_was_written(converted, tmp_path, monkeypatch,
+                                                                                  capsys):
+    """Ctrl-C while the work folder and SIMULATION.md are put in place waits until both are: the line had then said
+    "SIMULATION.md not written" of the file just written."""
+    import trace_tools.simulate as simulate
+
+    if not hasattr(signal, "pthread_sigmask"):
+        pytest.skip("signals are held back only where they can be blocked")
+    folder = tmp_path / "run"
+    shutil.copytree(converted, folder, ignore=shutil.ignore_patterns("astra-sim", "SIMULATION.md"))
+    replace_folder = simulate._replace_folder
+
+    def interrupted_while_replacing(*args):
+        os.kill(os.getpid(), signal.SIGINT)  # blocked here: delivered when the block ends
+        replace_folder(*args)
+
+    args = [str(folder), "--bandwidth", "1Gbit/s", "--astra-sim", str(finishing_astra_sim(tmp_path, 2)),
+            "--no-cpu-bound"]
+    assert simulate.main([*args, "--latency", "700"]) == 0  # an earlier simulation, replaced by the next one
+    monkeypatch.setattr(simulate, "_replace_folder", interrupted_while_replacing)
+    status = simulate.main([*args, "--latency", "900"])
+    err = capsys.readouterr().err
+    assert status == 130
+    assert err.splitlines()[-1] == (f"interrupted: simulate.py stopped by Ctrl-C once the simulation was done and "
+                                    f"written to {folder / 'SIMULATION.md'}")
+    assert "--latency 900" in (folder / "SIMULATION.md").read_text()
+    assert yaml.safe_load((folder / "astra-sim" / "network.yml").read_text())["latency"] == [900.0]
+    assert not list(folder.glob(".astra-sim.*"))  # neither the staging folder nor the one it replaced
+
+
 def test_a_failed_or_stopped_simulation_leaves_the_files_simulation_md_describes(converted, tmp_path):
     """After SIGTERM or a failure, astra-sim/ held the stopped run's configuration while SIMULATION.md described the
     run before it: the ASTRA-sim command SIMULATION.md records then failed. It also runs from a path with a space."""

@@ -981,6 +981,15 @@ def keep_failed(staging: Path, work_dir: Path, problem: str) -> str:
     return problem.replace(str(staging), str(failed))
 
 
+class InterruptedAfterWriting(KeyboardInterrupt):
+    """Ctrl-C or SIGTERM that came while the simulation was being written, held back until it was: `written` (the
+    SIMULATION.md, or the work folder) is whole."""
+
+    def __init__(self, written: Path):
+        super().__init__(str(written))
+        self.written = written
+
+
 @contextmanager
 def signals_deferred() -> Iterator[None]:
     """Ctrl-C and SIGTERM wait until the block ends (where signals can be blocked): the work folder and SIMULATION.md
@@ -1005,14 +1014,18 @@ def publish(result: SimulationResult, staging: Path, work_dir: Path, invocation:
     except ValueError:
         pass
     replaced = staging.with_name(staging.name + ".replaced")  # STAGING_RE's: removed after a kill too
-    with signals_deferred():
-        if invocation is not None:
-            with atomic_path(result.run_folder / SIMULATION_FILE) as tmp:
-                tmp.write_text(render_simulation(result, invocation), encoding="utf-8")
+    try:
+        with signals_deferred():
+            if invocation is not None:
+                with atomic_path(result.run_folder / SIMULATION_FILE) as tmp:
+                    tmp.write_text(render_simulation(result, invocation), encoding="utf-8")
+                    _replace_folder(staging, work_dir, replaced)
+                result.simulation_file = result.run_folder / SIMULATION_FILE
+            else:
                 _replace_folder(staging, work_dir, replaced)
-            result.simulation_file = result.run_folder / SIMULATION_FILE
-        else:
-            _replace_folder(staging, work_dir, replaced)
+    except KeyboardInterrupt:  # held back until both were in place: delivered as the block ends
+        shutil.rmtree(replaced, ignore_errors=True)
+        raise InterruptedAfterWriting(result.simulation_file or work_dir) from None
     shutil.rmtree(replaced, ignore_errors=True)
     shutil.rmtree(work_dir.with_name(work_dir.name + FAILED_SUFFIX), ignore_errors=True)  # an earlier failure's
 
@@ -1150,6 +1163,10 @@ def main(argv: list[str] | None = None) -> int:
     with StopSignal() as stop:  # SIGTERM unwinds as Ctrl-C does, so ASTRA-sim is stopped too
         try:
             return _main(args, invocation)
+        except InterruptedAfterWriting as e:  # it had said "not written" of a file it had just written
+            print(f"interrupted: simulate.py stopped by {stop.name} once the simulation was done and written to "
+                  f"{e.written}", file=sys.stderr)
+            return stop.exit_code
         except KeyboardInterrupt:
             print(f"interrupted: simulate.py stopped by {stop.name}; ASTRA-sim was stopped and {SIMULATION_FILE} not "
                   "written", file=sys.stderr)
