@@ -671,8 +671,11 @@ def test_failing_rank_under_utils_torchrun_ends_without_a_traceback(tmp_path):
 
 def test_a_flag_train_py_refuses_under_the_launcher_names_no_log_it_did_not_write(tmp_path):
     """train.py refuses its flags before it logs anything: the launcher had pointed at training_rank_0.log and a
-    per-rank logs folder that were never written, under torchrun's own `E... failed (exitcode: 2)` line."""
-    done = run(launcher_command("gpt2", tmp_path, "--seed", "-1", ranks=2, max_steps=3))
+    per-rank logs folder that were never written, under torchrun's own `E... failed (exitcode: 2)` line. (The
+    launcher checks the flags before it starts torchrun; LC_FLAGS_CHECKED, as its background child has it, skips
+    that check, so a refusal still reaches the ranks here.)"""
+    done = run(["env", "LC_FLAGS_CHECKED=1", *launcher_command("gpt2", tmp_path, "--seed", "-1", ranks=2,
+                                                                max_steps=3)])
     assert done.status == 1 and not done.has_traceback, done.stderr[-3000:]
     assert "error: --seed must be at least 0, got -1" in done.stderr
     assert re.search(r"^error: torchrun: rank \d \(pid \d+\) refused its flags \(exit status 2\); its message is "

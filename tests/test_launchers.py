@@ -564,6 +564,32 @@ def test_background_mode_refuses_to_start_over_a_live_run(squad_file, tmp_path):
     assert not (logs / "training_console.log").exists()
 
 
+def test_flags_train_py_refuses_stop_the_launch_before_any_run_starts(squad_file, tmp_path):
+    """A traced run whose --max-steps cannot hold its trace window: train.py refuses it, and the launcher now says
+    so before torchrun starts (it had started a run per family and count, each importing torch to refuse it)."""
+    result = launch("run_gpt2_quick.sh", "--cpu", "--num-gpus", "1,2", "--max-steps", "3", "--dataset-path",
+                    str(squad_file), "--output-dir", str(tmp_path / "traces"), "--save-dir", str(tmp_path / "ckpt"),
+                    "--logs-dir", str(tmp_path / "logs"), env=machine(cores=2))
+    assert result.returncode == 2, result.stdout + result.stderr
+    [line] = [line for line in result.stdout.splitlines() if line.startswith("❌")]
+    assert line.startswith("❌ train.py refuses these flags: --max-steps 3 is shorter than the trace window"), line
+    assert line.endswith("(see gpt2/train.py --help)"), line
+    assert "▶" not in result.stdout and not (tmp_path / "traces").exists() and not (tmp_path / "ckpt").exists()
+
+
+def test_a_background_start_with_flags_train_py_refuses_does_not_detach(squad_file, tmp_path):
+    """The background child had started, told the user it was running, and ended in its console log with
+    train.py's refusal; now the refusal is the launcher's own output and nothing is left running or written."""
+    logs = tmp_path / "logs"
+    result = launch("run_gpt2.sh", "1", "--cpu", "--background", "--dataset-path", str(squad_file), "--logs-dir",
+                    str(logs), "--save-dir", str(tmp_path / "ckpt"), "--", "--seed", "-1", env=machine())
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "❌ train.py refuses these flags: --seed must be at least 0, got -1 (see gpt2/train.py --help)" in \
+        result.stdout
+    assert "Background run started" not in result.stdout
+    assert not (logs / "training.pid").exists() and not (logs / "training_console.log").exists()
+
+
 def test_a_pid_file_naming_another_process_is_left_from_an_ended_run(squad_file, tmp_path):
     """The PID file outlives its run; after a reboot or when PIDs wrap, the number belongs to another process, and
     the launcher had refused to start and told the user to kill that process (here: this test)."""

@@ -2,6 +2,7 @@
 GPU count, with the settings the machine decides."""
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -36,6 +37,14 @@ print(torch.__version__, count, torch.version.cuda or "none", int(bool(cuda and 
 
 class LaunchError(Exception):
     """A check that failed before anything ran; its message is already a full line (❌ ...)."""
+
+    status = 1  # the launcher's exit status
+
+
+class FlagsRefused(LaunchError):
+    """train.py's parser refused a run's flags: a usage error, exit status 2 as train.py's own."""
+
+    status = 2
 
 
 @dataclass(frozen=True)
@@ -166,6 +175,37 @@ def check_master_address(opts: Options) -> None:
         reason = exc.strerror if isinstance(exc, socket.gaierror) else "not a valid host name"
         raise LaunchError(f"❌ --master-addr {opts.master_addr}: this machine cannot resolve it ({reason}); give node "
                           f"0's IP address, or a host name in /etc/hosts or DNS") from None
+
+
+# train.py's own parser on each run's flags, in the training Python (the launcher imports no transformers): a flag it
+# refuses stops the launch here, before a background start detaches (that run had ended in its log, after the launcher
+# had said it was running) and before the first of several runs imports torch to refuse it.
+FLAG_CHECK = """
+import json, sys
+from utils.run_config import parse_run_config
+for family, argv in json.loads(sys.argv[1]):
+    parse_run_config(family, argv)
+"""
+
+
+def check_train_flags(plan: "Plan") -> None:
+    """Every run's train.py flags pass train.py's parser (RunConfig's checks included), in one Python; a refusal
+    raises FlagsRefused with train.py's own line."""
+    argvs = []
+    for run in plan.runs():
+        flags = run.argv[run.argv.index(run.family.train_script) + 1:]
+        if [run.family.name, flags] not in argvs:
+            argvs.append([run.family.name, flags])
+    if not argvs:
+        return
+    result = subprocess.run([plan.machine.python, "-c", FLAG_CHECK, json.dumps(argvs)], capture_output=True,
+                            text=True, cwd=ROOT, env={**os.environ, "RANK": "0"})
+    if result.returncode != 0:
+        lines = result.stderr.strip().splitlines()
+        refusal = [line for line in lines if line.startswith("error: ")]
+        if refusal:
+            raise FlagsRefused(f"❌ train.py refuses these flags: {refusal[-1].removeprefix('error: ')}")
+        raise LaunchError("\n".join([f"❌ {plan.machine.python} could not check train.py's flags:", *lines[-3:]]))
 
 
 def run_name(family: FamilyInfo, world: int, device: str, quick: bool) -> str:

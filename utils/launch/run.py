@@ -16,10 +16,11 @@ from trace_tools import layout
 from trace_tools.atomic import process_is_alive, write_text_atomic
 from utils.errors import STOP_SIGNALS, UsageError
 from utils.launch.options import CONSOLE_LOG, LAUNCHERS, PID_FILE, Launcher, ShowHelp, parse_options, usage
-from utils.launch.plan import (ROOT, LaunchError, Plan, Run, check_folders, check_master_address, dataset_arguments,
-                               make_plan, print_settings, probe_machine, report_machine, size_text)
+from utils.launch.plan import (ROOT, LaunchError, Plan, Run, check_folders, check_master_address, check_train_flags,
+                               dataset_arguments, make_plan, print_settings, probe_machine, report_machine, size_text)
 
 PEEK_SECONDS = 5  # how long a background start shows the run's first lines
+FLAGS_CHECKED = "LC_FLAGS_CHECKED"  # set for the background child: its parent checked train.py's flags
 
 
 class Foreground:
@@ -173,8 +174,8 @@ def start_background(launcher: Launcher, plan: Plan) -> int:
         # nohup and a session of its own: neither closing the terminal nor Ctrl-C there reaches it, only a kill
         child = subprocess.Popen(["nohup", sys.executable, str(ROOT / "utils" / "launch"), launcher.script,
                                   *plan.opts.own_args, "--foreground", *extra], stdin=subprocess.DEVNULL, stdout=log,
-                                 stderr=subprocess.STDOUT, env={**os.environ, **plan.machine.variables()},
-                                 start_new_session=True)
+                                 stderr=subprocess.STDOUT, start_new_session=True,
+                                 env={**os.environ, **plan.machine.variables(), FLAGS_CHECKED: "1"})
     write_text_atomic(pid_file, f"{child.pid}\n")
     print(f"""✅ Background run started
 🔢 Process ID: {child.pid}
@@ -339,16 +340,18 @@ def launch(argv: list) -> int:
         check_master_address(opts)
     except LaunchError as exc:
         print(exc)
-        return 1
+        return exc.status
     print_settings(plan)
     # A plain --dry-run only prints; with an explicit --background it rehearses the background start.
     try:
+        if not opts.dry_run and os.environ.get(FLAGS_CHECKED) != "1":  # the background child's were, by its parent
+            check_train_flags(plan)
         if opts.background and (not opts.dry_run or "--background" in opts.own_args):
             return start_background(launcher, plan)
         locks = [] if opts.dry_run else claim_runs(plan)
     except LaunchError as exc:
         print(exc)
-        return 1
+        return exc.status
     try:
         return run_plan(plan)
     finally:
