@@ -590,6 +590,21 @@ def test_a_background_start_with_flags_train_py_refuses_does_not_detach(squad_fi
     assert not (logs / "training.pid").exists() and not (logs / "training_console.log").exists()
 
 
+def test_a_training_python_without_transformers_is_named_by_the_flag_check(squad_file, tmp_path):
+    """The check runs in the training Python: one that lacks a training package says so in require's line, not as
+    a refusal of the flags."""
+    python = tmp_path / "python-without-site-packages"
+    python.write_text(f"#!/bin/sh\nexec {shlex.quote(sys.executable)} -S \"$@\"\n")
+    python.chmod(0o755)
+    result = launch("run_gpt2.sh", "1", "--cpu", "--foreground", "--dataset-path", str(squad_file), "--logs-dir",
+                    str(tmp_path / "logs"), "--save-dir", str(tmp_path / "ckpt"),
+                    env={**machine(), "PYTHON": str(python)})
+    assert result.returncode == 1, result.stdout + result.stderr
+    said = result.stdout.split(f"❌ {python} could not check train.py's flags:\n", 1)[1].splitlines()[0]
+    assert " has no " in said and "use the project's environment" in said, said
+    assert "refuses" not in result.stdout and "▶" not in result.stdout
+
+
 def test_a_pid_file_naming_another_process_is_left_from_an_ended_run(squad_file, tmp_path):
     """The PID file outlives its run; after a reboot or when PIDs wrap, the number belongs to another process, and
     the launcher had refused to start and told the user to kill that process (here: this test)."""

@@ -182,6 +182,8 @@ def check_master_address(opts: Options) -> None:
 # had said it was running) and before the first of several runs imports torch to refuse it.
 FLAG_CHECK = """
 import json, sys
+from utils.environment import require
+require("training")
 from utils.run_config import parse_run_config
 for family, argv in json.loads(sys.argv[1]):
     parse_run_config(family, argv)
@@ -202,10 +204,12 @@ def check_train_flags(plan: "Plan") -> None:
                             text=True, cwd=ROOT, env={**os.environ, "RANK": "0"})
     if result.returncode != 0:
         lines = result.stderr.strip().splitlines()
-        refusal = [line for line in lines if line.startswith("error: ")]
-        if refusal:
-            raise FlagsRefused(f"❌ train.py refuses these flags: {refusal[-1].removeprefix('error: ')}")
-        raise LaunchError("\n".join([f"❌ {plan.machine.python} could not check train.py's flags:", *lines[-3:]]))
+        said = [line.removeprefix("error: ") for line in lines if line.startswith("error: ")]
+        if said and result.returncode == 2:  # the parser's status
+            raise FlagsRefused(f"❌ train.py refuses these flags: {said[-1]}")
+        # the environment (require's line), or a traceback
+        raise LaunchError("\n".join([f"❌ {plan.machine.python} could not check train.py's flags:",
+                                     *(said[-1:] or lines[-3:])]))
 
 
 def run_name(family: FamilyInfo, world: int, device: str, quick: bool) -> str:
