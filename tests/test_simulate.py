@@ -9,6 +9,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -1045,7 +1046,8 @@ def test_a_signal_held_back_while_the_simulation_is_written_says_it_was_written(
     replace_folder = simulate._replace_folder
 
     def interrupted_while_replacing(*args):
-        os.kill(os.getpid(), signal.SIGINT)  # blocked here: delivered when the block ends
+        # to this thread, which blocks it here, as Ctrl-C reaches simulate.py's only thread; delivered as the block ends
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
         replace_folder(*args)
 
     args = [str(folder), "--bandwidth", "1Gbit/s", "--astra-sim", str(finishing_astra_sim(tmp_path, 2)),

@@ -1014,6 +1014,7 @@ def publish(result: SimulationResult, staging: Path, work_dir: Path, invocation:
     except ValueError:
         pass
     replaced = staging.with_name(staging.name + ".replaced")  # STAGING_RE's: removed after a kill too
+    written = False
     try:
         with signals_deferred():
             if invocation is not None:
@@ -1023,7 +1024,11 @@ def publish(result: SimulationResult, staging: Path, work_dir: Path, invocation:
                 result.simulation_file = result.run_folder / SIMULATION_FILE
             else:
                 _replace_folder(staging, work_dir, replaced)
-    except KeyboardInterrupt:  # held back until both were in place: delivered as the block ends
+            written = True
+    except KeyboardInterrupt:
+        if not written:  # not held back (another thread of this process took the signal): as before
+            raise
+        # held back until both were in place, and delivered as the block ended
         shutil.rmtree(replaced, ignore_errors=True)
         raise InterruptedAfterWriting(result.simulation_file or work_dir) from None
     shutil.rmtree(replaced, ignore_errors=True)
