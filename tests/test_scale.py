@@ -431,6 +431,70 @@ def test_bad_input_is_one_error_line(gpt2_run, tmp_path, capsys, argv, message):
     assert err.startswith("error: " + message.format(tmp=tmp_path, run=gpt2_run)), err
 
 
+def test_a_set_missing_its_top_rank_is_refused_as_simulate_py_refuses_it(gpt2_run, tmp_path):
+    """Rank 1 of 2 gone: the set was scaled from rank 0 alone, its prediction 184.8 ms against 246.5 ms from the
+    whole run (the slower rank dropped), and its summary called it a 1-rank trace."""
+    shutil.copy(gpt2_run / f"{GPT2_2R}.0.et", tmp_path)
+    with pytest.raises(ScaleError, match=rf"{GPT2_2R}\.0\.et: recorded in a world of 2 ranks, but the set has 1 \.et "
+                                         rf"files \({GPT2_2R}\.0\.et to {GPT2_2R}\.0\.et\); scale a complete set"):
+        scale_set(tmp_path, 4, output_dir=tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_folder_holding_another_run_is_not_written_into(gpt2_run, tmp_path, capsys):
+    """--name bert_tiny_2r beside a converted bert_tiny_2r replaced its .et files with scaled GPT-2 ones, under its
+    CONVERSION_SUMMARY.md; a folder of traces, or .et files scale_et.py did not write, are another run's too."""
+    runs = tmp_path / "runs"
+    shutil.copytree(gpt2_run, runs / GPT2_2R)
+    other = runs / "bert_tiny_2r"
+    shutil.copytree(gpt2_run, other)
+    before = {path.name: path.read_bytes() for path in other.iterdir() if path.is_file()}
+    assert scale_et.main([str(runs / GPT2_2R), "--ranks", "4", "--name", "bert_tiny_2r"]) == 2
+    assert capsys.readouterr().err == (f"error: --name: {other} holds a traced or converted run "
+                                       "(CONVERSION_SUMMARY.md); a scaled set goes in a folder of its own (give "
+                                       "another --name)\n")
+    assert scale_et.main([str(runs / GPT2_2R), "--ranks", "4", "--output-dir", str(other), "--name", GPT2_2R]) == 2
+    assert f"error: --output-dir: {other} holds a traced or converted run" in capsys.readouterr().err
+    assert {path.name: path.read_bytes() for path in other.iterdir() if path.is_file()} == before
+
+    traces = tmp_path / "traces"
+    traces.mkdir()
+    (traces / "host.0.json").write_text("{}")
+    assert scale_et.main([str(runs / GPT2_2R), "--ranks", "4", "--output-dir", str(traces)]) == 2
+    assert f"error: --output-dir: {traces} holds a traced or converted run (host.0.json)" in capsys.readouterr().err
+
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    for rank in (0, 1):
+        shutil.copy(gpt2_run / f"{GPT2_2R}.{rank}.et", mine / f"set.{rank}.et")
+    assert scale_et.main([str(runs / GPT2_2R), "--ranks", "4", "--output-dir", str(mine), "--name", "set"]) == 2
+    assert (f"error: --output-dir: {mine} already holds the .et set set, which scale_et.py did not write there"
+            in capsys.readouterr().err)
+    # a set scale_et.py wrote is written again in place
+    assert scale_et.main([str(runs / GPT2_2R), "--ranks", "4", "--output-dir", str(tmp_path / "again")]) == 0
+    assert scale_et.main([str(runs / GPT2_2R), "--ranks", "4", "--output-dir", str(tmp_path / "again")]) == 0
+
+
+def test_a_name_that_makes_the_default_folder_the_run_folder_blames_the_name(gpt2_run, tmp_path, capsys):
+    runs = tmp_path / "runs"
+    shutil.copytree(gpt2_run, runs / GPT2_2R)
+    assert scale_et.main([str(runs / GPT2_2R), "--ranks", "4", "--name", GPT2_2R]) == 2
+    assert capsys.readouterr().err == (f"error: --name: {GPT2_2R}: the folder it names beside the run, "
+                                       f"{runs / GPT2_2R}, is the run folder itself; give another --name, or an "
+                                       "--output-dir\n")
+
+
+def test_the_run_folder_given_as_dot_gets_its_set_beside_it(gpt2_run, tmp_path, monkeypatch, capsys):
+    """`scale_et.py .` from inside the run wrote the set inside the run folder, where no tool looks for it."""
+    runs = tmp_path / "runs"
+    shutil.copytree(gpt2_run, runs / GPT2_2R)
+    monkeypatch.chdir(runs / GPT2_2R)
+    assert scale_et.main([".", "--ranks", "4"]) == 0, capsys.readouterr().err
+    assert sorted(p.name for p in (runs / f"{GPT2_2R}_4npus").glob("*.et")) == [f"{GPT2_2R}_4npus.{r}.et"
+                                                                                 for r in range(4)]
+    assert not (runs / GPT2_2R / f"{GPT2_2R}_4npus").exists()
+
+
 def test_a_refused_scale_leaves_no_folder_it_made_and_a_killed_ones_staging_is_cleared(gpt2_run, tmp_path, capsys):
     """--slow 1:1e300 is refused only once the set is being written: the output folder it had made stayed behind,
     empty. And a scale_et.py killed outright left its staging folder (362,842 files of a 3,000,000-rank set killed

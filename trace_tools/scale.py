@@ -34,7 +34,7 @@ from chakra.schema.protobuf.et_def_pb2 import (
 from chakra.src.third_party.utils.protolib import encodeMessage
 
 from .atomic import folder_held, write_text_atomic
-from .layout import ET_FILE_RE, et_name, et_sets, ranks_sharing_a_file
+from .layout import CONVERSION_SUMMARY, ET_FILE_RE, TRACE_FILE_RE, et_name, et_sets, ranks_sharing_a_file
 from .link import COMM_TYPE_NAMES, COMMUNICATION_CPU_ATTR
 from .load import json_kind
 from .pipeline import _writable, fallback_output_dir
@@ -510,9 +510,18 @@ class ScaleResult:
         return self.output_dir / self.name
 
 
+def _holds_a_run(folder: Path) -> str:
+    """What in folder says it is a traced or converted run's folder (its CONVERSION_SUMMARY.md, a trace), or ""."""
+    if (folder / CONVERSION_SUMMARY).is_file():
+        return CONVERSION_SUMMARY
+    traces = sorted(entry.name for entry in os.scandir(folder) if TRACE_FILE_RE.match(entry.name))
+    return traces[0] if traces else ""
+
+
 def default_output(source: SourceSet, name: str) -> tuple[Path, str]:
     """A folder named after the scaled set beside the source run, or ./converted/<name> when that is read-only."""
-    parent = source.folder.parent
+    # `scale_et.py .` from inside the run: Path(".").parent is "." itself, and the set went inside the run folder
+    parent = source.folder.parent if source.folder.name not in ("", "..") else source.folder.resolve().parent
     if _writable(parent):
         return parent / name, ""
     fallback = fallback_output_dir(name)
@@ -646,8 +655,20 @@ def scale_set(source: str | Path, ranks: int, *, output_dir: str | Path | None =
     if out_dir.is_dir() and out_dir.resolve() == source_set.folder.resolve():
         # A second set beside the converted one: simulate.py and the conversion tools would no longer know which
         # set the folder is (and a set of the source's name would overwrite it).
-        raise ScaleError("--output-dir", f"{out_dir} is the run folder itself; a scaled set goes in a folder of its "
-                         "own (default: one beside the run)")
+        if output_dir is not None:
+            raise ScaleError("--output-dir", f"{out_dir} is the run folder itself; a scaled set goes in a folder of "
+                             "its own (default: one beside the run)")
+        raise ScaleError("--name", f"{name}: the folder it names beside the run, {out_dir}, is the run folder "
+                         "itself; give another --name, or an --output-dir")
+    flag = "--output-dir" if output_dir is not None else "--name"
+    if out_dir.is_dir() and _holds_a_run(out_dir):
+        # its .et set of that name would be replaced by the scaled one, and its summary left describing them
+        raise ScaleError(flag, f"{out_dir} holds a traced or converted run ({_holds_a_run(out_dir)}); a scaled set "
+                         f"goes in a folder of its own (give another {flag})")
+    if out_dir.is_dir() and name in et_sets(out_dir) and (read_scale_status(out_dir) or {}).get("name") != name:
+        raise ScaleError(flag, f"{out_dir} already holds the .et set {name}, which scale_et.py did not write there "
+                         f"(no {SUMMARY_NAME} of it); a scaled set goes in a folder of its own (give another {flag}, "
+                         "or remove those files first)")
     others = sorted(other for other in et_sets(out_dir) if other != name) if out_dir.is_dir() else []
     if others:
         # SCALE_SUMMARY.md describes one set: a second one beside it would leave the first without its summary (and
@@ -660,6 +681,13 @@ def scale_set(source: str | Path, ranks: int, *, output_dir: str | Path | None =
     check_against_conversion(source_set)
 
     sources, file_of_rank = _read_sources(source_set)
+    for source in sources:
+        world = source.meta.get("world_size")
+        if isinstance(world, int) and world > 0 and world != source_set.ranks:
+            # ranks deleted from the top of the set: scaled, the ranks left would stand for the whole traced run
+            raise ScaleError(source.path, f"recorded in a world of {world} ranks, but the set has {source_set.ranks} "
+                             f".et files ({source_set.paths[0].name} to {source_set.paths[-1].name}); scale a "
+                             "complete set")
     traced = traced_ranks_of(source_set, sources, file_of_rank)
     if ranks < traced.count:
         # Fewer ranks would drop traced ranks and the spread measured between them, and one rank would keep
