@@ -653,6 +653,21 @@ def test_a_set_smaller_than_the_world_its_files_record_is_refused(converted, tmp
         simulate_run(prefix.parent, bandwidth_gbs=1.0, binary=finishing_astra_sim(tmp_path, 2), work_dir=tmp_path / "w")
 
 
+def test_a_scaled_set_simulated_at_fewer_ranks_than_its_files_is_scaled_again_from_its_traced_ranks(converted,
+                                                                                                    tmp_path):
+    """A 64-rank set scaled from 2 traced ranks, at --ranks 8: refused as "the run has 64 traced ranks", though it
+    was traced on 2 and scale_et.py scales it to 8."""
+    pytest.importorskip("trace_tools.scale")
+    prefix = scaled(converted, tmp_path / "sixty-four", 64)
+    result = simulate_run(prefix.parent, ranks=8, bandwidth_gbs=1.0, binary=finishing_astra_sim(tmp_path, 8),
+                          work_dir=tmp_path / "w", communication_cpu_bound=False)
+    assert len(result.per_rank_ns) == 8 and result.traced_ranks == 2
+    assert result.measured_source.startswith(f"none: {prefix.name} was traced on 2 ranks and simulated scaled to 8")
+    with pytest.raises(SimulationError, match=r"--ranks 1: the run has 2 traced ranks; simulate at least as many"):
+        simulate_run(prefix.parent, ranks=1, bandwidth_gbs=1.0, binary=finishing_astra_sim(tmp_path, 8),
+                     work_dir=tmp_path / "w")
+
+
 def test_more_ranks_of_a_set_named_as_a_prefix_scale_that_set(converted, tmp_path):
     pytest.importorskip("trace_tools.scale")
     folder = tmp_path / "gpt2_tiny_2r"  # the folder's own set, and a straggler variant of it beside it

@@ -874,8 +874,10 @@ def simulate_run(run_dir: Path, *, ranks: int | None = None, work_dir: Path | No
                 raise SimulationError(f"{workload.parent / et_name(workload.name, 0)}: a one-rank run; "
                                       f"{ONE_NPU_PROBLEM}")
             ranks = traced
-        if ranks < traced:
-            raise SimulationError(f"--ranks {ranks}: the run has {traced} traced ranks; simulate at least as many")
+        # a scaled set holds more files than the run was traced on: it scales again down to those (scale_et.py does)
+        least = traced_world_size(workload) or traced
+        if ranks < least:
+            raise SimulationError(f"--ranks {ranks}: the run has {least} traced ranks; simulate at least as many")
         # the network ASTRA-sim cannot run (a power-of-two algorithm on 3 NPUs) refused before any file is written
         Network(ranks, **{key: network[key] for key in ("bandwidth_gbs", "latency_ns", "topology", "collective")
                           if key in network})
@@ -900,11 +902,11 @@ def _simulate_run(workload: Path, traced: int, ranks: int, work_dir: Path, commu
                   network: dict, *, assume_data_parallel: bool = False,
                   progress: Callable[[str], None] | None = None) -> SimulationResult:
     folder, traced_name = workload.parent, workload.name
-    if ranks > traced:
+    if ranks != traced:  # more ranks, or fewer than a scaled set holds (still as many as it was traced on)
         try:
             from .scale import ScaleError, scale_set
         except ImportError as e:
-            raise SimulationError(f"--ranks {ranks}: more ranks than the {traced} traced needs trace_tools.scale, "
+            raise SimulationError(f"--ranks {ranks}: other than the set's {traced} ranks needs trace_tools.scale, "
                                   f"which this checkout does not have: scaling is unavailable ({e})") from e
         try:
             # The prefix, not the folder: a folder of several sets would otherwise scale the one named after it.
@@ -925,13 +927,13 @@ def _simulate_run(workload: Path, traced: int, ranks: int, work_dir: Path, commu
         if zeroed is not None:
             result.without_communication_cpu_ms = simulate_workload(zeroed, ranks, work_dir=bound_dir,
                                                                     progress=progress, **network).step_ms
-    if ranks > traced:
+    if ranks != traced:
         # The run's steps and the converted .et files' critical paths are of its traced ranks, not of the scaled set
         # simulated: none here, as for a set scale_et.py wrote (unmeasured_set). The 2-rank measured step had been
         # set against an 8-rank prediction, and the unscaled files' critical path shown for the scaled ones.
         result.measured_ms, result.measured_source = {}, (
-            f"none: {traced_name} was traced on {traced} ranks and simulated scaled to {ranks} (--ranks); no step "
-            "was measured at that scale")
+            f"none: {traced_name} was traced on {result.traced_ranks} ranks and simulated scaled to {ranks} "
+            "(--ranks); no step was measured at that scale")
         return result
     result.measured_ms, result.measured_source = measured_steps(folder, traced_name)
     status = _summary_status(folder, traced_name)  # another set's critical path is not this one's
