@@ -8,6 +8,7 @@ from utils.environment import require
 
 require("conversion")  # one line naming the environment to use, not a ModuleNotFoundError
 
+from trace_tools.atomic import InterruptedAfterWriting  # noqa: E402
 from trace_tools.command_line import ArgumentParser, StopSignal  # noqa: E402
 from trace_tools.scale import DEFAULT_NAME, SUMMARY_NAME, ScaleError, parse_slow, scale_set  # noqa: E402
 
@@ -48,6 +49,10 @@ def main(argv: list[str] | None = None) -> int:
         except ScaleError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2 if e.where.startswith("--") else 1
+        except InterruptedAfterWriting as e:  # it had said "no partial set is left" of the whole new set
+            print(f"interrupted: scale_et.py stopped by {stop.name} once the set was written: {e.written}",
+                  file=sys.stderr)
+            return stop.exit_code
         except KeyboardInterrupt:
             print(f"interrupted: scale_et.py stopped by {stop.name}; no partial set is left (the set in place is the "
                   f"one its {SUMMARY_NAME} describes)", file=sys.stderr)

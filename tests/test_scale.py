@@ -10,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -608,6 +609,33 @@ def test_sigterm_while_scaling_leaves_nothing_half_written(gpt2_run, tmp_path, m
     assert code == 128 + signal.SIGTERM
     assert capsys.readouterr().err.startswith("interrupted: scale_et.py stopped by SIGTERM; no partial set is left")
     assert not (tmp_path / "out").exists()  # no staging folder, no rank, no summary, not the folder it made
+
+
+def test_sigterm_while_the_set_is_renamed_into_place_says_the_set_was_written(gpt2_run, tmp_path, monkeypatch,
+                                                                              capsys):
+    """The renames wait for each other, and a SIGTERM among them is handled after the last: the line had said "no
+    partial set is left" of a whole new set, and printed none of its lines."""
+    replace = os.replace
+
+    def killed_while_publishing(source, target):
+        if str(target).endswith(".0.et") and Path(target).parent == tmp_path / "out":
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGTERM)  # held back until the set is in place
+        replace(source, target)
+    monkeypatch.setattr(scale.os, "replace", killed_while_publishing)
+
+    def unhandled(signum, frame):
+        raise AssertionError("SIGTERM reached the test: scale_et.py did not handle it")
+    previous = signal.signal(signal.SIGTERM, unhandled)
+    try:
+        code = scale_et.main([str(gpt2_run), "--ranks", "4", "--output-dir", str(tmp_path / "out")])
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert code == 128 + signal.SIGTERM
+    assert capsys.readouterr().err == (f"interrupted: scale_et.py stopped by SIGTERM once the set was written: "
+                                       f"{tmp_path / 'out' / GPT2_2R}_4npus\n")
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == \
+        sorted([f"{GPT2_2R}_4npus.{r}.et" for r in range(4)] + ["SCALE_SUMMARY.md"])
+    assert scale.unscaled_et_file(tmp_path / "out", f"{GPT2_2R}_4npus", range(4)) is None
 
 
 def test_a_smaller_set_replaces_a_larger_one_of_the_same_name(gpt2_run, tmp_path):

@@ -3,10 +3,52 @@ disk, then renamed; removed when anything fails."""
 from __future__ import annotations
 
 import os
+import signal
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO, Callable, Iterator
+
+
+class InterruptedAfterWriting(KeyboardInterrupt):
+    """Ctrl-C or SIGTERM that came while outputs were being renamed into place, held back until they were:
+    `written` (the file or folder that says what was written) is whole."""
+
+    def __init__(self, written: Path):
+        super().__init__(str(written))
+        self.written = written
+
+
+@contextmanager
+def signals_deferred() -> Iterator[None]:
+    """Ctrl-C and SIGTERM wait until the block ends, where signals can be blocked (the thread that would take them
+    blocks them here: a command line's only thread)."""
+    held = {signal.SIGINT, signal.SIGTERM}
+    if not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+@contextmanager
+def publication(written: Callable[[], Path]) -> Iterator[None]:
+    """Renames that belong together, never interrupted halfway: Ctrl-C or SIGTERM waits until the block has ended
+    (signals_deferred), then raises InterruptedAfterWriting(written()) when the block did all it had to, so the
+    command says its outputs are in place instead of "nothing was written". A signal that was not held back (no
+    pthread_sigmask, or another thread took it) interrupts the block as any other."""
+    done = False
+    try:
+        with signals_deferred():
+            yield
+            done = True
+    except KeyboardInterrupt:
+        if not done:
+            raise
+        raise InterruptedAfterWriting(written()) from None
 
 
 def process_is_alive(pid: int) -> bool:

@@ -18,7 +18,6 @@ import os
 import re
 import shlex
 import shutil
-import signal
 import tempfile
 import time
 from collections import Counter
@@ -33,7 +32,7 @@ from chakra.schema.protobuf.et_def_pb2 import (
 )
 from chakra.src.third_party.utils.protolib import encodeMessage
 
-from .atomic import folder_held, write_text_atomic
+from .atomic import folder_held, publication, write_text_atomic
 from .layout import CONVERSION_SUMMARY, ET_FILE_RE, TRACE_FILE_RE, et_name, et_sets, ranks_sharing_a_file
 from .link import COMM_TYPE_NAMES, COMMUNICATION_CPU_ATTR
 from .load import json_kind
@@ -849,11 +848,7 @@ def _write_set(result: ScaleResult, sources: list[SourceEt], file_of_rank: list[
 def _publish(result: ScaleResult, staging: Path) -> None:
     """Rename every rank's file and the summary into place, then drop ranks >= N left by an earlier, larger set of
     this name. Ctrl-C and SIGTERM wait until it is done: an interrupted publish would leave ranks of two sets."""
-    deferred = {signal.SIGINT, signal.SIGTERM}
-    blocked = hasattr(signal, "pthread_sigmask")
-    if blocked:
-        signal.pthread_sigmask(signal.SIG_BLOCK, deferred)
-    try:
+    with publication(lambda: result.prefix):  # a signal meanwhile: InterruptedAfterWriting, the set is whole
         for r in range(result.ranks):
             name = et_name(result.name, r)
             os.replace(staging / name, result.output_dir / name)
@@ -862,9 +857,6 @@ def _publish(result: ScaleResult, staging: Path) -> None:
             if match and match["name"] == result.name and int(match["rank"]) >= result.ranks:
                 os.unlink(entry.path)
         os.replace(staging / SUMMARY_NAME, result.output_dir / SUMMARY_NAME)
-    finally:
-        if blocked:
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, deferred)
 
 
 # ---------------------------------------------------------------------------------------------------------------

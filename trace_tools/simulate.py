@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
 
-from .atomic import atomic_output, atomic_path, folder_held, process_is_alive, write_text_atomic
+from .atomic import (InterruptedAfterWriting, atomic_output, atomic_path, folder_held, process_is_alive, publication,
+                     write_text_atomic)
 from .command_line import ArgumentParser, StopSignal, die_with_parent
 from .discover import read_run_info
 from .layout import (CONVERSION_SUMMARY, RUN_INFO, SIMULATION_FAILED_DIR, SIMULATION_FILE, SIMULATION_WORK_DIR, et_name,
@@ -914,6 +915,8 @@ def _simulate_run(workload: Path, traced: int, ranks: int, work_dir: Path, commu
                                 assume_data_parallel=assume_data_parallel)
         except ScaleError as e:
             raise SimulationError(f"--ranks {ranks}: {e}") from e
+        except InterruptedAfterWriting:  # the scaled set is in the staging folder, removed: nothing was simulated
+            raise KeyboardInterrupt from None
         workload, scale_notes = Path(written.prefix), list(written.slow_notes)
     else:
         scale_notes = []
@@ -983,30 +986,6 @@ def keep_failed(staging: Path, work_dir: Path, problem: str) -> str:
     return problem.replace(str(staging), str(failed))
 
 
-class InterruptedAfterWriting(KeyboardInterrupt):
-    """Ctrl-C or SIGTERM that came while the simulation was being written, held back until it was: `written` (the
-    SIMULATION.md, or the work folder) is whole."""
-
-    def __init__(self, written: Path):
-        super().__init__(str(written))
-        self.written = written
-
-
-@contextmanager
-def signals_deferred() -> Iterator[None]:
-    """Ctrl-C and SIGTERM wait until the block ends (where signals can be blocked): the work folder and SIMULATION.md
-    are replaced together."""
-    held = {signal.SIGINT, signal.SIGTERM}
-    if not hasattr(signal, "pthread_sigmask"):
-        yield
-        return
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, held)
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
-
-
 def publish(result: SimulationResult, staging: Path, work_dir: Path, invocation: str | None) -> None:
     """Rename the staged simulation over work_dir (the earlier one removed) and, with an invocation, write
     SIMULATION.md beside the .et set; the result's paths are made those of work_dir."""
@@ -1016,9 +995,8 @@ def publish(result: SimulationResult, staging: Path, work_dir: Path, invocation:
     except ValueError:
         pass
     replaced = staging.with_name(staging.name + ".replaced")  # STAGING_RE's: removed after a kill too
-    written = False
     try:
-        with signals_deferred():
+        with publication(lambda: result.simulation_file or work_dir):
             if invocation is not None:
                 with atomic_path(result.run_folder / SIMULATION_FILE) as tmp:
                     tmp.write_text(render_simulation(result, invocation), encoding="utf-8")
@@ -1026,13 +1004,9 @@ def publish(result: SimulationResult, staging: Path, work_dir: Path, invocation:
                 result.simulation_file = result.run_folder / SIMULATION_FILE
             else:
                 _replace_folder(staging, work_dir, replaced)
-            written = True
-    except KeyboardInterrupt:
-        if not written:  # not held back (another thread of this process took the signal): as before
-            raise
-        # held back until both were in place, and delivered as the block ended
+    except InterruptedAfterWriting:
         shutil.rmtree(replaced, ignore_errors=True)
-        raise InterruptedAfterWriting(result.simulation_file or work_dir) from None
+        raise
     shutil.rmtree(replaced, ignore_errors=True)
     shutil.rmtree(work_dir.with_name(work_dir.name + FAILED_SUFFIX), ignore_errors=True)  # an earlier failure's
 
