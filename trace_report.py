@@ -6,6 +6,7 @@ import sys
 import time
 from pathlib import Path
 
+from trace_tools.atomic import InterruptedAfterWriting
 from trace_tools.command_line import ArgumentParser, StopSignal
 from utils.environment import require
 
@@ -42,6 +43,10 @@ def main(argv=None) -> int:
     with StopSignal() as stop:
         try:
             return _report_all(args)
+        except InterruptedAfterWriting as e:  # it had said "not moved in" of the report just moved in
+            print(f"interrupted: trace_report.py stopped by {stop.name} once {e.written} was written; the reports "
+                  "printed above are complete too", file=sys.stderr)
+            return stop.exit_code
         except KeyboardInterrupt:
             print(f"interrupted: trace_report.py stopped by {stop.name}; the report being written was not moved in "
                   "(its folder keeps the earlier one, if any); the reports printed above are complete", file=sys.stderr)

@@ -698,6 +698,29 @@ def test_interrupted_report_says_so_in_one_line_and_keeps_the_earlier_one(tmp_pa
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
 
 
+def test_a_signal_while_the_report_is_moved_in_waits_for_the_whole_report(tmp_path):
+    """SIGTERM between the moves had left the new report.md and report.json beside the earlier figures, under a line
+    saying the report was not moved in."""
+    _two_ranks_with_an_all_reduce(tmp_path)
+    write_report(tmp_path, use_hta=False)
+    before = {p.name: p.stat().st_ino for p in tmp_path.iterdir() if p.name.startswith("report")}
+    done = _run(["-c", "import os, signal, sys, trace_report, trace_tools.report as r\n"
+                       "replace = os.replace\n"
+                       "def killed_while_moving(source, target):\n"
+                       "    replace(source, target)\n"
+                       "    if str(target).endswith('report.json'):\n"
+                       "        os.kill(os.getpid(), signal.SIGTERM)\n"
+                       "r.os.replace = killed_while_moving\n"
+                       f"sys.exit(trace_report.main([{str(tmp_path)!r}]))"])
+    assert done.returncode == 143
+    assert done.stderr.strip() == (f"interrupted: trace_report.py stopped by SIGTERM once {tmp_path / 'report.md'} "
+                                   "was written; the reports printed above are complete too")
+    after = {p.name: p.stat().st_ino for p in tmp_path.iterdir() if p.name.startswith("report")}
+    # every file of the report moved in anew (report.md among them), none left from before
+    assert sorted(after) == sorted(before) and not set(after.values()) & set(before.values())
+    assert not list(tmp_path.glob(".report.*"))
+
+
 def test_a_traces_folder_that_does_not_exist_is_a_usage_error(tmp_path):
     _two_ranks_with_an_all_reduce(tmp_path)
     done = _run(["trace_report.py", str(tmp_path), "--traces", str(tmp_path / "nowhere")])

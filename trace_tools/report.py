@@ -21,7 +21,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
-from .atomic import folder_held, process_is_alive
+from .atomic import folder_held, process_is_alive, publication
 from .discover import find_runs
 from .graph import longest_path, topological_order
 from .intervals import clip_intervals, merge_intervals, subtract_intervals, total_length
@@ -1235,11 +1235,13 @@ def _write_report(et_dir: Path, trace_dirs: list[str | Path] | None, use_hta: bo
         (staging / REPORT_MD).write_text(render_markdown(report, figures))
         (staging / REPORT_JSON).write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS))
         written = {item.name for item in staging.iterdir()}
-        for old in et_dir.iterdir():  # an earlier report's figures this one has not drawn (ranks gone, no collectives)
-            if REPORT_FILE_RE.fullmatch(old.name) and old.name not in written:
-                old.unlink()
-        for item in sorted(staging.iterdir()):
-            os.replace(item, et_dir / item.name)
+        # one report or the other, never the new numbers beside the old figures: a signal waits for the last rename
+        with publication(lambda: et_dir / REPORT_MD):
+            for old in et_dir.iterdir():  # an earlier report's figures this one has not drawn (ranks gone, ...)
+                if REPORT_FILE_RE.fullmatch(old.name) and old.name not in written:
+                    old.unlink()
+            for item in sorted(staging.iterdir()):
+                os.replace(item, et_dir / item.name)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return et_dir / REPORT_MD
