@@ -9,7 +9,7 @@ from utils.environment import require
 require("conversion")  # one line naming the environment to use, not a ModuleNotFoundError
 
 from trace_tools.atomic import InterruptedAfterWriting  # noqa: E402
-from trace_tools.command_line import ArgumentParser, StopSignal  # noqa: E402
+from trace_tools.command_line import ArgumentParser, StopSignal, output_closed  # noqa: E402
 from trace_tools.scale import DEFAULT_NAME, SUMMARY_NAME, ScaleError, parse_slow, scale_set  # noqa: E402
 
 
@@ -57,6 +57,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"interrupted: scale_et.py stopped by {stop.name}; no partial set is left (the set in place is the "
                   f"one its {SUMMARY_NAME} describes)", file=sys.stderr)
             return stop.exit_code
+    try:
+        print_result(result)
+    except BrokenPipeError:  # `| head`: the set is written whole all the same
+        output_closed()
+    return 0
+
+
+def print_result(result) -> None:
     extra = f", {result.copies} copies" if result.copies else ""
     through = f" (through the {result.source.ranks}-rank scaled set)" if result.source_scaled else ""
     print(f"wrote {result.ranks} ranks from {result.traced_ranks} traced{through}: {len(result.written)} files, "
@@ -67,7 +75,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"note: {result.note}")
     print(f"summary: {result.output_dir / SUMMARY_NAME}")
     print(f"ASTRA-sim: --workload-configuration={result.prefix}")
-    return 0
 
 
 if __name__ == "__main__":

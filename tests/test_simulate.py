@@ -1079,6 +1079,26 @@ def test_a_signal_held_back_while_the_simulation_is_written_says_it_was_written(
     assert not list(folder.glob(".astra-sim.*"))  # neither the staging folder nor the one it replaced
 
 
+@pytest.mark.parametrize("script", ["simulate.py", "scale_et.py"])
+def test_output_read_by_a_reader_that_stopped_ends_without_a_traceback(converted, tmp_path, script):
+    """`simulate.py ... | head -1` and `scale_et.py ... | head -1` ended in a BrokenPipeError traceback; what they
+    write to files is whole all the same."""
+    folder = tmp_path / "run"
+    shutil.copytree(converted, folder, ignore=shutil.ignore_patterns("astra-sim", "SIMULATION.md"))
+    args = [str(folder), "--bandwidth", "1Gbit/s", "--astra-sim", str(finishing_astra_sim(tmp_path, 2)),
+            "--no-cpu-bound"] if script == "simulate.py" else [str(folder), "--ranks", "4"]
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader is gone before the first line: every write fails (EPIPE)
+    try:
+        done = subprocess.run([sys.executable, script, *args], cwd=REPO, stdout=write_end, stderr=subprocess.PIPE,
+                              text=True, timeout=300)
+    finally:
+        os.close(write_end)
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
+    assert (folder / "SIMULATION.md").is_file() if script == "simulate.py" else \
+        (tmp_path / "gpt2_tiny_2r_4npus" / "SCALE_SUMMARY.md").is_file()
+
+
 def test_a_failed_or_stopped_simulation_leaves_the_files_simulation_md_describes(converted, tmp_path):
     """After SIGTERM or a failure, astra-sim/ held the stopped run's configuration while SIMULATION.md described the
     run before it: the ASTRA-sim command SIMULATION.md records then failed. It also runs from a path with a space."""

@@ -4,11 +4,10 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import logging
-import os
 import sys
 from pathlib import Path
 
-from .command_line import ArgumentParser, StopSignal
+from .command_line import ArgumentParser, StopSignal, output_closed
 from .discover import find_runs
 from .layout import CONVERSION_SUMMARY, et_name
 from .load import TraceError
@@ -62,7 +61,7 @@ def main(argv: list[str] | None = None, remaining: bool = False) -> int:
             print(f"error: {e}", file=sys.stderr)
             return 1
         except BrokenPipeError:  # whoever read the output stopped reading (`| head`): nothing more to say
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            output_closed()
             return 1
 
 

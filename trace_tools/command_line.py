@@ -6,10 +6,17 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import os
 import signal
 import sys
 import threading
 from typing import NoReturn
+
+
+def output_closed() -> None:
+    """Whoever read this command's output stopped reading (`| head`): stdout goes to /dev/null, so that nothing more
+    written, and Python's flush at exit, raises BrokenPipeError again (a traceback)."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 class ArgumentParser(argparse.ArgumentParser):

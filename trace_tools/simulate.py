@@ -22,7 +22,7 @@ from typing import Callable, Iterator
 
 from .atomic import (InterruptedAfterWriting, atomic_output, atomic_path, folder_held, process_is_alive, publication,
                      write_text_atomic)
-from .command_line import ArgumentParser, StopSignal, die_with_parent
+from .command_line import ArgumentParser, StopSignal, die_with_parent, output_closed
 from .discover import read_run_info
 from .layout import (CONVERSION_SUMMARY, RUN_INFO, SIMULATION_FAILED_DIR, SIMULATION_FILE, SIMULATION_WORK_DIR, et_name,
                      et_sets)
@@ -1152,6 +1152,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"interrupted: simulate.py stopped by {stop.name}; ASTRA-sim was stopped and {SIMULATION_FILE} not "
                   "written", file=sys.stderr)
             return stop.exit_code
+        except BrokenPipeError:  # `2>&1 | head` while ASTRA-sim ran: stopped with it, nothing written
+            output_closed()
+            return 1
 
 
 def _main(args: argparse.Namespace, invocation: str) -> int:
@@ -1172,6 +1175,14 @@ def _main(args: argparse.Namespace, invocation: str) -> int:
     except OSError as e:  # a folder that cannot be written (read-only, full, a file in the way)
         print(f"error: {e.filename or args.run}: {e.strerror or e}", file=sys.stderr)
         return 1
+    try:
+        print_result(result)
+    except BrokenPipeError:  # `| head`: SIMULATION.md is written whole all the same
+        output_closed()
+    return 0
+
+
+def print_result(result: SimulationResult) -> None:
     print(f"network: {result.network.describe()}")
     print(f"measured: {result.measured_source}")
     for note in [*result.scale_notes, result.network.caveat()]:
@@ -1182,4 +1193,3 @@ def _main(args: argparse.Namespace, invocation: str) -> int:
     if result.without_communication_cpu_ms is not None:
         print(bound_line(result))
     print(f"simulation: {result.simulation_file}")
-    return 0
