@@ -690,6 +690,24 @@ def test_a_scaled_set_changed_since_it_was_written_is_refused_as_a_source(gpt2_r
     assert not (tmp_path / "eight").exists()
 
 
+def test_the_command_that_writes_a_changed_set_again_runs_as_printed_from_any_folder(gpt2_run, tmp_path,
+                                                                                     monkeypatch):
+    """It had been `scale_et.py <source as typed> ...`: `command not found`, and a relative source named from
+    where the set had been scaled."""
+    runs = tmp_path / "runs"
+    shutil.copytree(gpt2_run, runs / GPT2_2R)
+    monkeypatch.chdir(runs)
+    four = scale_run(Path(GPT2_2R), 4, output_dir=Path("four"))
+    Path(f"{four}.3.et").unlink()
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ScaleError) as error:
+        scale_run(runs / "four", 8, output_dir=tmp_path / "eight")
+    command = str(error.value).split(" records it written (", 1)[1].removesuffix(" writes the set again)")
+    done = subprocess.run(command, shell=True, cwd="/", capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, (command, done.stderr)
+    assert sorted(p.name for p in (runs / "four").glob("*.et")) == [f"{GPT2_2R}_4npus.{r}.et" for r in range(4)]
+
+
 def test_the_default_output_is_a_folder_beside_the_run(gpt2_run, tmp_path):
     source = tmp_path / GPT2_2R
     shutil.copytree(gpt2_run, source, ignore=shutil.ignore_patterns("*.json.gz"))

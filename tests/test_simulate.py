@@ -668,6 +668,20 @@ def test_a_scaled_set_simulated_at_fewer_ranks_than_its_files_is_scaled_again_fr
                      work_dir=tmp_path / "w")
 
 
+def test_the_scaled_sets_summary_names_where_the_simulation_put_it(converted, tmp_path):
+    """simulate.py scales into its staging folder and renames it into place: the summary's ASTRA-sim line had named
+    the staging folder, gone by then."""
+    pytest.importorskip("trace_tools.scale")
+    folder = tmp_path / "run"
+    shutil.copytree(converted, folder, ignore=shutil.ignore_patterns("astra-sim", "SIMULATION.md"))
+    simulate_run(folder, ranks=4, bandwidth_gbs=1.0, binary=finishing_astra_sim(tmp_path, 4),
+                 communication_cpu_bound=False)
+    summary = (folder / "astra-sim" / "scaled_4" / "SCALE_SUMMARY.md").read_text()
+    [line] = [line for line in summary.splitlines() if line.startswith("ASTRA-sim: ")]
+    prefix = Path(line.split("--workload-configuration=", 1)[1].split("`", 1)[0])
+    assert prefix == folder / "astra-sim" / "scaled_4" / "gpt2_tiny_2r_4npus" and Path(f"{prefix}.3.et").is_file()
+
+
 def test_more_ranks_of_a_set_named_as_a_prefix_scale_that_set(converted, tmp_path):
     pytest.importorskip("trace_tools.scale")
     folder = tmp_path / "gpt2_tiny_2r"  # the folder's own set, and a straggler variant of it beside it

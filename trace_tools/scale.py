@@ -37,8 +37,8 @@ from .layout import CONVERSION_SUMMARY, ET_FILE_RE, TRACE_FILE_RE, et_name, et_s
 from .link import COMM_TYPE_NAMES, COMMUNICATION_CPU_ATTR
 from .load import json_kind
 from .pipeline import _writable, fallback_output_dir
-from .summary import (ConvertedRun, et_fingerprint, format_bytes, read_status_comment, run_info_files, status_comment,
-                      unrecorded_et_file)
+from .summary import (ConvertedRun, et_fingerprint, format_bytes, read_status_comment, run_info_files, script_command,
+                      status_comment, unrecorded_et_file)
 from .validate import (CLOCK_LIMIT_NS, EtFormatError, SerializedMessage, collectives_agree, iter_et_messages,
                        read_et_metadata, validate_et)
 
@@ -138,13 +138,13 @@ def read_scale_status(folder: Path) -> dict | None:
 
 def scale_again_command(folder: Path, status: dict) -> str:
     """The scale_et.py command that writes the set SCALE_SUMMARY.md describes again, into the same folder."""
-    words = ["scale_et.py", str(status.get("source")), "--ranks", str(status.get("ranks")), "--output-dir",
-             str(folder), "--name", str(status.get("name"))]
+    words = [str(status.get("source")), "--ranks", str(status.get("ranks")), "--output-dir", str(folder), "--name",
+             str(status.get("name"))]
     slow = {int(rank): factor for rank, factor in (status.get("slow") or {}).items()}
     slow.update({rank: 1 for rank in status.get("unslowed") or []})  # a scaled source's straggler made as traced
     for rank, factor in sorted(slow.items()):
         words += ["--slow", f"{rank}:{factor:g}"]
-    return shlex.join(words)
+    return f"{script_command('scale_et')} {shlex.join(words)}"  # runnable as printed, from any folder
 
 
 def unscaled_et_file(folder: Path, name: str, ranks: Iterable[int], *,
@@ -503,6 +503,9 @@ class ScaleResult:
     seconds: float = 0.0
     warnings: list[str] = field(default_factory=list)
     note: str = ""
+    # where the output folder will be once renamed into place by its caller (simulate.py scales into its staging
+    # folder): the paths SCALE_SUMMARY.md gives are there; None: output_dir itself
+    published_dir: Path | None = None
 
     @property
     def prefix(self) -> Path:
@@ -622,7 +625,8 @@ def scale_run(source: Path, ranks: int, *, output_dir: Path | None = None, name:
 
 
 def scale_set(source: str | Path, ranks: int, *, output_dir: str | Path | None = None, name: str | None = None,
-              slow: dict[int, float] | None = None, assume_data_parallel: bool = False) -> ScaleResult:
+              slow: dict[int, float] | None = None, assume_data_parallel: bool = False,
+              published_dir: Path | None = None) -> ScaleResult:
     """scale_run, returning everything it did (and writing SCALE_SUMMARY.md beside the set).
 
     All files are written, linked and validated in a hidden folder inside the output folder and renamed into
@@ -708,7 +712,7 @@ def scale_set(source: str | Path, ranks: int, *, output_dir: str | Path | None =
     result = ScaleResult(source=source_set, output_dir=out_dir, name=name, ranks=ranks, source_of_rank=source_of_rank,
                          slow=slow, parallelism=parallelism, traced_ranks=traced.count, traced_of_rank=traced_of_rank,
                          source_scaled=traced.scaled, slow_notes=slow_notes, unslowed=unslowed, warnings=warnings,
-                         note=note)
+                         note=note, published_dir=published_dir)
     _write_and_publish(result, sources, file_of_rank, started)
     return result
 
@@ -895,7 +899,8 @@ def render_scale_summary(result: ScaleResult) -> str:
            else f"({k} traced rank{'s' if k != 1 else ''})")
         + f" to {ranks} ranks in {result.seconds:.2f} s.",
         "",
-        f"ASTRA-sim: `--workload-configuration={result.prefix}` (reads `{result.name}.<rank>.et` for rank 0 to "
+        f"ASTRA-sim: `--workload-configuration={(result.published_dir or result.output_dir) / result.name}` (reads "
+        f"`{result.name}.<rank>.et` for rank 0 to "
         f"{ranks - 1}); the network must have {ranks} NPUs (the product of `npus_count`).",
         "",
         "| output ranks | replay traced rank | compute | file |",
@@ -950,7 +955,7 @@ def render_scale_summary(result: ScaleResult) -> str:
         lines += [f"- {w}" for w in result.warnings]
         if result.note:
             lines.append(f"- {result.note}")
-    status = {"name": result.name, "ranks": ranks, "source": str(source.prefix), "traced_ranks": k,
+    status = {"name": result.name, "ranks": ranks, "source": str(source.prefix.absolute()), "traced_ranks": k,
               "source_of_rank": "r mod traced_ranks", "slow": {str(r): f for r, f in result.slow.items()},
               "unslowed": result.unslowed,
               "parallelism": result.parallelism, "files_written": len(result.written), "links": result.links,

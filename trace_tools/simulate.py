@@ -894,14 +894,15 @@ def simulate_run(run_dir: Path, *, ranks: int | None = None, work_dir: Path | No
                                                            "there now; wait for it to end")), \
                 staged(work_dir) as staging:
             result = _simulate_run(workload, traced, ranks, staging, communication_cpu_bound, network,
-                                   assume_data_parallel=assume_data_parallel, progress=progress)
+                                   assume_data_parallel=assume_data_parallel, progress=progress, published_dir=work_dir)
             publish(result, staging, work_dir, invocation)
         return result
 
 
 def _simulate_run(workload: Path, traced: int, ranks: int, work_dir: Path, communication_cpu_bound: bool,
-                  network: dict, *, assume_data_parallel: bool = False,
-                  progress: Callable[[str], None] | None = None) -> SimulationResult:
+                  network: dict, *, assume_data_parallel: bool = False, progress: Callable[[str], None] | None = None,
+                  published_dir: Path | None = None) -> SimulationResult:
+    """The simulation in work_dir (a staging folder that becomes published_dir when given)."""
     folder, traced_name = workload.parent, workload.name
     if ranks != traced:  # more ranks, or fewer than a scaled set holds (still as many as it was traced on)
         try:
@@ -911,8 +912,10 @@ def _simulate_run(workload: Path, traced: int, ranks: int, work_dir: Path, commu
                                   f"which this checkout does not have: scaling is unavailable ({e})") from e
         try:
             # The prefix, not the folder: a folder of several sets would otherwise scale the one named after it.
-            written = scale_set(workload, ranks, output_dir=work_dir / SCALED_DIR.format(ranks=ranks),
-                                assume_data_parallel=assume_data_parallel)
+            scaled_dir = SCALED_DIR.format(ranks=ranks)
+            written = scale_set(workload, ranks, output_dir=work_dir / scaled_dir,
+                                assume_data_parallel=assume_data_parallel,
+                                published_dir=published_dir / scaled_dir if published_dir else None)
         except ScaleError as e:
             raise SimulationError(f"--ranks {ranks}: {e}") from e
         except InterruptedAfterWriting:  # the scaled set is in the staging folder, removed: nothing was simulated

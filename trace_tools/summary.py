@@ -375,13 +375,18 @@ def et_fingerprint(path: str | Path, name: str | None = None) -> dict[str, Any]:
     return {"name": name or Path(path).name, "size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
 
 
-def convert_remaining_command() -> str:
-    """convert_remaining.py as a shell command runs it from anywhere: this Python (it has the conversion packages) on
-    the checkout's script, as setup_and_convert.sh prints its retry, or `-m convert_remaining` where the package was
-    installed without a checkout. A bare `convert_remaining.py ...`, pasted as the docs say, was `command not found`."""
-    script = Path(__file__).resolve().parent.parent / "convert_remaining.py"
+def script_command(module: str) -> str:
+    """A top-level script (convert_remaining, scale_et) as a shell command that runs it from anywhere: this Python
+    (it has the conversion packages) on the checkout's script, as setup_and_convert.sh prints its retry, or
+    `-m <module>` where the package was installed without a checkout. A bare `convert_remaining.py ...`, pasted as
+    the docs say, was `command not found`."""
+    script = Path(__file__).resolve().parent.parent / f"{module}.py"
     python = shlex.quote(sys.executable)
-    return f"{python} {shlex.quote(str(script))}" if script.is_file() else f"{python} -m convert_remaining"
+    return f"{python} {shlex.quote(str(script))}" if script.is_file() else f"{python} -m {module}"
+
+
+def convert_remaining_command() -> str:
+    return script_command("convert_remaining")
 
 
 def reconvert_command(folder: Path) -> str:
