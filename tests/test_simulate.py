@@ -604,6 +604,18 @@ def test_astra_sims_own_log_without_a_finished_rank_still_points_at_the_collecti
         simulate_workload(converted / "gpt2_tiny_2r", 2, bandwidth_gbs=1.0, binary=fake, work_dir=tmp_path / "w")
 
 
+def test_a_binary_that_prints_nothing_is_not_taken_for_astra_sim(converted, tmp_path):
+    """`--astra-sim /bin/true` had been blamed on "a collective no other rank joined"."""
+    fake = tmp_path / "astra"
+    fake.write_text("#!/bin/sh\nexit 0\n")
+    fake.chmod(0o755)
+    with pytest.raises(SimulationError) as error:
+        simulate_workload(converted / "gpt2_tiny_2r", 2, bandwidth_gbs=1.0, binary=fake, work_dir=tmp_path / "w")
+    assert str(error.value) == (f"{fake}: printed nothing, which is not ASTRA-sim's output (no rank finished); is it "
+                                f"the AstraSim_Analytical_Congestion_Unaware binary? output: {tmp_path / 'w'}/"
+                                "astra-sim.out")
+
+
 def test_the_finish_cycles_of_every_rank_are_read_from_astra_sims_log_lines(converted, tmp_path):
     fake = tmp_path / "astra"
     fake.write_text("#!/bin/sh\n"

@@ -612,11 +612,12 @@ def simulate_workload(workload_prefix: Path, ranks: int, *, bandwidth_gbs: float
         raise SimulationError(f"{binary}: {status}{_failure_line(output, proc.returncode)} (all output: "
                               f"{work_dir / OUTPUT_FILE})")
     unfinished = [r for r in range(ranks) if r not in finished]
-    if not finished and output.strip() and not ASTRA_SIM_LOG_RE.search(output):
-        # Not one line in ASTRA-sim's log format: another program at that path (a wrapper, a wrong binary)
+    if not finished and not ASTRA_SIM_LOG_RE.search(output):
+        # Not one line in ASTRA-sim's log format: another program at that path (a wrapper, a wrong binary; one that
+        # printed nothing had been blamed on "a collective no other rank joined")
         said = " ".join(output.split())
-        said = said if len(said) <= 80 else said[:77] + "..."
-        raise SimulationError(f"{binary}: printed {said!r}, which is not ASTRA-sim's output (no rank finished); is "
+        said = repr(said if len(said) <= 80 else said[:77] + "...") if said else "nothing"
+        raise SimulationError(f"{binary}: printed {said}, which is not ASTRA-sim's output (no rank finished); is "
                               f"it the {BINARY_NAME} binary? output: {work_dir / OUTPUT_FILE}")
     if unfinished:
         said = _failure_line(output) if re.search(r"\[(critical|error)\]", output) else \
