@@ -442,6 +442,18 @@ def test_a_set_missing_its_top_rank_is_refused_as_simulate_py_refuses_it(gpt2_ru
     assert not (tmp_path / "out").exists()
 
 
+def test_more_ranks_than_memory_holds_is_one_line(gpt2_run, tmp_path, capsys):
+    """--ranks 1000000000 under an address-space limit (3 GB, 1 GB here) had been a MemoryError traceback."""
+    done = subprocess.run([sys.executable, "-c", "import resource, sys, scale_et\n"
+                           "resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))\n"
+                           "sys.exit(scale_et.main(sys.argv[1:]))", str(gpt2_run), "--ranks", "1000000000",
+                           "--output-dir", str(tmp_path / "out")], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr == ("error: --ranks: 1,000,000,000 ranks need more memory than this process may use, for "
+                           "their list alone (and a file name each); give fewer\n")
+
+
 def test_a_folder_holding_another_run_is_not_written_into(gpt2_run, tmp_path, capsys):
     """--name bert_tiny_2r beside a converted bert_tiny_2r replaced its .et files with scaled GPT-2 ones, under its
     CONVERSION_SUMMARY.md; a folder of traces, or .et files scale_et.py did not write, are another run's too."""

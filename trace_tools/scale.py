@@ -705,8 +705,12 @@ def scale_set(source: str | Path, ranks: int, *, output_dir: str | Path | None =
     # Output rank r replays traced rank r mod T through a file of the source that replays it as traced (a scaled
     # source's straggler is never copied to other ranks); the stragglers are this command's --slow and those of a
     # scaled source whose rank still exists, each on its own rank once.
-    traced_of_rank = [r % traced.count for r in range(ranks)]
-    source_of_rank = [traced.file_rank[t] for t in traced_of_rank]
+    try:
+        traced_of_rank = [r % traced.count for r in range(ranks)]
+        source_of_rank = [traced.file_rank[t] for t in traced_of_rank]
+    except MemoryError:  # it had been a MemoryError traceback
+        raise ScaleError("--ranks", f"{ranks:,} ranks need more memory than this process may use, for their list "
+                         "alone (and a file name each); give fewer") from None
     slow, slow_notes = stragglers(traced.earlier_slow, given_slow, slow, ranks)
     unslowed = sorted(r for r in traced.earlier_slow if r < ranks and r not in slow)  # given --slow RANK:1
     result = ScaleResult(source=source_set, output_dir=out_dir, name=name, ranks=ranks, source_of_rank=source_of_rank,
