@@ -684,11 +684,11 @@ def scale_set(source: str | Path, ranks: int, *, output_dir: str | Path | None =
     check_against_conversion(source_set)
 
     sources, file_of_rank = _read_sources(source_set)
-    for source in sources:
-        world = source.meta.get("world_size")
+    for read in sources:
+        world = read.meta.get("world_size")
         if isinstance(world, int) and world > 0 and world != source_set.ranks:
             # ranks deleted from the top of the set: scaled, the ranks left would stand for the whole traced run
-            raise ScaleError(source.path, f"recorded in a world of {world} ranks, but the set has {source_set.ranks} "
+            raise ScaleError(read.path, f"recorded in a world of {world} ranks, but the set has {source_set.ranks} "
                              f".et files ({source_set.paths[0].name} to {source_set.paths[-1].name}); scale a "
                              "complete set")
     traced = traced_ranks_of(source_set, sources, file_of_rank)
