@@ -95,20 +95,24 @@ def test_the_logs_pace_leaves_out_the_tracers_export_and_publication(tmp_path, m
                               "--logging-steps", "1", "--trace-output-dir", str(tmp_path / "outputs"),
                               "--save-dir", str(tmp_path / "ckpt"), "--log-dir", str(tmp_path / "logs")])
     assert status == 0
-    lines = {int(line.split("step ", 1)[1].split("/")[0]): line
-             for line in (tmp_path / "logs" / "training_rank_0.log").read_text().splitlines()
-             if "| epoch " in line and "ms/step" in line}
-    ms = {step: float(line.split(" ms/step")[0].rsplit("| ", 1)[1].replace(",", "")) for step, line in lines.items()}
+    lines, ms, tokens_per_step = logged_pace(tmp_path / "logs" / "training_rank_0.log")
     # traced steps 3-4 (log steps 4-5), timed after the window 5-7 (log 6-8): the window published after log step 8
     assert ms[5] < BETWEEN_STEPS_S * 1000 / 2, lines[5]
     assert ms[9] < BETWEEN_STEPS_S * 1000 / 2, lines[9]
-    rates = {step: float(line.split(" tok/s")[0].rsplit("| ", 1)[1].replace(",", ""))
-             for step, line in lines.items() if "tok/s" in line}
-    # tok/s counts the tokens since the last line with a loss over the time since: on a line after another with a
-    # loss, tok/s x ms/step is one step's tokens (2 x 64 at most), on the line after the publication too
-    tokens_per_step = {step: rates[step] * ms[step] / 1000 for step in rates if step - 1 in rates}
     assert sorted(tokens_per_step) == [6, 7, 8, 9], lines
     assert all(100 < tokens <= 2 * 64 * 1.05 for tokens in tokens_per_step.values()), tokens_per_step
+
+
+def logged_pace(log: Path) -> tuple[dict, dict, dict]:
+    """The log's step lines, their ms/step, and tokens a step on lines with tok/s after another with it: tok/s
+    counts the tokens since the last line with a loss over the time since, so there tok/s x ms/step is one step's
+    tokens (2 x 64 at most here)."""
+    lines = {int(line.split("step ", 1)[1].split("/")[0]): line
+             for line in log.read_text().splitlines() if "| epoch " in line and "ms/step" in line}
+    ms = {step: float(line.split(" ms/step")[0].rsplit("| ", 1)[1].replace(",", "")) for step, line in lines.items()}
+    rates = {step: float(line.split(" tok/s")[0].rsplit("| ", 1)[1].replace(",", ""))
+             for step, line in lines.items() if "tok/s" in line}
+    return lines, ms, {step: rates[step] * ms[step] / 1000 for step in rates if step - 1 in rates}
 
 
 def test_tokens_per_second_and_ms_per_step_span_the_same_time(tmp_path, monkeypatch, offline):
@@ -128,12 +132,7 @@ def test_tokens_per_second_and_ms_per_step_span_the_same_time(tmp_path, monkeypa
                               "--logging-steps", "1", "--trace-output-dir", str(tmp_path / "outputs"),
                               "--save-dir", str(tmp_path / "ckpt"), "--log-dir", str(tmp_path / "logs")])
     assert status == 0
-    lines = {int(line.split("step ", 1)[1].split("/")[0]): line
-             for line in (tmp_path / "logs" / "training_rank_0.log").read_text().splitlines()
-             if "| epoch " in line and "tok/s" in line}
-    ms = {step: float(line.split(" ms/step")[0].rsplit("| ", 1)[1].replace(",", "")) for step, line in lines.items()}
-    rates = {step: float(line.split(" tok/s")[0].rsplit("| ", 1)[1].replace(",", "")) for step, line in lines.items()}
-    tokens_per_step = {step: rates[step] * ms[step] / 1000 for step in rates if step - 1 in rates}
+    lines, _, tokens_per_step = logged_pace(tmp_path / "logs" / "training_rank_0.log")
     assert len(tokens_per_step) >= 3, lines
     assert all(100 < tokens <= 2 * 64 * 1.05 for tokens in tokens_per_step.values()), tokens_per_step
 
