@@ -58,11 +58,8 @@ def test_loss_reads_evaluations_and_checkpoints_are_in_no_timed_step_and_never_r
     # wait 2 (steps 0-1), warm-up 1 (2), traced 3-5, timed after the window 6-7; the loss read after every step
     # outside the window, a checkpoint due after steps 3 and 6 and an evaluation after step 4, both inside the
     # window the first time
-    status = gpt2.train.main([*TINY_TRACED_RUN, "--trace-wait-steps", "2", "--trace-warmup-steps", "1",
-                              "--trace-active-steps", "3", "--trace-after-steps", "2", "--max-steps", "9",
-                              "--logging-steps", "1", "--save-steps", "3", "--eval-steps", "4",
-                              "--trace-output-dir", str(tmp_path / "outputs"), "--save-dir", str(tmp_path / "ckpt"),
-                              "--log-dir", str(tmp_path / "logs")])
+    status = train_tiny_traced(tmp_path, active=3, after=2, max_steps=9,
+                               extra=("--save-steps", "3", "--eval-steps", "4"))
     assert status == 0
     info = json.loads((tmp_path / "outputs" / "between" / "run.json").read_text())
     assert info["traced_steps"] == [3, 4, 5] and info["untraced_steps"] == [0, 1, 6, 7]
@@ -90,10 +87,7 @@ def test_the_logs_pace_leaves_out_the_tracers_export_and_publication(tmp_path, m
             time.sleep(BETWEEN_STEPS_S)
             return _original(self, *args, **kwargs)
         monkeypatch.setattr(ChakraTracer, name, slowed)
-    status = gpt2.train.main([*TINY_TRACED_RUN, "--trace-wait-steps", "2", "--trace-warmup-steps", "1",
-                              "--trace-active-steps", "2", "--trace-after-steps", "3", "--max-steps", "9",
-                              "--logging-steps", "1", "--trace-output-dir", str(tmp_path / "outputs"),
-                              "--save-dir", str(tmp_path / "ckpt"), "--log-dir", str(tmp_path / "logs")])
+    status = train_tiny_traced(tmp_path, active=2, after=3, max_steps=9)
     assert status == 0
     lines, ms, tokens_per_step = logged_pace(tmp_path / "logs" / "training_rank_0.log")
     # traced steps 3-4 (log steps 4-5), timed after the window 5-7 (log 6-8): the window published after log step 8
@@ -101,6 +95,16 @@ def test_the_logs_pace_leaves_out_the_tracers_export_and_publication(tmp_path, m
     assert ms[9] < BETWEEN_STEPS_S * 1000 / 2, lines[9]
     assert sorted(tokens_per_step) == [6, 7, 8, 9], lines
     assert all(100 < tokens <= 2 * 64 * 1.05 for tokens in tokens_per_step.values()), tokens_per_step
+
+
+def train_tiny_traced(tmp_path: Path, *, active: int, after: int, max_steps: int, extra: tuple = ()) -> int:
+    """gpt2/train.py in this process: 2 wait steps, 1 warm-up, `active` traced and `after` timed after the window,
+    a log line every step; outputs, checkpoints and logs under tmp_path."""
+    return gpt2.train.main([*TINY_TRACED_RUN, "--trace-wait-steps", "2", "--trace-warmup-steps", "1",
+                            "--trace-active-steps", str(active), "--trace-after-steps", str(after), "--max-steps",
+                            str(max_steps), "--logging-steps", "1", *extra, "--trace-output-dir",
+                            str(tmp_path / "outputs"), "--save-dir", str(tmp_path / "ckpt"), "--log-dir",
+                            str(tmp_path / "logs")])
 
 
 def logged_pace(log: Path) -> tuple[dict, dict, dict]:
@@ -127,10 +131,7 @@ def test_tokens_per_second_and_ms_per_step_span_the_same_time(tmp_path, monkeypa
             time.sleep(0.05)
         return log_step(self, *args)
     monkeypatch.setattr(Trainer, "_log_step", descheduled)
-    status = gpt2.train.main([*TINY_TRACED_RUN, "--trace-wait-steps", "2", "--trace-warmup-steps", "1",
-                              "--trace-active-steps", "1", "--trace-after-steps", "2", "--max-steps", "8",
-                              "--logging-steps", "1", "--trace-output-dir", str(tmp_path / "outputs"),
-                              "--save-dir", str(tmp_path / "ckpt"), "--log-dir", str(tmp_path / "logs")])
+    status = train_tiny_traced(tmp_path, active=1, after=2, max_steps=8)
     assert status == 0
     lines, _, tokens_per_step = logged_pace(tmp_path / "logs" / "training_rank_0.log")
     assert len(tokens_per_step) >= 3, lines
