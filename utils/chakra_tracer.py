@@ -37,6 +37,7 @@ from utils.host_memory import reserve_heap_for_profiler
 from utils.metrics import (busy_machine_warning, interrupt_cpu_seconds, machine_load_between, sample_machine_load,
                            schedstat_fields, schedstat_seconds)
 from utils.run_config import RunConfig, folder_name_problem
+from utils.wake_cost import measure_wake_cost_s
 
 logger = logging.getLogger(__name__)
 
@@ -270,6 +271,9 @@ class ChakraTracer:
         # How long an all-reduce issued after compute waits to start, for a core (multi-rank CPU runs on gloo;
         # utils/collective_start.py), measured before the window
         self.collective_start_wait_s: float | None = None
+        # How much more CPU compute takes after the thread was idle, by the pause (multi-rank CPU runs, whose
+        # training thread waits for the network; utils/wake_cost.py), measured before the window
+        self.wake_cost: dict[str, Any] | None = None
         self._load_start = None                                   # machine load when the traced steps began
         self.machine_load: dict[str, Any] | None = None
         self.files: dict[str, Path] = {}
@@ -304,6 +308,12 @@ class ChakraTracer:
                 logger.info("rank %d: an all-reduce issued after compute waited %.2f ms on average to start (its "
                             "mean time beyond its fastest; measured in %.1f s)", self.rank,
                             self.collective_start_wait_s * 1000, time.perf_counter() - started)
+                started = time.perf_counter()
+                self.wake_cost = measure_wake_cost_s()
+                logger.info("rank %d: compute after a %.0f ms pause took %.2f ms more CPU than back to back over its "
+                            "first %.0f ms (utils/wake_cost.py; measured in %.1f s)", self.rank,
+                            self.wake_cost["pauses_s"][-1] * 1000, self.wake_cost["extra_cpu_s"][-1][-1] * 1000,
+                            self.wake_cost["compute_s"][-1] * 1000, time.perf_counter() - started)
         self._observer = ExecutionTraceObserver()
         self._observer.register_callback(str(self._partial(self.host_path)))
         if not self._observer.is_registered:
@@ -790,6 +800,7 @@ class ChakraTracer:
             "heap_reserved_bytes": self.heap_reserved_bytes,
             "recording_cost_per_op_us": self.recording_cost_per_op_us,
             "collective_start_wait_s": self.collective_start_wait_s,
+            "wake_cost": self.wake_cost,
             "files": {kind: path.name for kind, path in sorted(self.files.items())},
             "errors": errors,
         }
