@@ -14,6 +14,7 @@ from .atomic import atomic_output
 from .graph import topological_order
 from .load import CHUNK_BYTES, iter_document, read_trace_bytes
 from .validate import SerializedMessage
+from .wake_cost import WAKE_COST_ATTR
 
 ET_VERSION = "0.0.4"
 CONVERTER = "mosim-llms trace_tools"
@@ -64,6 +65,8 @@ def global_metadata(linked: LinkedTrace) -> GlobalMetadata:
         attrs.append(AttributeProto(name="process_groups", string_val=orjson.dumps(groups).decode()))
     if dev.base_time_ns is not None:
         attrs.append(AttributeProto(name="kineto_base_time_ns", int64_val=dev.base_time_ns))
+    if linked.stats.get("wake_cost_json"):  # the machine's cost of compute after a pause (trace_tools.wake_cost)
+        attrs.append(AttributeProto(name=WAKE_COST_ATTR, string_val=linked.stats["wake_cost_json"]))
     if linked.stats.get("host_repair"):  # fix_host_traces.py changed the host trace (nodes dropped, inputs lost)
         attrs.append(AttributeProto(name="host_trace_repaired", string_val=linked.stats["host_repair"]))
     return GlobalMetadata(version=ET_VERSION, attr=attrs)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from .layout import RUN_INFO, TRACE_FILE_RE, device_trace_name, host_trace_name
 from .load import json_kind
+from .wake_cost import WakeCost
 
 # <name>_host.json, <name>_device.json.gz, <name>_host.1.json, <name>_host_rank1.json (the seed's flat layout)
 FLAT_FILE = re.compile(r"^(?P<name>.+?)_(?P<kind>host|device)(?:[._](?:rank)?(?P<rank>\d+))?\.json(?:\.gz)?$")
@@ -177,6 +178,9 @@ def _measurement_problem(facts: dict) -> str | None:
                 problem = _times_problem(f"ranks[{index}].{key}", value)
             elif key in ("recording_cost_per_op_us", "collective_start_wait_s") and value is not None:
                 problem = None if _is_amount(value) else f"ranks[{index}].{key} is {_shown(value)}, not a number >= 0"
+            elif key == "wake_cost" and value is not None:
+                problem = (None if WakeCost.from_run_info(value) else f"ranks[{index}].wake_cost is {_shown(value)}, "
+                           "not the tracer's measurement (pauses_s, compute_s and extra_cpu_s, utils/wake_cost.py)")
             else:
                 continue
             if problem:

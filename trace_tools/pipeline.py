@@ -290,6 +290,9 @@ def _correct_for_profiler(linked, result: RankResult, info, rank: int, micro_bat
     if removed is not None:
         result.cores_shared, result.run_queue_removed_us = True, removed
         result.collective_start_wait_us = times.collective_start_wait_us or 0.0
+        if times.wake_cost is not None:  # the .et carries it: simulate.py gives the simulated pauses their cost
+            linked.stats["wake_cost_json"] = times.wake_cost.to_json()
+            result.wake_cost = times.wake_cost.describe()
     _note_run_queue_wait(times, result, corrected=removed is not None)
 
 

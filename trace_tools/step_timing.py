@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Callable
 
 from .layout import RUN_INFO, STEP_ANNOTATION
+from .wake_cost import WakeCost
 
 # Traced steps that differ by more than this share of their median make any one of them a poor sample of the run:
 # the same bound as the fidelity the .et is held to (a prediction within ±10% of a real run).
@@ -38,6 +39,8 @@ class StepTimes:
     # How long an all-reduce issued after compute waited to start (its mean time beyond its fastest), when measured
     # (multi-rank CPU runs; utils/collective_start.py)
     collective_start_wait_us: float | None = None
+    # How much more CPU compute took after a pause, by the pause (multi-rank CPU runs; utils/wake_cost.py)
+    wake_cost: WakeCost | None = None
     # Minor page faults of the training thread in each step, when measured
     traced_page_faults: list[int] | None = None
     untraced_page_faults: list[int] | None = None
@@ -229,6 +232,26 @@ def _rank_entry(info, rank: int) -> dict | None:
     return entries[0] if entries else None
 
 
+def machine_wake_cost(info, entry: dict) -> WakeCost | None:
+    """The wake cost of the rank's machine (trace_tools.wake_cost): the mean of what every rank on it (its hostname)
+    measured, each at the same time as the others (a measurement is a few cycles of a few steps: one rank's was up
+    to 1.5 ms off another's); the rank's own where the others' are not of the same pauses, or None without it."""
+    own = WakeCost.from_run_info(entry.get("wake_cost"))
+    if own is None:
+        return None
+    host = entry.get("hostname")
+    measured = [cost for cost in (WakeCost.from_run_info(other.get("wake_cost")) for other in info.get("ranks", [])
+                                  if isinstance(other, dict) and other.get("hostname") == host)
+                if cost is not None and cost.pauses_us == own.pauses_us and len(cost.compute_us) == len(own.compute_us)]
+    if len(measured) < 2:
+        return own
+    count = len(measured)
+    return WakeCost(own.pauses_us, tuple(sum(c.compute_us[k] for c in measured) / count
+                                         for k in range(len(own.compute_us))),
+                    tuple(tuple(sum(c.extra_us[i][k] for c in measured) / count for k in range(len(own.compute_us)))
+                          for i in range(len(own.pauses_us))))
+
+
 def untraced_steps_after_the_first(info, rank: int) -> int:
     """How many untraced steps run.json times for the rank, the run's first (its start-up) left out, whatever
     micro-batches they took."""
@@ -275,6 +298,7 @@ def step_times_of(info, rank: int, micro_batches: int | None = None) -> StepTime
     per_op = entry.get("recording_cost_per_op_us")
     threads = entry.get("intra_op_threads")
     start_wait = entry.get("collective_start_wait_s")
+    wake_cost = machine_wake_cost(info, entry)
     ranks_on_machine = entry.get("ranks_on_machine")
     load = entry.get("machine_load")
     others, busy, cpus = ((load.get("other_processes_cpu_share"), load.get("busy"), load.get("cpus"))
@@ -293,7 +317,7 @@ def step_times_of(info, rank: int, micro_batches: int | None = None) -> StepTime
                          "untraced_step_communication_run_queue_wait_s"),
                      collective_start_wait_us=(float(start_wait) * 1e6 if isinstance(start_wait, (int, float))
                                                and start_wait >= 0 else None),
-                     untraced_left_out=left_out, traced_page_faults=counts("step_page_faults", taking),
+                     wake_cost=wake_cost, untraced_left_out=left_out, traced_page_faults=counts("step_page_faults", taking),
                      untraced_page_faults=counts("untraced_step_page_faults", kept),
                      intra_op_threads=threads if isinstance(threads, int) and threads > 0 else None,
                      traced_interrupt_cpu_us=traced_micros("step_interrupt_cpu_time_s"),

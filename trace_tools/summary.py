@@ -64,6 +64,9 @@ class RankResult:
     # how long an all-reduce issued after compute waited to start (run.json), put before each collective's CPU work;
     # 0 when unknown
     collective_start_wait_us: float = 0.0
+    # the machine's cost of compute after a pause (run.json; trace_tools.wake_cost), written into the .et's metadata
+    # for simulate.py; "" when not measured or not used
+    wake_cost: str = ""
     # trace_tools.core_sharing applied: the traced wait for a core taken out of the training thread's ops, and
     # gloo's CPU time given to the collectives as CPU nodes
     cores_shared: bool = False
@@ -226,6 +229,11 @@ def durations_text(rank: RankResult) -> str:
                 text += (f", each after a wait of {rank.collective_start_wait_us / 1000:.2f} ms that holds no core (an "
                          "all-reduce issued after compute waited that long to start on average, run.json: "
                          "utils/collective_start.py)")
+            if rank.wake_cost:
+                text += (f"; compute after a pause took more CPU on this machine ({rank.wake_cost}; run.json, "
+                         "utils/wake_cost.py): the .et's metadata records it, and simulate.py gives the training "
+                         "thread's compute the cost of the simulated network's pauses instead of the traced one's "
+                         "(trace_tools.wake_cost)")
         else:
             text += ", time its ops' durations hold"
     return text
