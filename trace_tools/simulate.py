@@ -29,7 +29,8 @@ from .layout import (CONVERSION_SUMMARY, RUN_INFO, SIMULATION_FAILED_DIR, SIMULA
 from .step_timing import STEP_SPREAD_BOUND, step_times_of
 from .summary import (ConvertedRun, converted_from, reconvert_command, records_set, run_info_files,
                       unrecorded_et_file)
-from .validate import CLOCK_LIMIT_NS, collectives_agree, group_members, validate_et
+from .validate import CLOCK_LIMIT_NS, SerializedMessage, collectives_agree, group_members, validate_et
+from .wake_cost import RankWake, TrainingThread, WakeAdjustment, training_thread
 
 ASTRA_SIM_ENV = "ASTRA_SIM"
 INSTALLER = "install_astra_sim.sh"
@@ -42,6 +43,10 @@ PROGRESS_EVERY_S = 60.0  # a line on a simulation still running (1024 NPUs had r
 LOG_DIR = "log"  # ASTRA-sim's --logging-folder in the work folder: it appends, so each run starts it anew
 SCALED_DIR = "scaled_{ranks}"  # in the work folder: the set scaled from the traced one for --ranks N
 WITHOUT_COMMUNICATION_CPU_DIR = "without_communication_cpu"  # in the work folder: the .et copies and their simulation
+# In the work folder: the .et copies whose training thread has the simulated network's wake cost (trace_tools.wake_cost)
+WAKE_COST_DIR = "wake_cost"
+WAKE_SIMULATIONS = 4  # at most: the set as written, then with the cost of its pauses, until the pauses settle
+WAKE_SETTLED = 0.01   # ... to a change within this share of the compute
 # Beside the work folder: a simulation writes into .astra-sim.staging-<pid>-<random>/, renamed over the work folder
 # only when it succeeds (so the work folder stays the one SIMULATION.md describes); one that failed in ASTRA-sim is
 # kept as astra-sim.failed/ for its output.
@@ -367,6 +372,8 @@ class SimulationResult:
     simulation_file: Path | None = None  # SIMULATION.md, when simulate_run wrote it
     # What scaling an already scaled set with --ranks did to its straggler (scale.ScaleResult.slow_notes)
     scale_notes: list[str] = field(default_factory=list)
+    # The cost of the simulated network's pauses given to the training thread's compute (CPU runs that measured it)
+    wake: WakeAdjustment | None = None
 
     @property
     def per_rank_ms(self) -> list[float]:
@@ -649,6 +656,121 @@ def _wait_telling(proc: subprocess.Popen, timeout_s: float | None, progress: Cal
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# Compute after a pause: the simulated network's pauses, not the traced one's (trace_tools.wake_cost)
+# ---------------------------------------------------------------------------------------------------------------
+def simulate_with_wake_cost(workload: Path, ranks: int, work_dir: Path, network: dict,
+                            progress: Callable[[str], None] | None = None) -> SimulationResult:
+    """simulate_workload, then, where the .et files record the machine's wake cost (CPU runs), again with each rank's
+    training thread given the cost of its pauses in the simulated step instead of those of the traced step, until
+    the pauses it is given the cost of are the pauses it simulates to (within WAKE_SETTLED of its compute; at most
+    WAKE_SIMULATIONS simulations). The copies go to work_dir/WAKE_COST_DIR; result.wake says what each rank got."""
+    result = simulate_workload(workload, ranks, work_dir=work_dir, progress=progress, **network)
+    threads = _training_threads(workload, ranks)
+    if threads is None:
+        return result
+    first = next(iter(threads.values()))[1]
+    adjustment = WakeAdjustment(cost=first.wake_cost)
+    applied = {rank: 0.0 for rank in threads}
+    wake_dir = work_dir / WAKE_COST_DIR
+    while True:
+        wanted = {}
+        for rank, (_, thread) in threads.items():
+            pause = max(0.0, result.per_rank_ns[rank] / 1e3 - (thread.compute_us + applied[rank]))
+            wanted[rank] = (thread.wake_cost.extra(pause, thread.compute_us)
+                            - thread.wake_cost.extra(thread.traced_pause_us, thread.compute_us))
+            adjustment.ranks[rank] = RankWake(thread.traced_pause_us, pause, applied[rank], thread.compute_us)
+        settled = all(abs(wanted[rank] - applied[rank]) <= WAKE_SETTLED * thread.compute_us
+                      for rank, (_, thread) in threads.items())
+        if settled or adjustment.simulations >= WAKE_SIMULATIONS:
+            break
+        applied = wanted
+        copies = _with_compute_changed(workload, ranks, threads, applied, wake_dir)
+        result = simulate_workload(copies, ranks, work_dir=wake_dir, progress=progress, **network)
+        adjustment.simulations += 1
+    result.wake = adjustment
+    return result
+
+
+def _training_threads(workload: Path, ranks: int) -> dict[int, tuple[tuple[int, int], TrainingThread]] | None:
+    """Each rank's training thread (with the key of its file: a scaled set's hard links are one), or None when rank
+    0's .et records no wake cost."""
+    from .scale import ScaleError, read_source_et
+
+    found: dict[tuple[int, int], TrainingThread | None] = {}
+    threads = {}
+    for rank in range(ranks):
+        path = workload.parent / et_name(workload.name, rank)
+        key = _same_file_key(path)
+        if key not in found:
+            try:
+                source = read_source_et(path)
+            except ScaleError as e:
+                raise SimulationError(str(e)) from None
+            found[key] = training_thread(source.blobs, source.meta)
+        if found[key] is None:
+            if rank == 0:
+                return None
+            continue
+        threads[rank] = (key, found[key])
+    return threads
+
+
+def _with_compute_changed(workload: Path, ranks: int, threads: dict, change_us: dict[int, float],
+                          out_dir: Path) -> Path:
+    """A copy of the set in out_dir with each rank's training-thread nodes lasting change_us[rank] more in all (the
+    first rank of a file shared by several decides its change); its workload prefix."""
+    from .scale import link_or_copy, read_source_et
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written: dict[tuple[int, int], Path] = {}
+    for rank in range(ranks):
+        path, out = workload.parent / et_name(workload.name, rank), out_dir / et_name(workload.name, rank)
+        key = _same_file_key(path)
+        if key in written:
+            out.unlink(missing_ok=True)
+            link_or_copy(written[key], out)
+            continue
+        if rank in threads:
+            thread = threads[rank][1]
+            source = read_source_et(path)
+            factor = max(0.0, (thread.compute_us + change_us[rank]) / thread.compute_us)
+            _scaled_copy(out, factor, thread.indices, source.blobs, source.metadata)
+        else:
+            shutil.copyfile(path, out)
+        written[key] = out
+    return out_dir / workload.name
+
+
+def _scaled_copy(out_path: Path, factor: float, indices: list[int], blobs: list[bytes], metadata) -> None:
+    """out_path: an .et (its metadata and serialized nodes, `blobs`) with the nodes at `indices` factor times as
+    long, in all to the µs: each is rounded with what the ones before it were rounded by carried over (rounded one by
+    one, the thousands of 1-16 µs ops of a small model would not change at all by 3%)."""
+    from chakra.schema.protobuf.et_def_pb2 import Node
+    from chakra.src.third_party.utils.protolib import encodeMessage
+
+    chosen = set(indices)
+    node = Node()
+    wanted = written = 0.0
+    with atomic_output(out_path) as f:
+        encodeMessage(f, metadata)
+        for index, blob in enumerate(blobs):
+            if index in chosen:
+                node.Clear()
+                node.ParseFromString(blob)
+                wanted += node.duration_micros * factor
+                node.duration_micros = max(0, round(wanted - written))
+                written += node.duration_micros
+                blob = node.SerializeToString()
+            encodeMessage(f, SerializedMessage(blob))
+
+
+def _same_file_key(path: Path) -> tuple[int, int]:
+    """Hard links of a scaled set are one file."""
+    stat = os.stat(path)
+    return stat.st_dev, stat.st_ino
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # The communication threads' CPU time, measured on the traced network only
 # ---------------------------------------------------------------------------------------------------------------
 def without_communication_cpu(workload: Path, ranks: int, out_dir: Path) -> Path | None:
@@ -664,14 +786,12 @@ def without_communication_cpu(workload: Path, ranks: int, out_dir: Path) -> Path
     from chakra.src.third_party.utils.protolib import encodeMessage
 
     from .scale import ScaleError, link_or_copy, read_source_et, with_duration_scaled
-    from .validate import SerializedMessage
 
     out_dir.mkdir(parents=True, exist_ok=True)
     copy_of: dict[tuple[int, int], Path] = {}  # a scaled set's hard links are one file: one copy, linked again
     for rank in range(ranks):
         path, out = workload.parent / et_name(workload.name, rank), out_dir / et_name(workload.name, rank)
-        stat = path.stat()
-        key = (stat.st_dev, stat.st_ino)
+        key = _same_file_key(path)
         if key in copy_of:
             link_or_copy(copy_of[key], out)
             continue
@@ -848,12 +968,14 @@ def check_unrecorded_set(workload: Path, ranks: int) -> None:
 def simulate_run(run_dir: Path, *, ranks: int | None = None, work_dir: Path | None = None,
                  communication_cpu_bound: bool = True, assume_data_parallel: bool = False,
                  invocation: str | None = None, progress: Callable[[str], None] | None = None,
-                 **network) -> SimulationResult:
+                 wake_cost: bool = True, **network) -> SimulationResult:
     """Simulate a converted run (its <name>.<rank>.et set) on the given network, with `ranks` NPUs (default: as
     many as were traced; more are made by trace_tools.scale.scale_run first, which assume_data_parallel lets scale
     a run that has no run.json saying it is data-parallel). The result carries the measured step
     per rank and the critical path of each rank's .et when the run folder records them, and (communication_cpu_bound,
     on a CPU run) the step simulated again without the communication threads' CPU time (without_communication_cpu).
+    With wake_cost, a CPU run's training thread has the cost of the simulated network's pauses instead of the traced
+    one's, where the .et files record it (simulate_with_wake_cost).
 
     ASTRA-sim's files go to a staging folder beside work_dir (default <run>/astra-sim/), renamed over work_dir only
     when the simulation succeeds, together with SIMULATION.md when `invocation` (the command line it records) is
@@ -895,14 +1017,15 @@ def simulate_run(run_dir: Path, *, ranks: int | None = None, work_dir: Path | No
                                                            "there now; wait for it to end")), \
                 staged(work_dir) as staging:
             result = _simulate_run(workload, traced, ranks, staging, communication_cpu_bound, network,
-                                   assume_data_parallel=assume_data_parallel, progress=progress, published_dir=work_dir)
+                                   assume_data_parallel=assume_data_parallel, progress=progress, published_dir=work_dir,
+                                   wake_cost=wake_cost)
             publish(result, staging, work_dir, invocation)
         return result
 
 
 def _simulate_run(workload: Path, traced: int, ranks: int, work_dir: Path, communication_cpu_bound: bool,
                   network: dict, *, assume_data_parallel: bool = False, progress: Callable[[str], None] | None = None,
-                  published_dir: Path | None = None) -> SimulationResult:
+                  published_dir: Path | None = None, wake_cost: bool = True) -> SimulationResult:
     """The simulation in work_dir (a staging folder that becomes published_dir when given)."""
     folder, traced_name = workload.parent, workload.name
     if ranks != traced:  # more ranks, or fewer than a scaled set holds (still as many as it was traced on)
@@ -924,13 +1047,14 @@ def _simulate_run(workload: Path, traced: int, ranks: int, work_dir: Path, commu
         workload, scale_notes = Path(written.prefix), list(written.slow_notes)
     else:
         scale_notes = []
-    result = simulate_workload(workload, ranks, work_dir=work_dir, progress=progress, **network)
+    result = (simulate_with_wake_cost(workload, ranks, work_dir, network, progress) if wake_cost
+              else simulate_workload(workload, ranks, work_dir=work_dir, progress=progress, **network))
     result.scale_notes = scale_notes
     # A scaled set simulated as it is was still traced on fewer ranks: SIMULATION.md says so.
     result.traced_ranks, result.run_folder = traced_world_size(workload) or traced, folder
     if communication_cpu_bound:
         bound_dir = work_dir / WITHOUT_COMMUNICATION_CPU_DIR
-        zeroed = without_communication_cpu(workload, ranks, bound_dir)
+        zeroed = without_communication_cpu(result.workload, ranks, bound_dir)
         if zeroed is not None:
             result.without_communication_cpu_ms = simulate_workload(zeroed, ranks, work_dir=bound_dir,
                                                                     progress=progress, **network).step_ms
@@ -1085,6 +1209,7 @@ def render_simulation(result: SimulationResult, invocation: str) -> str:
         f"- network: {result.network.describe()}{scaled}",
         f"- predicted step: **{result.step_ms:,.1f} ms** (the slowest rank)",
         *([f"- {bound_line(result)}"] if result.without_communication_cpu_ms is not None else []),
+        *([f"- {result.wake.line()}"] if result.wake and result.wake.ranks else []),
         f"- measured: {result.measured_source}",
         *[f"- scaling: {note}" for note in result.scale_notes],
         *([f"- note: {result.network.caveat()}"] if result.network.caveat() else []),
@@ -1139,6 +1264,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-cpu-bound", action="store_true",
                         help="on a CPU run, do not simulate again without the communication threads' CPU time (the "
                         "step's bound on a network faster than the traced one; it doubles ASTRA-sim's time)")
+    parser.add_argument("--no-wake-cost", action="store_true",
+                        help="on a CPU run, simulate the training thread's compute as traced, with the cost of the "
+                        "traced network's pauses, instead of giving it the cost of the simulated network's "
+                        "(trace_tools.wake_cost)")
     return parser
 
 
@@ -1169,7 +1298,7 @@ def _main(args: argparse.Namespace, invocation: str) -> int:
         binary = find_astra_sim(args.astra_sim)
         result = simulate_run(Path(args.run), ranks=args.ranks, bandwidth_gbs=bandwidth, latency_ns=args.latency,
                               topology=args.topology, collective=args.collective, binary=binary,
-                              communication_cpu_bound=not args.no_cpu_bound,
+                              communication_cpu_bound=not args.no_cpu_bound, wake_cost=not args.no_wake_cost,
                               assume_data_parallel=args.assume_data_parallel, invocation=invocation,
                               progress=lambda line: print(line, file=sys.stderr, flush=True))
     except SimulationError as e:
@@ -1196,4 +1325,6 @@ def print_result(result: SimulationResult) -> None:
     print(f"predicted step: {result.step_ms:,.1f} ms")
     if result.without_communication_cpu_ms is not None:
         print(bound_line(result))
+    if result.wake and result.wake.ranks:
+        print(result.wake.line())
     print(f"simulation: {result.simulation_file}")
