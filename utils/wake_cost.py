@@ -63,8 +63,10 @@ def wake_cost_of(step: Callable[[], float], pauses_s: tuple[float, ...], steps_a
     """{"pauses_s": [p...], "compute_s": [c...], "extra_cpu_s": [[e...] a pause]}: e is the CPU time that the first c
     seconds of compute after a pause of p took beyond the same compute run back to back. `step` runs the compute once
     and returns its CPU time; `steps_after` of them are timed after each pause, and the back-to-back step is the
-    median of BACK_TO_BACK steps after those (medians over `cycles` passes; e never below 0, and never less after a
-    longer pause or over more compute: nothing is warmer after a longer pause)."""
+    median of BACK_TO_BACK steps after those (medians over `cycles` passes). Nothing is warmer after a longer pause
+    or cheaper over more compute, so the measured table is replaced by the nearest one that never decreases along
+    either (nondecreasing_nearest), never below 0: on a machine whose steps jitter by 10% a single measurement often
+    breaks that order, and keeping the larger of two would make the noise a cost."""
     for _ in range(WARMUP_STEPS):
         step()
     pauses = sorted(pauses_s)
@@ -79,12 +81,30 @@ def wake_cost_of(step: Callable[[], float], pauses_s: tuple[float, ...], steps_a
             # of any step after a pause: a reference off by a little is off that much a step after every pause)
             back_to_back.extend(step() for _ in range(BACK_TO_BACK))
     reference = statistics.median(back_to_back)
-    extra, floor = [], [0.0] * steps_after
+    measured = []
     for pause in pauses:
         spent, row = 0.0, []
         for k in range(steps_after):
             spent += statistics.median(after[pause][k]) - reference
-            row.append(max(spent, floor[k], row[-1] if row else 0.0))
-        extra.append(row)
-        floor = row
-    return {"pauses_s": pauses, "compute_s": [reference * (k + 1) for k in range(steps_after)], "extra_cpu_s": extra}
+            row.append(spent)
+        measured.append(nondecreasing_nearest(row))
+    by_compute = [nondecreasing_nearest([row[k] for row in measured]) for k in range(steps_after)]
+    extra = []
+    for i in range(len(pauses)):  # pooling along the pauses can undo the order along the compute: the larger kept
+        row = [by_compute[k][i] for k in range(steps_after)]
+        extra.append([max(0.0, *row[:k + 1]) for k in range(steps_after)])
+    return {"pauses_s": pauses, "compute_s": [reference * (k + 1) for k in range(steps_after)], "extra_cpu_s": extra,
+            "cycles": cycles}
+
+
+def nondecreasing_nearest(values: list[float]) -> list[float]:
+    """The nondecreasing sequence nearest to `values` in least squares: each run that decreases is replaced by its
+    mean, pooled again with the run before it while that is larger (pool adjacent violators)."""
+    pooled: list[list[float]] = []  # [sum, count] of each run
+    for value in values:
+        pooled.append([value, 1])
+        while len(pooled) > 1 and pooled[-2][0] / pooled[-2][1] > pooled[-1][0] / pooled[-1][1]:
+            total, count = pooled.pop()
+            pooled[-1][0] += total
+            pooled[-1][1] += count
+    return [total / count for total, count in pooled for _ in range(int(count))]
