@@ -314,6 +314,9 @@ class ChakraTracer:
                             "first %.0f ms (utils/wake_cost.py; measured in %.1f s)", self.rank,
                             self.wake_cost["pauses_s"][-1] * 1000, self.wake_cost["extra_cpu_s"][-1][-1] * 1000,
                             self.wake_cost["compute_s"][-1] * 1000, time.perf_counter() - started)
+                # Each rank's probe takes its own time (3.5-4.5 s, 0.5 s apart on a loaded 2-core VM): without this
+                # the rank done first waits for the other at the first step's all-reduce, inside that step's clocks
+                self._wait_for_every_rank()
         self._observer = ExecutionTraceObserver()
         self._observer.register_callback(str(self._partial(self.host_path)))
         if not self._observer.is_registered:
