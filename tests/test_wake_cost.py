@@ -54,23 +54,27 @@ def test_the_cost_is_the_cpu_time_beyond_the_back_to_back_step_summed_over_the_s
     assert measured["extra_cpu_s"] == [pytest.approx([0.001, 0.001, 0.001]), pytest.approx([0.003, 0.004, 0.004])]
 
 
-def test_a_longer_pause_or_more_compute_never_costs_less_than_the_measurement_before_it():
-    """Noise makes a later step faster than the back-to-back one, or a longer pause cheaper: what is kept is the
-    nearest table that never decreases along either (the runs that break the order pooled into their mean, not the
-    larger of them kept, which would turn the noise into a cost)."""
-    times = {0.01: [0.012, 0.009], 0.1: [0.011, 0.010]}
+def measured_after(times_after: dict[float, list[float]]) -> dict:
+    """wake_cost_of on a 10 ms step whose first steps after a pause of p take times_after[p] (one cycle)."""
     clock = {"pause": None, "k": 0}
 
     def sleep(seconds):
         clock["pause"], clock["k"] = seconds, 0
 
     def step():
-        if clock["pause"] is None or clock["k"] >= 2:
+        if clock["pause"] is None or clock["k"] >= len(times_after[clock["pause"]]):
             return 0.010
         clock["k"] += 1
-        return times[clock["pause"]][clock["k"] - 1]
+        return times_after[clock["pause"]][clock["k"] - 1]
 
-    measured = wake_cost.wake_cost_of(step, (0.01, 0.1), steps_after=2, cycles=1, sleep=sleep)
+    return wake_cost.wake_cost_of(step, tuple(times_after), steps_after=2, cycles=1, sleep=sleep)
+
+
+def test_a_longer_pause_or_more_compute_never_costs_less_than_the_measurement_before_it():
+    """Noise makes a later step faster than the back-to-back one, or a longer pause cheaper: what is kept is the
+    nearest table that never decreases along either (the runs that break the order pooled into their mean, not the
+    larger of them kept, which would turn the noise into a cost)."""
+    measured = measured_after({0.01: [0.012, 0.009], 0.1: [0.011, 0.010]})
     # as measured, cumulative: [2, 1] ms after 10 ms, [1, 1] ms after 100 ms; each pause's pooled to [1.5, 1.5] and
     # [1, 1], then each amount of compute's across the pauses to 1.25
     assert measured["extra_cpu_s"] == [pytest.approx([0.00125, 0.00125]), pytest.approx([0.00125, 0.00125])]
@@ -78,18 +82,7 @@ def test_a_longer_pause_or_more_compute_never_costs_less_than_the_measurement_be
 
 
 def test_a_step_faster_after_a_pause_than_back_to_back_costs_nothing_rather_than_less_than_nothing():
-    clock = {"pause": None, "k": 0}
-
-    def sleep(seconds):
-        clock["pause"], clock["k"] = seconds, 0
-
-    def step():
-        if clock["pause"] is None or clock["k"] >= 2:
-            return 0.010
-        clock["k"] += 1
-        return 0.009 if clock["pause"] < 0.1 else 0.0105
-
-    measured = wake_cost.wake_cost_of(step, (0.01, 0.1), steps_after=2, cycles=1, sleep=sleep)
+    measured = measured_after({0.01: [0.009, 0.009], 0.1: [0.0105, 0.0105]})
     assert measured["extra_cpu_s"] == [pytest.approx([0.0, 0.0]), pytest.approx([0.0005, 0.001])]
 
 
