@@ -18,7 +18,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 from .atomic import (InterruptedAfterWriting, atomic_output, atomic_path, folder_held, process_is_alive, publication,
                      write_text_atomic)
@@ -31,6 +31,9 @@ from .summary import (ConvertedRun, converted_from, reconvert_command, records_s
                       unrecorded_et_file)
 from .validate import CLOCK_LIMIT_NS, SerializedMessage, collectives_agree, group_members, validate_et
 from .wake_cost import RankWake, TrainingThread, WakeAdjustment, training_thread
+
+if TYPE_CHECKING:
+    from .scale import SourceEt
 
 ASTRA_SIM_ENV = "ASTRA_SIM"
 INSTALLER = "install_astra_sim.sh"
@@ -665,39 +668,39 @@ def simulate_with_wake_cost(workload: Path, ranks: int, work_dir: Path, network:
     the pauses it is given the cost of are the pauses it simulates to (within WAKE_SETTLED of its compute; at most
     WAKE_SIMULATIONS simulations). The copies go to work_dir/WAKE_COST_DIR; result.wake says what each rank got."""
     result = simulate_workload(workload, ranks, work_dir=work_dir, progress=progress, **network)
-    threads = _training_threads(workload, ranks)
-    if threads is None:
+    sources = _training_threads(workload, ranks)
+    if sources is None:
         return result
-    first = next(iter(threads.values()))[1]
-    adjustment = WakeAdjustment(cost=first.wake_cost)
+    threads = {rank: thread for rank, (_, thread) in sources.items() if thread is not None}
+    adjustment = WakeAdjustment(cost=threads[0].wake_cost)
     applied = {rank: 0.0 for rank in threads}
     wake_dir = work_dir / WAKE_COST_DIR
     while True:
         wanted = {}
-        for rank, (_, thread) in threads.items():
+        for rank, thread in threads.items():
             pause = max(0.0, result.per_rank_ns[rank] / 1e3 - (thread.compute_us + applied[rank]))
             wanted[rank] = (thread.wake_cost.extra(pause, thread.compute_us)
                             - thread.wake_cost.extra(thread.traced_pause_us, thread.compute_us))
             adjustment.ranks[rank] = RankWake(thread.traced_pause_us, pause, applied[rank], thread.compute_us)
         settled = all(abs(wanted[rank] - applied[rank]) <= WAKE_SETTLED * thread.compute_us
-                      for rank, (_, thread) in threads.items())
+                      for rank, thread in threads.items())
         if settled or adjustment.simulations >= WAKE_SIMULATIONS:
             break
         applied = wanted
-        copies = _with_compute_changed(workload, ranks, threads, applied, wake_dir)
+        copies = _with_compute_changed(workload, ranks, sources, applied, wake_dir)
         result = simulate_workload(copies, ranks, work_dir=wake_dir, progress=progress, **network)
         adjustment.simulations += 1
     result.wake = adjustment
     return result
 
 
-def _training_threads(workload: Path, ranks: int) -> dict[int, tuple[tuple[int, int], TrainingThread]] | None:
-    """Each rank's training thread (with the key of its file: a scaled set's hard links are one), or None when rank
-    0's .et records no wake cost."""
+def _training_threads(workload: Path, ranks: int) -> dict[int, tuple[SourceEt, TrainingThread | None]] | None:
+    """Each rank's .et as read (one object for the ranks of a file: a scaled set's hard links are one) and its training
+    thread (None where it records none), or None when rank 0's .et records no wake cost."""
     from .scale import ScaleError, read_source_et
 
-    found: dict[tuple[int, int], TrainingThread | None] = {}
-    threads = {}
+    found: dict[tuple[int, int], tuple[SourceEt, TrainingThread | None]] = {}
+    sources = {}
     for rank in range(ranks):
         path = workload.parent / et_name(workload.name, rank)
         key = _same_file_key(path)
@@ -706,38 +709,31 @@ def _training_threads(workload: Path, ranks: int) -> dict[int, tuple[tuple[int, 
                 source = read_source_et(path)
             except ScaleError as e:
                 raise SimulationError(str(e)) from None
-            found[key] = training_thread(source.blobs, source.meta)
-        if found[key] is None:
-            if rank == 0:
-                return None
-            continue
-        threads[rank] = (key, found[key])
-    return threads
+            found[key] = (source, training_thread(source.blobs, source.meta))
+        if rank == 0 and found[key][1] is None:
+            return None
+        sources[rank] = found[key]
+    return sources
 
 
-def _with_compute_changed(workload: Path, ranks: int, threads: dict, change_us: dict[int, float],
-                          out_dir: Path) -> Path:
-    """A copy of the set in out_dir with each rank's training-thread nodes lasting change_us[rank] more in all (the
-    first rank of a file shared by several decides its change); its workload prefix."""
-    from .scale import link_or_copy, read_source_et
+def _with_compute_changed(workload: Path, ranks: int, sources: dict[int, tuple[SourceEt, TrainingThread | None]],
+                          change_us: dict[int, float], out_dir: Path) -> Path:
+    """A copy of the set in out_dir (`sources`: _training_threads) with each rank's training-thread nodes lasting
+    change_us[rank] more in all (the first rank of a file shared by several decides its change); its workload
+    prefix."""
+    from .scale import link_or_copy
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    written: dict[tuple[int, int], Path] = {}
+    written: dict[int, Path] = {}  # by id() of the source: one per file
     for rank in range(ranks):
-        path, out = workload.parent / et_name(workload.name, rank), out_dir / et_name(workload.name, rank)
-        key = _same_file_key(path)
-        if key in written:
+        (source, thread), out = sources[rank], out_dir / et_name(workload.name, rank)
+        if id(source) in written:
             out.unlink(missing_ok=True)
-            link_or_copy(written[key], out)
+            link_or_copy(written[id(source)], out)
             continue
-        if rank in threads:
-            thread = threads[rank][1]
-            source = read_source_et(path)
-            factor = max(0.0, (thread.compute_us + change_us[rank]) / thread.compute_us)
-            _scaled_copy(out, factor, thread.indices, source.blobs, source.metadata)
-        else:
-            shutil.copyfile(path, out)
-        written[key] = out
+        factor = 1.0 if thread is None else max(0.0, (thread.compute_us + change_us[rank]) / thread.compute_us)
+        _scaled_copy(out, factor, [] if thread is None else thread.indices, source.blobs, source.metadata)
+        written[id(source)] = out
     return out_dir / workload.name
 
 

@@ -130,24 +130,24 @@ def training_thread(blobs: list[bytes], meta: dict) -> TrainingThread | None:
     if cost is None or not isinstance(untraced, int) or untraced <= 0:
         return None
     node = Node()
-    lanes: list[tuple[int, int, str, int]] = []  # (index, type, name, tid)
+    step_tid = None
+    compute_by_tid: dict[int, tuple[list[int], list[int]]] = {}  # tid: (its COMP nodes' indices, their durations)
     for index, blob in enumerate(blobs):
         node.Clear()
         node.ParseFromString(blob)
         tid = next((a.int64_val for a in node.attr if a.name == "tid"), None)
-        lanes.append((index, node.type, node.name, -1 if tid is None else tid))
-    step_tid = next((tid for _, _, name, tid in lanes if name.startswith(STEP_PREFIX) and tid >= 0), None)
-    if step_tid is None:
+        if tid is None or tid < 0:
+            continue
+        if step_tid is None and node.name.startswith(STEP_PREFIX):
+            step_tid = tid
+        if node.type == COMP_NODE:
+            indices, durations = compute_by_tid.setdefault(tid, ([], []))
+            indices.append(index)
+            durations.append(node.duration_micros)
+    indices, durations = compute_by_tid.get(step_tid, ([], [])) if step_tid is not None else ([], [])
+    if sum(durations) <= 0:
         return None
-    indices = [index for index, kind, _, tid in lanes if kind == COMP_NODE and tid == step_tid]
-    compute = 0.0
-    for index in indices:
-        node.Clear()
-        node.ParseFromString(blobs[index])
-        compute += node.duration_micros
-    if compute <= 0:
-        return None
-    return TrainingThread(indices, compute, float(untraced), cost)
+    return TrainingThread(indices, float(sum(durations)), float(untraced), cost)
 
 
 @dataclass
