@@ -697,18 +697,13 @@ def simulate_with_wake_cost(workload: Path, ranks: int, work_dir: Path, network:
 def _training_threads(workload: Path, ranks: int) -> dict[int, tuple[SourceEt, TrainingThread | None]] | None:
     """Each rank's .et as read (one object for the ranks of a file: a scaled set's hard links are one) and its training
     thread (None where it records none), or None when rank 0's .et records no wake cost."""
-    from .scale import ScaleError, read_source_et
-
     found: dict[tuple[int, int], tuple[SourceEt, TrainingThread | None]] = {}
     sources = {}
     for rank in range(ranks):
         path = workload.parent / et_name(workload.name, rank)
         key = _same_file_key(path)
         if key not in found:
-            try:
-                source = read_source_et(path)
-            except ScaleError as e:
-                raise SimulationError(str(e)) from None
+            source = _source_et(path)
             found[key] = (source, training_thread(source.blobs, source.meta))
         if rank == 0 and found[key][1] is None:
             return None
@@ -760,6 +755,16 @@ def _scaled_copy(out_path: Path, factor: float, indices: list[int], blobs: list[
             encodeMessage(f, SerializedMessage(blob))
 
 
+def _source_et(path: Path) -> SourceEt:
+    """One .et of the set as trace_tools.scale reads it; SimulationError when it cannot be read."""
+    from .scale import ScaleError, read_source_et
+
+    try:
+        return read_source_et(path)
+    except ScaleError as e:
+        raise SimulationError(str(e)) from None
+
+
 def _same_file_key(path: Path) -> tuple[int, int]:
     """Hard links of a scaled set are one file."""
     stat = os.stat(path)
@@ -779,9 +784,7 @@ def without_communication_cpu(workload: Path, ranks: int, out_dir: Path) -> Path
     VM (bench/communication_cpu.py, docs/BENCHMARKS.md §4b). How much less a faster network costs, one trace does not
     tell. So simulated on a network faster than the traced one, the step lies between the step of this copy (the
     communication costing no CPU) and the step of the .et as converted."""
-    from chakra.src.third_party.utils.protolib import encodeMessage
-
-    from .scale import ScaleError, link_or_copy, read_source_et, with_duration_scaled
+    from .scale import link_or_copy
 
     out_dir.mkdir(parents=True, exist_ok=True)
     copy_of: dict[tuple[int, int], Path] = {}  # a scaled set's hard links are one file: one copy, linked again
@@ -791,17 +794,10 @@ def without_communication_cpu(workload: Path, ranks: int, out_dir: Path) -> Path
         if key in copy_of:
             link_or_copy(copy_of[key], out)
             continue
-        try:
-            source = read_source_et(path)
-        except ScaleError as e:
-            raise SimulationError(str(e)) from None
-        cpu_nodes = set(source.communication_cpu_indices)
-        if rank == 0 and not cpu_nodes:
+        source = _source_et(path)
+        if rank == 0 and not source.communication_cpu_indices:
             return None
-        with atomic_output(out) as f:
-            encodeMessage(f, source.metadata)
-            for index, blob in enumerate(source.blobs):
-                encodeMessage(f, SerializedMessage(with_duration_scaled(blob, 0.0) if index in cpu_nodes else blob))
+        _scaled_copy(out, 0.0, source.communication_cpu_indices, source.blobs, source.metadata)
         copy_of[key] = out
     return out_dir / workload.name
 
