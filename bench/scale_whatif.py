@@ -18,7 +18,9 @@ full speed (a trace through tbf carries that rate's communication CPU time:
 docs/BENCHMARKS.md §4b) and the real runs cycle through the throttled rates, as whatif_bench's untraced runs do, at
 2 ranks (the traced scale) and at N ranks.
 
-    sudo python bench/scale_whatif.py [--model tiny] [--ranks 4] [--rates 1gbit,400mbit,100mbit] [--traces 2]
+    sudo python bench/scale_whatif.py [--model tiny] [--ranks 4[,8...]] [--rates 1gbit,400mbit,100mbit] [--traces 2]
+
+Several scales (`--ranks 4,8`) share the traces and the 2-rank runs; each gets its own table.
 """
 from __future__ import annotations
 
@@ -73,11 +75,22 @@ def report(rows: list, ranks: int) -> str:
     return format_table(headers, rows)
 
 
+def rank_counts(text: str) -> tuple:
+    """--ranks: one or more comma-separated rank counts, in increasing order, each once."""
+    try:
+        counts = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give whole numbers of ranks, comma-separated") from None
+    if list(counts) != sorted(set(counts)):
+        raise argparse.ArgumentTypeError(f"{text!r}: give each count once, smallest first")
+    return counts
+
+
 def build_parser() -> ArgumentParser:
     parser = ArgumentParser(prog="bench/scale_whatif.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", choices=sorted(MODELS), default="tiny", help="(default: %(default)s)")
-    parser.add_argument("--ranks", type=int, default=4, help="ranks of the real and simulated scale-out (default: "
-                        "%(default)s)")
+    parser.add_argument("--ranks", type=rank_counts, default=(4,), metavar="N[,N...]",
+                        help="ranks of the real and simulated scale-out, one or more (default: 4)")
     parser.add_argument("--ranks-per-core", type=int, default=None,
                         help="ranks sharing each core, in every run (default: 1; --quick: 2 where --ranks outnumber "
                         "the cores)")
@@ -100,14 +113,16 @@ def build_parser() -> ArgumentParser:
 
 def check(args) -> tuple:
     """(the model setup, the rates), or ValueError naming the flag."""
-    if args.ranks <= RANKS:
-        raise ValueError(f"--ranks {args.ranks}: must be more than the {RANKS} traced")
-    if args.ranks_per_core < 1 or RANKS % args.ranks_per_core or args.ranks % args.ranks_per_core:
-        raise ValueError(f"--ranks-per-core {args.ranks_per_core}: must divide {RANKS} and --ranks {args.ranks}")
     cores = len(os.sched_getaffinity(0))
-    if args.ranks // args.ranks_per_core > cores:
-        raise ValueError(f"--ranks {args.ranks} at {args.ranks_per_core} a core needs "
-                         f"{args.ranks // args.ranks_per_core} cores; this process may use {cores}")
+    for ranks in args.ranks:
+        if ranks <= RANKS:
+            raise ValueError(f"--ranks {ranks}: must be more than the {RANKS} traced")
+        if args.ranks_per_core < 1 or RANKS % args.ranks_per_core or ranks % args.ranks_per_core:
+            raise ValueError(f"--ranks-per-core {args.ranks_per_core}: must divide {RANKS} and --ranks {ranks}")
+    largest = max(args.ranks)
+    if largest // args.ranks_per_core > cores:
+        raise ValueError(f"--ranks {largest} at {args.ranks_per_core} a core needs "
+                         f"{largest // args.ranks_per_core} cores; this process may use {cores}")
     if min(args.traces, args.repeats, args.cycles) < 1:
         raise ValueError("--traces, --repeats and --cycles must be at least 1")
     if args.cycles > 1 and args.cycles % 2:
@@ -127,8 +142,8 @@ def main(argv=None) -> int:
     if args.ranks_per_core is None:
         # 1 a core; a --quick smoke test on fewer cores than --ranks doubles up (it had refused on a 2-core machine)
         cores = len(os.sched_getaffinity(0))
-        args.ranks_per_core = RANKS if args.quick and args.ranks > cores and args.ranks % RANKS == 0 \
-            and args.ranks // RANKS <= cores else 1
+        args.ranks_per_core = RANKS if args.quick and max(args.ranks) > cores and all(
+            n % RANKS == 0 and n // RANKS <= cores for n in args.ranks) else 1
     foreign = foreign_checkout(__file__)
     if foreign:
         return fail(foreign)
@@ -144,11 +159,12 @@ def main(argv=None) -> int:
         return fail(f"bench/scale_whatif.py: {sim.missing}")
     exit_on_sigterm()
     print(machine_description(("torch", "transformers")))
-    traced_scale, scaled = pinned(setup, RANKS, args.ranks_per_core), pinned(setup, args.ranks, args.ranks_per_core)
+    scales = (RANKS, *args.ranks)
+    setups = {n: pinned(setup, n, args.ranks_per_core) for n in scales}
     settings, env = run_settings(args, setup), child_env(threads=1)
     with WorkFolder(args.keep, "scale_whatif-") as work:
         root = work.path
-        real = {RANKS: {r.label: RealRuns(r) for r in rates}, args.ranks: {r.label: RealRuns(r) for r in rates}}
+        real = {n: {r.label: RealRuns(r) for r in rates} for n in scales}
         try:
             with Namespace(mtu=DEFAULT_MTU, burst_slack_s=setup.burst_slack_s) as ns:
                 print("... tbf check", flush=True)
@@ -156,17 +172,16 @@ def main(argv=None) -> int:
                 traces = []
                 for index in range(args.traces):
                     print(f"... traced run {index + 1} of {args.traces} ({RANKS} ranks on cores "
-                          f"{traced_scale.cpus})", flush=True)
-                    traces.append(traced_run(ns, traced_scale, Rate("unthrottled", None), index, settings, env,
+                          f"{setups[RANKS].cpus})", flush=True)
+                    traces.append(traced_run(ns, setups[RANKS], Rate("unthrottled", None), index, settings, env,
                                              root, rates))
                 for repeat in range(args.repeats):
-                    for run_setup in (traced_scale, scaled):
+                    for run_setup in setups.values():
                         print(f"... untraced run {repeat + 1} of {args.repeats}, {run_setup.ranks} ranks on cores "
                               f"{run_setup.cpus}", flush=True)
                         real_run(ns, run_setup, rates, repeat, settings, env, root / f"{run_setup.ranks}-ranks",
                                  real[run_setup.ranks])
-            rows, ratios = [], []
-            scales = (RANKS, args.ranks)
+            tables = {n: ([], []) for n in args.ranks}  # rows, ratios
             for trace in traces:
                 for rate in rates:
                     measured = {n: real[n][rate.label] for n in scales}
@@ -176,22 +191,24 @@ def main(argv=None) -> int:
                     predicted = {n: predict(sim, trace.folder, n, payload[rate.label], rate.label,
                                             args.sim_latency_ns) for n in scales}
                     ratio = {n: predicted[n] / measured[n].step_ms for n in scales}
-                    ratios.append(ratio[args.ranks])
-                    rows.append([trace.index + 1, rate.label,
-                                 *(cell for n in scales for cell in (fmt_ms(measured[n].step_ms),
-                                                                     fmt_ms(predicted[n]), f"{ratio[n]:.2f}x")),
-                                 f"{measured[args.ranks].step_ms - measured[RANKS].step_ms:+,.1f}",
-                                 f"{predicted[args.ranks] - predicted[RANKS]:+,.1f}",
-                                 " / ".join(fmt_ms(measured[n].cpu_ms) for n in scales)])
+                    for n, (rows, ratios) in tables.items():
+                        ratios.append(ratio[n])
+                        rows.append([trace.index + 1, rate.label,
+                                     *(cell for m in (RANKS, n) for cell in (fmt_ms(measured[m].step_ms),
+                                                                             fmt_ms(predicted[m]), f"{ratio[m]:.2f}x")),
+                                     f"{measured[n].step_ms - measured[RANKS].step_ms:+,.1f}",
+                                     f"{predicted[n] - predicted[RANKS]:+,.1f}",
+                                     " / ".join(fmt_ms(measured[m].cpu_ms) for m in (RANKS, n))])
         except (BenchError, NetemUnavailable, sim.module.SimulationError) as exc:
             return work.fail(f"bench/scale_whatif.py: {exc}")
-    print(f"\n{setup.label}: a 2-rank trace at full speed, simulated at 2 and {args.ranks} ranks (ring, P/N per "
-          f"link; P the payload rate through tbf), against real untraced runs at each scale, "
-          f"{args.ranks_per_core} ranks a core:\n")
-    print(report(rows, args.ranks))
-    within = sum(abs(r - 1) <= BAND for r in ratios)
-    print(f"\nAt {args.ranks} ranks: predicted / real {min(ratios):.2f}x to {max(ratios):.2f}x; {within} of "
-          f"{len(ratios)} within {BAND:.0%}.")
+    for n, (rows, ratios) in tables.items():
+        print(f"\n{setup.label}: a 2-rank trace at full speed, simulated at 2 and {n} ranks (ring, P/N per "
+              f"link; P the payload rate through tbf), against real untraced runs at each scale, "
+              f"{args.ranks_per_core} ranks a core:\n")
+        print(report(rows, n))
+        within = sum(abs(r - 1) <= BAND for r in ratios)
+        print(f"\nAt {n} ranks: predicted / real {min(ratios):.2f}x to {max(ratios):.2f}x; {within} of "
+              f"{len(ratios)} within {BAND:.0%}.")
     return 0
 
 

@@ -319,6 +319,8 @@ def test_scale_whatif_sets_n_real_ranks_against_the_trace_made_into_n(tmp_path, 
     (["--ranks", "2"], "--ranks 2: must be more than the 2 traced"),
     (["--ranks-per-core", "3"], "--ranks-per-core 3: must divide 2 and --ranks 4"),
     (["--ranks", "4096"], "--ranks 4096 at 1 a core needs 4096 cores"),
+    (["--ranks", "2,4"], "--ranks 2: must be more than the 2 traced"),
+    (["--ranks", "4,4096"], "--ranks 4096 at 1 a core needs 4096 cores"),
     (["--ranks-per-core", "2", "--rates", "unthrottled,100mbit"], "give throttled rates only"),
     (["--ranks-per-core", "2", "--cycles", "3"], "--cycles 3: use an even number"),
 ])
@@ -356,6 +358,9 @@ def test_a_bench_rejects_a_bad_flag_in_one_line_naming_it(script, args, named):
     ("tbf_stalls.py", ["--cycles", "0"], "--cycles must be at least 1"),
     ("tbf_stalls.py", ["--rates", "unthrottled"], "--rates: name at least one throttled rate"),
     ("tbf_stalls.py", ["--rates", "fast"], "--rates: 'fast' is not a rate"),
+    ("scale_whatif.py", ["--ranks", "8,4"], "--ranks: '8,4': give each count once, smallest first"),
+    ("scale_whatif.py", ["--ranks", "4,4"], "--ranks: '4,4': give each count once, smallest first"),
+    ("scale_whatif.py", ["--ranks", "4,eight"], "--ranks: '4,eight': give whole numbers of ranks"),
 ])
 def test_a_bench_refuses_a_flag_argparse_rejects_in_one_line_too(script, args, says):
     result = run_bench(script, *args, timeout=60)
