@@ -750,7 +750,8 @@ def test_sets_scaled_by_earlier_simulations_and_their_logs_do_not_pile_up(conver
 
 
 def test_more_ranks_of_a_run_without_run_json_take_the_flag_the_refusal_names(converted, tmp_path):
-    """The refusal said "--assume-data-parallel scales it anyway", a flag only scale_et.py took."""
+    """The refusal said "--assume-data-parallel scales it anyway", a flag only scale_et.py took. It is the run's
+    problem, so the exit status is scale_et.py's for it (1), not a usage error's (2)."""
     pytest.importorskip("trace_tools.scale")
     folder = tmp_path / "run"
     shutil.copytree(BUNDLED, folder, ignore=shutil.ignore_patterns("run.json"))  # traced by another tool
@@ -760,7 +761,7 @@ def test_more_ranks_of_a_run_without_run_json_take_the_flag_the_refusal_names(co
     fake = finishing_astra_sim(tmp_path, 4)
     args = [folder, "--ranks", "4", "--bandwidth", "1Gbit/s", "--astra-sim", fake, "--no-cpu-bound"]
     refused = run_cli(*args)
-    assert refused.returncode == 2 and "--assume-data-parallel scales it anyway" in refused.stderr
+    assert refused.returncode == 1 and "--assume-data-parallel scales it anyway" in refused.stderr
     assert len(refused.stderr.splitlines()) == 1
     proc = run_cli(*args, "--assume-data-parallel")
     assert proc.returncode == 0, proc.stderr

@@ -93,7 +93,13 @@ ASTRA_SIM_OTHER_FILES = 5
 
 
 class SimulationError(Exception):
-    """A problem said in one line that names the flag or file; the command line prints it as `error: ...`."""
+    """A problem said in one line that names the flag or file; the command line prints it as `error: ...`. `usage`:
+    whether it is the user's setting (exit 2) rather than the run's or ASTRA-sim's (exit 1); None: a message that starts
+    with a flag or $ASTRA_SIM is one."""
+
+    def __init__(self, message: str, usage: bool | None = None):
+        super().__init__(message)
+        self.usage = usage
 
 
 ONE_NPU_PROBLEM = ("ASTRA-sim's analytical network needs at least 2 NPUs (a one-rank run has no communication: its "
@@ -1032,8 +1038,8 @@ def _simulate_run(workload: Path, traced: int, ranks: int, work_dir: Path, commu
             written = scale_set(workload, ranks, output_dir=work_dir / scaled_dir,
                                 assume_data_parallel=assume_data_parallel,
                                 published_dir=published_dir / scaled_dir if published_dir else None)
-        except ScaleError as e:
-            raise SimulationError(f"--ranks {ranks}: {e}") from e
+        except ScaleError as e:  # a run that cannot be scaled is the run's problem, as scale_et.py exits on it
+            raise SimulationError(f"--ranks {ranks}: {e}", usage=e.where.startswith("--")) from e
         except InterruptedAfterWriting:  # the scaled set is in the staging folder, removed: nothing was simulated
             raise KeyboardInterrupt from None
         workload, scale_notes = Path(written.prefix), list(written.slow_notes)
@@ -1075,7 +1081,7 @@ def staged(work_dir: Path) -> Iterator[Path]:
     try:
         yield staging
     except SimulationError as e:
-        raise SimulationError(keep_failed(staging, work_dir, str(e))) from None
+        raise SimulationError(keep_failed(staging, work_dir, str(e)), usage=e.usage) from None
     finally:
         shutil.rmtree(staging, ignore_errors=True)
 
@@ -1296,7 +1302,8 @@ def _main(args: argparse.Namespace, invocation: str) -> int:
     except SimulationError as e:
         print(f"error: {e}", file=sys.stderr)
         # A bad flag or $ASTRA_SIM is the user's setting (a usage error); anything else is the run's or ASTRA-sim's
-        return 2 if str(e).startswith(("--", f"${ASTRA_SIM_ENV} ")) else 1
+        usage = e.usage if e.usage is not None else str(e).startswith(("--", f"${ASTRA_SIM_ENV} "))
+        return 2 if usage else 1
     except OSError as e:  # a folder that cannot be written (read-only, full, a file in the way)
         print(f"error: {e.filename or args.run}: {e.strerror or e}", file=sys.stderr)
         return 1
