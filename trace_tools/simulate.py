@@ -1038,7 +1038,7 @@ def _simulate_run(workload: Path, traced: int, ranks: int, work_dir: Path, commu
             written = scale_set(workload, ranks, output_dir=work_dir / scaled_dir,
                                 assume_data_parallel=assume_data_parallel,
                                 published_dir=published_dir / scaled_dir if published_dir else None)
-        except ScaleError as e:  # a run that cannot be scaled is the run's problem, as scale_et.py exits on it
+        except ScaleError as e:  # a flag's problem is a usage error, the run's is not (as in scale_et.py)
             raise SimulationError(f"--ranks {ranks}: {e}", usage=e.where.startswith("--")) from e
         except InterruptedAfterWriting:  # the scaled set is in the staging folder, removed: nothing was simulated
             raise KeyboardInterrupt from None
