@@ -283,6 +283,7 @@ def _correct_for_profiler(linked, result: RankResult, info, rank: int, micro_bat
     result.overhead_rule = linked.stats.get("recording_overhead_rule", "")
     if result.overhead_rule == "untraced CPU time":
         result.slowest_rank_scale = round(times.slowest_rank_scale, 4)
+        _check_slowest_rank_scale(times, result)
     result.recording_overhead_us = linked.stats.get("recording_overhead_us", 0.0)
     linked.untraced_step_us = times.untraced_median_us
     removed = share_cores(linked, waits[0] if waits else None, times.communication_cpu_per_step_us,
@@ -311,6 +312,22 @@ def _check_untraced_steps_agree(times: StepTimes, result: RankResult) -> None:
         "compares with, is not known to that bound; time more untraced steps (--trace-wait-steps, "
         "--trace-after-steps) " + ("on a quieter machine" if times.machine_busy is not False else
                                    "or trace again"))
+
+
+def _check_slowest_rank_scale(times: StepTimes, result: RankResult) -> None:
+    """Warn when the slowest rank of a typical untraced step computed more than the fidelity bound beyond the
+    slowest rank's median: the ranks' compute then changed that much from step to step (on a 2-core VM, one rank's
+    training thread used 24 ms of CPU in most steps and 31-43 ms in 9 of 24, which gave 1.17 where 21 traces had
+    given 1.00-1.06, docs/BENCHMARKS.md §4), and the .et's compute, scaled by it, holds the machine's speed in those
+    steps rather than a steady one."""
+    if times.slowest_rank_scale - 1 <= STEP_SPREAD_BOUND:
+        return
+    result.warnings.append(
+        f"in the untraced steps {RUN_INFO} timed, the slowest rank of a step typically used "
+        f"{times.slowest_rank_scale - 1:.1%} more training-thread CPU time than the slowest rank's median (more than "
+        f"{STEP_SPREAD_BOUND:.0%}; untraced_step_thread_cpu_time_s): the ranks' compute changed that much from step "
+        "to step, and the .et's compute, scaled by it, is not known to that bound; trace again"
+        + (" on a quieter machine" if times.machine_busy is not False else ""))
 
 
 def _why_no_untraced_time(info, rank: int, micro_batches: int | None) -> str:
