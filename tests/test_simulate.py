@@ -1099,6 +1099,33 @@ def test_a_signal_held_back_while_the_simulation_is_written_says_it_was_written(
     assert not list(folder.glob(".astra-sim.*"))  # neither the staging folder nor the one it replaced
 
 
+def test_a_signal_due_as_the_renames_begin_leaves_no_signal_blocked(monkeypatch):
+    """pthread_sigmask runs a due signal's handler as it returns: a Ctrl-C raised by the call that blocks Ctrl-C and
+    SIGTERM had skipped the block's `finally`, and both stayed blocked for the rest of the process (a second Ctrl-C
+    then did nothing)."""
+    from trace_tools import atomic
+
+    if not hasattr(signal, "pthread_sigmask"):
+        pytest.skip("signals are held back only where they can be blocked")
+    real = signal.pthread_sigmask
+
+    def interrupted_as_it_blocks(how, mask):
+        previous = real(how, mask)
+        if how == signal.SIG_BLOCK and signal.SIGINT in set(mask):
+            raise KeyboardInterrupt  # what the due handler raises as the call returns
+        return previous
+
+    monkeypatch.setattr(atomic.signal, "pthread_sigmask", interrupted_as_it_blocks)
+    blocked_before = real(signal.SIG_BLOCK, ())
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with atomic.signals_deferred():
+                pytest.fail("the block ran though the Ctrl-C came first")
+        assert real(signal.SIG_BLOCK, ()) == blocked_before
+    finally:
+        real(signal.SIG_SETMASK, blocked_before)
+
+
 @pytest.mark.parametrize("script", ["simulate.py", "scale_et.py"])
 def test_output_read_by_a_reader_that_stopped_ends_without_a_traceback(converted, tmp_path, script):
     """`simulate.py ... | head -1` and `scale_et.py ... | head -1` ended in a BrokenPipeError traceback; what they

@@ -27,8 +27,12 @@ def signals_deferred() -> Iterator[None]:
     if not hasattr(signal, "pthread_sigmask"):
         yield
         return
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    # The mask as it is, read before anything is blocked: pthread_sigmask runs any signal handler that is due as it
+    # returns, and a Ctrl-C raised there by the call that blocks would skip the `finally` and leave the signals
+    # blocked for the rest of the process.
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, ())
     try:
+        signal.pthread_sigmask(signal.SIG_BLOCK, held)
         yield
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
