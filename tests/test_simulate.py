@@ -1071,7 +1071,9 @@ def test_a_signal_held_back_while_the_simulation_is_written_says_it_was_written(
     """Ctrl-C while the work folder and SIMULATION.md are put in place waits until both are: the line had then said
     "SIMULATION.md not written" of the file just written. simulate.py runs in a process of its own, as from a shell:
     inside a test worker that had run hundreds of tests, the signal was now and then not seen (2 of 4 full runs on
-    one machine)."""
+    one machine), and then in a child of that worker too: a child inherits the signals its parent thread blocks or
+    ignores. The child starts as a shell starts a command, Ctrl-C unblocked and at Python's default, and says what
+    it inherited."""
     if not hasattr(signal, "pthread_sigmask"):
         pytest.skip("signals are held back only where they can be blocked")
     folder = tmp_path / "run"
@@ -1080,6 +1082,10 @@ def test_a_signal_held_back_while_the_simulation_is_written_says_it_was_written(
             "--no-cpu-bound"]
     script = (
         "import signal, sys, threading\n"
+        "inherited = (signal.getsignal(signal.SIGINT), sorted(signal.pthread_sigmask(signal.SIG_UNBLOCK, \n"
+        "             {signal.SIGINT, signal.SIGTERM})))\n"
+        "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
+        "print(f'inherited SIGINT handler, blocked signals: {inherited}', file=sys.stderr)\n"
         "import trace_tools.simulate as simulate\n"
         "replace_folder = simulate._replace_folder\n"
         "def interrupted_while_replacing(*args):\n"
