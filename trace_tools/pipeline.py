@@ -317,7 +317,7 @@ def _check_untraced_steps_agree(times: StepTimes, result: RankResult) -> None:
 def _check_slowest_rank_scale(times: StepTimes, result: RankResult) -> None:
     """Warn when the slowest rank of a typical untraced step computed more than the fidelity bound beyond the
     slowest rank's median: the ranks' compute then changed that much from step to step (on a 2-core VM, one rank's
-    training thread used 24 ms of CPU in most steps and 31-43 ms in 9 of 24, which gave 1.17 where 21 traces had
+    training thread used 24 ms of CPU in most steps and 31-43 ms in 9 of 24, which gave 1.15 where 21 traces had
     given 1.00-1.06, docs/BENCHMARKS.md §4), and the .et's compute, scaled by it, holds the machine's speed in those
     steps rather than a steady one."""
     if times.slowest_rank_scale - 1 <= STEP_SPREAD_BOUND:
