@@ -502,6 +502,37 @@ def test_every_ranks_ops_are_scaled_to_the_slowest_rank_of_each_step(tmp_path, o
         assert "20.0% more" in flagged[0] and "not known to that bound; trace again" in flagged[0]
 
 
+def test_a_warning_every_rank_gives_is_said_once_for_all_of_them(tmp_path, capsys):
+    """The slowest-rank scale is a fact about the run that each rank measures: a conversion of 2 ranks said it twice,
+    in the console and in CONVERSION_SUMMARY.md, and of 8 ranks eight times."""
+    from trace_tools import cli
+
+    folder = tmp_path / "gpt2_tiny_2r"
+    shutil.copytree(CPU_FIXTURES / "gpt2_tiny_2r", folder, ignore=shutil.ignore_patterns("run.json"))
+    plain = convert_rank(folder / "host.0.json.gz", folder / "device.0.json.gz", tmp_path / "plain.0.et")
+    _, nodes = read_et_with_protolib(tmp_path / "plain.0.et")
+    ops_s = sum(n.duration_micros for n in nodes if n.type == COMP_NODE) / 1e6
+    step_s = plain.traced_step_us / 1e6
+    ranks = []
+    # the ranks take turns being slower (as in the test above): each step waits for 0.6, a scale of 1.2
+    for number, shares in enumerate(([0.4, 0.6, 0.4, 0.6, 0.5], [0.6, 0.4, 0.6, 0.4, 0.5])):
+        ranks.append({"rank": number, "intra_op_threads": 1, "step_wall_time_s": [step_s],
+                      "untraced_step_wall_time_s": [9 * step_s] + [step_s] * 5,
+                      "step_cpu_time_s": [ops_s], "untraced_step_cpu_time_s": [5 * step_s] + [0.5 * ops_s] * 5,
+                      "step_thread_cpu_time_s": [ops_s],
+                      "untraced_step_thread_cpu_time_s": [5 * step_s] + [share * ops_s for share in shares]})
+    info = json.loads((CPU_FIXTURES / "gpt2_tiny_2r" / "run.json").read_text())
+    info.update(untraced_steps=[0, 1, 2, 3, 4, 5], ranks=[{**old, **new} for old, new in zip(info["ranks"], ranks)])
+    (folder / "run.json").write_text(json.dumps(info))
+    assert cli.main([str(folder), "--no-progress", "--jobs", "1"]) == 0
+    said = "more training-thread CPU time than the slowest rank's median"
+    console = [line for line in capsys.readouterr().out.splitlines() if said in line]
+    assert len(console) == 1 and console[0].startswith("warning: gpt2_tiny_2r ranks 0 and 1: "), console
+    summary = [line for line in (folder / "CONVERSION_SUMMARY.md").read_text().splitlines()
+               if line.startswith("- ") and said in line]
+    assert len(summary) == 1 and summary[0].startswith("- ranks 0 and 1: in the untraced steps"), summary
+
+
 @pytest.mark.parametrize("intra_op_threads, rule", [(1, "untraced CPU time"), (4, "CPU time")])
 def test_the_training_threads_untraced_cpu_time_is_not_overridden_by_the_measured_cost_per_op(tmp_path,
                                                                                             intra_op_threads, rule):

@@ -268,6 +268,24 @@ def status_text(rank: RankResult, table: bool = False) -> str:
     return text
 
 
+def rank_warnings(ranks: list[RankResult]) -> list[tuple[str, str]]:
+    """The ranks' warnings, each said once with the ranks it was given for ("rank 1", "ranks 0 and 1", "ranks 0, 2
+    and 5"), in the order they first came: a fact about the whole run that every rank measured (the slowest rank of
+    a step, the cores the ranks shared) had been said once per rank, 8 lines of one sentence for 8 ranks."""
+    by_warning: dict[str, list[int]] = {}
+    for r in ranks:
+        for warning in r.warnings:
+            numbers = by_warning.setdefault(warning, [])
+            if r.rank not in numbers:  # a warning a rank gave twice is said once
+                numbers.append(r.rank)
+    said = []
+    for warning, numbers in by_warning.items():
+        names = [str(n) for n in numbers]
+        said.append((f"rank {names[0]}" if len(names) == 1 else
+                     f"ranks {', '.join(names[:-1])} and {names[-1]}", warning))
+    return said
+
+
 def render_run_summary(result: RunResult) -> str:
     run = result.run
     ok = sum(1 for r in result.ranks if r.ok)
@@ -333,9 +351,7 @@ def render_run_summary(result: RunResult) -> str:
                  "span when there is none): near 1.0, replaying the graph gives back the step it came from"
                  + (f"; {et_durations_text(converted)} (see the details)" if converted else ""))
     lines += [f"- {warning}" for warning in result.warnings]
-    for r in result.ranks:
-        for warning in r.warnings:
-            lines.append(f"- rank {r.rank}: {warning}")
+    lines += [f"- {ranks}: {warning}" for ranks, warning in rank_warnings(result.ranks)]
     if result.note:
         lines.append(f"- {result.note}")
     status = {str(r.rank): {k: v for k, v in asdict(r).items() if k in _KEPT_FIELDS} for r in result.ranks}
@@ -481,9 +497,8 @@ def render_table(results: list[RunResult]) -> str:
             out.append(f"error: {result.run.folder}: {problem}; no .et kept")
         for warning in result.warnings:
             out.append(f"warning: {result.run.name}: {warning}")
-        for r in result.ranks:
-            for warning in r.warnings:
-                out.append(f"warning: {result.run.name} rank {r.rank}: {warning}")
+        for ranks, warning in rank_warnings(result.ranks):
+            out.append(f"warning: {result.run.name} {ranks}: {warning}")
     return "\n".join(out)
 
 
