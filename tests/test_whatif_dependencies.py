@@ -533,6 +533,17 @@ def test_a_warning_every_rank_gives_is_said_once_for_all_of_them(tmp_path, capsy
     assert len(summary) == 1 and summary[0].startswith("- ranks 0 and 1: in the untraced steps"), summary
 
 
+@pytest.mark.parametrize("numbers, said", [
+    ([3], "rank 3"), ([1, 0], "ranks 0 and 1"), (list(range(8)), "ranks 0-7"), ([0, 2, 3, 4, 7], "ranks 0, 2-4 and 7"),
+    ([0, 1, 3, 4], "ranks 0, 1, 3 and 4"),  # two in a row are named, three or more are a range
+])
+def test_the_ranks_a_warning_was_given_for_are_named_in_order_with_ranges(numbers, said):
+    from trace_tools.summary import RankResult, rank_warnings
+
+    ranks = [RankResult(run="r", rank=n, warnings=["the same fact", "the same fact"]) for n in numbers]
+    assert rank_warnings(ranks) == [(said, "the same fact")]
+
+
 @pytest.mark.parametrize("intra_op_threads, rule", [(1, "untraced CPU time"), (4, "CPU time")])
 def test_the_training_threads_untraced_cpu_time_is_not_overridden_by_the_measured_cost_per_op(tmp_path,
                                                                                             intra_op_threads, rule):

@@ -269,21 +269,31 @@ def status_text(rank: RankResult, table: bool = False) -> str:
 
 
 def rank_warnings(ranks: list[RankResult]) -> list[tuple[str, str]]:
-    """The ranks' warnings, each said once with the ranks it was given for ("rank 1", "ranks 0 and 1", "ranks 0, 2
-    and 5"), in the order they first came: a fact about the whole run that every rank measured (the slowest rank of
-    a step, the cores the ranks shared) had been said once per rank, 8 lines of one sentence for 8 ranks."""
+    """The ranks' warnings, each said once with the ranks it was given for ("rank 1", "ranks 0 and 1", "ranks 0-7",
+    "ranks 0, 2-4 and 7"), in the order they first came: a fact about the whole run that every rank measured (the
+    slowest rank of a step, a host trace cut inside the same step) had been said once per rank, 8 lines of one
+    sentence for 8 ranks."""
     by_warning: dict[str, list[int]] = {}
     for r in ranks:
         for warning in r.warnings:
             numbers = by_warning.setdefault(warning, [])
             if r.rank not in numbers:  # a warning a rank gave twice is said once
                 numbers.append(r.rank)
-    said = []
-    for warning, numbers in by_warning.items():
-        names = [str(n) for n in numbers]
-        said.append((f"rank {names[0]}" if len(names) == 1 else
-                     f"ranks {', '.join(names[:-1])} and {names[-1]}", warning))
-    return said
+    return [(rank_list(numbers), warning) for warning, numbers in by_warning.items()]
+
+
+def rank_list(numbers: list[int]) -> str:
+    """"rank 3", "ranks 0 and 1", "ranks 0-7", "ranks 0, 2-4 and 7": three or more consecutive ranks as a range."""
+    numbers = sorted(set(numbers))
+    if len(numbers) == 1:
+        return f"rank {numbers[0]}"
+    parts, start = [], 0
+    for i in range(1, len(numbers) + 1):
+        if i == len(numbers) or numbers[i] != numbers[i - 1] + 1:  # the end of a run of consecutive ranks
+            run = numbers[start:i]
+            parts += [f"{run[0]}-{run[-1]}"] if len(run) >= 3 else [str(n) for n in run]
+            start = i
+    return "ranks " + (parts[0] if len(parts) == 1 else f"{', '.join(parts[:-1])} and {parts[-1]}")
 
 
 def render_run_summary(result: RunResult) -> str:
