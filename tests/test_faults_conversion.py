@@ -551,7 +551,7 @@ def test_repaired_host_trace_is_flagged_in_the_et_the_table_the_summary_and_the_
     assert "ok (repaired host trace)" in output.splitlines()[2]
     assert any(line.startswith("warning: gpt2 rank 0: ") and "repaired by fix_host_traces.py: closed the node list"
                in line for line in output.splitlines())
-    assert any(line.startswith("warning: gpt2 ranks 0 and 1: the host trace ends inside ProfilerStep#6: ")
+    assert any(line.startswith("warning: gpt2 ranks 0-1: the host trace ends inside ProfilerStep#6: ")
                and line.endswith("so that step is left out and the .et is made of ProfilerStep#4, ProfilerStep#5")
                for line in output.splitlines())
     assert "✅ ok, host trace repaired" in (folder / "CONVERSION_SUMMARY.md").read_text()
@@ -568,7 +568,7 @@ def test_host_trace_cut_inside_the_middle_step_gives_the_first_step_alone(tmp_pa
     assert convert(whole, capsys)[0] == 0
     code, output = convert(folder, capsys)
     assert code == 0
-    assert any(line.startswith("warning: gpt2 ranks 0 and 1: the host trace ends inside ProfilerStep#5: ")
+    assert any(line.startswith("warning: gpt2 ranks 0-1: the host trace ends inside ProfilerStep#5: ")
                and line.endswith("so that step is left out and the .et is made of ProfilerStep#4")
                for line in output.splitlines())
     for rank in (0, 1):

@@ -527,15 +527,15 @@ def test_a_warning_every_rank_gives_is_said_once_for_all_of_them(tmp_path, capsy
     assert cli.main([str(folder), "--no-progress", "--jobs", "1"]) == 0
     said = "more training-thread CPU time than the slowest rank's median"
     console = [line for line in capsys.readouterr().out.splitlines() if said in line]
-    assert len(console) == 1 and console[0].startswith("warning: gpt2_tiny_2r ranks 0 and 1: "), console
+    assert len(console) == 1 and console[0].startswith("warning: gpt2_tiny_2r ranks 0-1: "), console
     summary = [line for line in (folder / "CONVERSION_SUMMARY.md").read_text().splitlines()
                if line.startswith("- ") and said in line]
-    assert len(summary) == 1 and summary[0].startswith("- ranks 0 and 1: in the untraced steps"), summary
+    assert len(summary) == 1 and summary[0].startswith("- ranks 0-1: in the untraced steps"), summary
 
 
 @pytest.mark.parametrize("numbers, said", [
-    ([3], "rank 3"), ([1, 0], "ranks 0 and 1"), (list(range(8)), "ranks 0-7"), ([0, 2, 3, 4, 7], "ranks 0, 2-4 and 7"),
-    ([0, 1, 3, 4], "ranks 0, 1, 3 and 4"),  # two in a row are named, three or more are a range
+    ([3], "rank 3"), ([1, 0], "ranks 0-1"), (list(range(8)), "ranks 0-7"), ([0, 2, 3, 4, 7], "ranks 0, 2-4, 7"),
+    ([0, 1, 3, 4], "ranks 0-1, 3-4"),  # as SCALE_SUMMARY.md names ranks
 ])
 def test_the_ranks_a_warning_was_given_for_are_named_in_order_with_ranges(numbers, said):
     from trace_tools.summary import RankResult, rank_warnings

@@ -37,8 +37,8 @@ from .layout import CONVERSION_SUMMARY, ET_FILE_RE, TRACE_FILE_RE, et_name, et_s
 from .link import COMM_TYPE_NAMES, COMMUNICATION_CPU_ATTR
 from .load import json_kind
 from .pipeline import _writable, fallback_output_dir
-from .summary import (ConvertedRun, et_fingerprint, format_bytes, read_status_comment, run_info_files, script_command,
-                      status_comment, unrecorded_et_file)
+from .summary import (ConvertedRun, et_fingerprint, format_bytes, rank_ranges, read_status_comment, run_info_files,
+                      script_command, status_comment, unrecorded_et_file)
 from .validate import (CLOCK_LIMIT_NS, EtFormatError, SerializedMessage, collectives_agree, iter_et_messages,
                        read_et_metadata, validate_et)
 
@@ -115,8 +115,8 @@ def _complete_set(folder: Path, name: str) -> SourceSet:
     ranks = set(et_sets(folder).get(name, ()))
     missing = sorted(set(range(max(ranks) + 1)) - ranks) if ranks else [0]
     if missing:
-        raise ScaleError(folder / et_name(name, missing[0]), f"missing (the set has ranks {_ranges(sorted(ranks))}; "
-                         "every rank from 0 up is needed)")
+        raise ScaleError(folder / et_name(name, missing[0]),
+                         f"missing (the set has ranks {rank_ranges(sorted(ranks))}; every rank from 0 up is needed)")
     return SourceSet(folder=folder, name=name, paths=[folder / et_name(name, r) for r in range(len(ranks))])
 
 
@@ -870,24 +870,12 @@ def _publish(result: ScaleResult, staging: Path) -> None:
 # ---------------------------------------------------------------------------------------------------------------
 # SCALE_SUMMARY.md
 # ---------------------------------------------------------------------------------------------------------------
-def _ranges(ranks: list[int]) -> str:
-    """0-3, 8, 10-11"""
-    parts, i = [], 0
-    while i < len(ranks):
-        j = i
-        while j + 1 < len(ranks) and ranks[j + 1] == ranks[j] + 1:
-            j += 1
-        parts.append(str(ranks[i]) if i == j else f"{ranks[i]}-{ranks[j]}")
-        i = j + 1
-    return ", ".join(parts)
-
-
 def _outputs_of(result: ScaleResult, traced_rank: int) -> str:
     ranks = [r for r, t in enumerate(result.traced_of_rank) if t == traced_rank]
     k = result.traced_ranks
     if len(ranks) > 3 and k > 1 and ranks == list(range(traced_rank, result.ranks, k)):
         return f"{traced_rank}, {traced_rank + k}, {traced_rank + 2 * k}, ... ({len(ranks)} ranks: r mod {k} = {traced_rank})"
-    return _ranges(ranks) + f" ({len(ranks)} rank{'s' if len(ranks) != 1 else ''})"
+    return rank_ranges(ranks) + f" ({len(ranks)} rank{'s' if len(ranks) != 1 else ''})"
 
 
 def render_scale_summary(result: ScaleResult) -> str:

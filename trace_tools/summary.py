@@ -268,32 +268,28 @@ def status_text(rank: RankResult, table: bool = False) -> str:
     return text
 
 
+def rank_ranges(ranks: list[int]) -> str:
+    """Ascending ranks with each run of consecutive ones as a range: "0-3, 8, 10-11"."""
+    parts, i = [], 0
+    while i < len(ranks):
+        j = i
+        while j + 1 < len(ranks) and ranks[j + 1] == ranks[j] + 1:
+            j += 1
+        parts.append(str(ranks[i]) if i == j else f"{ranks[i]}-{ranks[j]}")
+        i = j + 1
+    return ", ".join(parts)
+
+
 def rank_warnings(ranks: list[RankResult]) -> list[tuple[str, str]]:
-    """The ranks' warnings, each said once with the ranks it was given for ("rank 1", "ranks 0 and 1", "ranks 0-7",
-    "ranks 0, 2-4 and 7"), in the order they first came: a fact about the whole run that every rank measured (the
-    slowest rank of a step, a host trace cut inside the same step) had been said once per rank, 8 lines of one
-    sentence for 8 ranks."""
-    by_warning: dict[str, list[int]] = {}
+    """The ranks' warnings, each said once with the ranks it was given for ("rank 1", "ranks 0-7", "ranks 0, 2-4,
+    7"), in the order they first came: a fact about the whole run that every rank measured (the slowest rank of a
+    step, a host trace cut inside the same step) had been said once per rank, 8 lines of one sentence for 8 ranks."""
+    by_warning: dict[str, set[int]] = {}
     for r in ranks:
         for warning in r.warnings:
-            numbers = by_warning.setdefault(warning, [])
-            if r.rank not in numbers:  # a warning a rank gave twice is said once
-                numbers.append(r.rank)
-    return [(rank_list(numbers), warning) for warning, numbers in by_warning.items()]
-
-
-def rank_list(numbers: list[int]) -> str:
-    """"rank 3", "ranks 0 and 1", "ranks 0-7", "ranks 0, 2-4 and 7": three or more consecutive ranks as a range."""
-    numbers = sorted(set(numbers))
-    if len(numbers) == 1:
-        return f"rank {numbers[0]}"
-    parts, start = [], 0
-    for i in range(1, len(numbers) + 1):
-        if i == len(numbers) or numbers[i] != numbers[i - 1] + 1:  # the end of a run of consecutive ranks
-            run = numbers[start:i]
-            parts += [f"{run[0]}-{run[-1]}"] if len(run) >= 3 else [str(n) for n in run]
-            start = i
-    return "ranks " + (parts[0] if len(parts) == 1 else f"{', '.join(parts[:-1])} and {parts[-1]}")
+            by_warning.setdefault(warning, set()).add(r.rank)
+    return [(f"rank {min(numbers)}" if len(numbers) == 1 else f"ranks {rank_ranges(sorted(numbers))}", warning)
+            for warning, numbers in by_warning.items()]
 
 
 def render_run_summary(result: RunResult) -> str:
