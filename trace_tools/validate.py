@@ -223,6 +223,17 @@ def _check_node(node: Node, report: EtReport, collectives: list, index: int) -> 
         report.p2p += 1
 
 
+def misnamed_rank(path: str | Path, file_rank: int, recorded_rank) -> str | None:
+    """Why an .et named as rank `file_rank` is another rank's file (its metadata's `rank`, as the converter writes
+    it), or None. A rank's file copied over another's (`cp x.0.et x.1.et`) runs the same collectives and passes
+    every other check, and a simulation would replay rank 0 twice. Scaled files record no rank (ranks replaying
+    one traced rank share a file): nothing to compare."""
+    if recorded_rank is None or int(recorded_rank) == file_rank:
+        return None
+    return (f"{path}: holds rank {int(recorded_rank)} of its run, not rank {file_rank} as its name says (a rank's "
+            f"file copied or renamed over another's); convert the run again")
+
+
 def group_members(listed: str, ranks: int) -> dict[str, list[int]]:
     """The process groups an .et's `process_groups` metadata lists (JSON, as the converter writes it): name -> ranks
     (every rank when the group names none); empty when it lists none or the list does not parse."""
