@@ -497,11 +497,13 @@ def test_et_files_that_are_not_those_the_summary_recorded_are_refused(converted,
     ("empty", "x.1.et: empty .et"),
     ("not an .et", "x.1.et: not a Chakra .et"),
     ("another run's rank", ": the ranks of x do not run the same collectives (process group '0': rank 1 has"),
+    ("rank 0 copied over rank 1", "x.1.et: holds rank 0 of its run, not rank 1 as its name says"),
 ])
 def test_et_files_no_summary_records_are_checked_before_astra_sim_runs(converted, tmp_path, damage, says):
     """.et files copied out of their run folder (no CONVERSION_SUMMARY.md to hold them to) were passed to ASTRA-sim
     as they were: one cut short or empty gave a simulation and a SIMULATION.md with exit 0, a gzip file named .et a
-    traceback, ranks of two runs a simulation that hangs or ends early."""
+    traceback, ranks of two runs a simulation that hangs or ends early, and one rank's file copied over another's a
+    prediction of rank 0 twice (38.9 ms where the set gives 42.9), exit 0."""
     folder = tmp_path / "copied"
     folder.mkdir()
     for rank in (0, 1):
@@ -513,6 +515,8 @@ def test_et_files_no_summary_records_are_checked_before_astra_sim_runs(converted
         rank1.write_bytes(b"")
     elif damage == "not an .et":
         rank1.write_bytes((BUNDLED / "host.1.json.gz").read_bytes())
+    elif damage == "rank 0 copied over rank 1":  # the same collectives: simulated, it replayed rank 0 twice
+        shutil.copy(folder / "x.0.et", rank1)
     else:  # rank 1 of the bundled BERT run, whose gradients are other buckets
         bert = tmp_path / "bert"
         shutil.copytree(BUNDLED.parent / "bert_tiny_2r", bert)

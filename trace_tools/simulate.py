@@ -29,7 +29,7 @@ from .layout import (CONVERSION_SUMMARY, RUN_INFO, SIMULATION_FAILED_DIR, SIMULA
 from .step_timing import STEP_SPREAD_BOUND, step_times_of
 from .summary import (ConvertedRun, converted_from, reconvert_command, records_set, run_info_files,
                       unrecorded_et_file)
-from .validate import CLOCK_LIMIT_NS, SerializedMessage, collectives_agree, group_members, validate_et
+from .validate import CLOCK_LIMIT_NS, SerializedMessage, collectives_agree, group_members, misnamed_rank, validate_et
 from .wake_cost import RankWake, TrainingThread, WakeAdjustment, training_thread
 
 if TYPE_CHECKING:
@@ -957,6 +957,9 @@ def check_unrecorded_set(workload: Path, ranks: int) -> None:
                 raise SimulationError(f"{path}: {problem}; ASTRA-sim cannot run it (convert the run again)")
             checked[key] = report
             members.update(listed_groups(et_metadata(path), ranks))
+        misnamed = misnamed_rank(path, rank, checked[key].rank)
+        if misnamed:
+            raise SimulationError(misnamed)
         reports[rank] = checked[key]
     process_groups(workload, ranks)  # a world size other than the set's, or groups the ranks disagree on
     disagreement = collectives_agree({rank: report.collectives for rank, report in reports.items()}, members)
