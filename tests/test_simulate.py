@@ -1195,6 +1195,51 @@ def test_a_failed_or_stopped_simulation_leaves_the_files_simulation_md_describes
     assert not kept.parent.exists()
 
 
+def test_a_folder_where_simulation_md_goes_is_refused_before_simulating(converted, tmp_path):
+    """SIMULATION.md as a folder: the simulation ran, astra-sim/ was replaced by it, and then the summary's rename
+    failed naming its temporary file, with an empty .replaced folder left: the folder and the summary disagreed."""
+    folder = tmp_path / "run"
+    shutil.copytree(converted, folder, ignore=shutil.ignore_patterns("astra-sim", "SIMULATION.md"))
+    (folder / "SIMULATION.md").mkdir()
+    failed = run_cli(folder, "--bandwidth", "1Gbit/s", "--astra-sim", finishing_astra_sim(tmp_path, 2),
+                     "--no-cpu-bound")
+    assert failed.returncode == 1, failed.stderr
+    assert failed.stderr == (f"error: {folder / 'SIMULATION.md'}: a folder, where simulate.py writes its summary; "
+                             "move it away and simulate again\n")
+    assert not (tmp_path / "workload.txt").exists() and not (folder / "astra-sim").exists()
+    assert sorted(p.name for p in folder.iterdir() if p.name.startswith(".")) == []
+
+
+def test_a_summary_that_cannot_be_renamed_into_place_keeps_the_earlier_simulation(converted, tmp_path):
+    """The folder and SIMULATION.md go together: when the summary's rename fails after the folder's (here a folder
+    made where SIMULATION.md goes while ASTRA-sim ran), the earlier simulation's folder is put back."""
+    folder = tmp_path / "run"
+    shutil.copytree(converted, folder, ignore=shutil.ignore_patterns("astra-sim", "SIMULATION.md"))
+    simulate_run(folder, bandwidth_gbs=1.0, latency_ns=700.0, binary=finishing_astra_sim(tmp_path, 2),
+                 communication_cpu_bound=False, invocation="first")
+    (folder / "SIMULATION.md").unlink()
+    in_the_way = finishing_astra_sim(tmp_path, 2)  # runs in the staging folder, beside SIMULATION.md
+    in_the_way.write_text(in_the_way.read_text() + "mkdir ../SIMULATION.md\n")
+    with pytest.raises(SimulationError) as error:
+        simulate_run(folder, bandwidth_gbs=1.0, latency_ns=900.0, binary=in_the_way, communication_cpu_bound=False,
+                     invocation="second")
+    assert str(error.value) == (f"{folder / 'SIMULATION.md'}: cannot publish the simulation (Is a directory); "
+                                "SIMULATION.md and astra-sim/ are kept as they were")
+    assert yaml.safe_load((folder / "astra-sim" / "network.yml").read_text())["latency"] == [700.0]
+    assert not list(folder.glob(".astra-sim.*")) and not list(folder.glob(".SIMULATION.md.*"))
+
+
+def test_a_first_simulation_that_fails_leaves_no_empty_work_folder(converted, tmp_path):
+    folder = tmp_path / "run"
+    shutil.copytree(converted, folder, ignore=shutil.ignore_patterns("astra-sim", "SIMULATION.md"))
+    failing = tmp_path / "failing"
+    failing.write_text("#!/bin/sh\nexit 1\n")
+    failing.chmod(0o755)
+    failed = run_cli(folder, "--bandwidth", "1Gbit/s", "--astra-sim", failing, "--no-cpu-bound")
+    assert failed.returncode == 1 and failed.stderr.count("\n") == 1, failed.stderr
+    assert not (folder / "astra-sim").exists() and (folder / "astra-sim.failed" / "astra-sim.out").is_file()
+
+
 @needs_astra_sim
 def test_the_recorded_astra_sim_command_of_a_scaled_simulation_runs_again(converted, tmp_path):
     """The scaled set lies in the work folder, staged elsewhere and renamed into place: the command names it

@@ -1011,18 +1011,30 @@ def simulate_run(run_dir: Path, *, ranks: int | None = None, work_dir: Path | No
         problem = open_file_limit_problem(ranks)
         if problem:  # before the scaled set's N files are written
             raise SimulationError(f"--ranks {ranks}: {problem}")
+        if invocation is not None and (folder / SIMULATION_FILE).is_dir():  # said now, not after the simulation
+            raise SimulationError(f"{folder / SIMULATION_FILE}: a folder, where simulate.py writes its summary; move "
+                                  "it away and simulate again")
+        made_work_dir = not work_dir.exists()
         try:
             work_dir.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise SimulationError(f"{work_dir}: cannot write ASTRA-sim's files there ({e.strerror or e})") from None
-        # One simulation at a time in a work folder: two would replace it under each other.
-        with folder_held(work_dir, lambda: SimulationError(f"{work_dir}: another simulation of this run is running "
-                                                           "there now; wait for it to end")), \
-                staged(work_dir) as staging:
-            result = _simulate_run(workload, traced, ranks, staging, communication_cpu_bound, network,
-                                   assume_data_parallel=assume_data_parallel, progress=progress, published_dir=work_dir,
-                                   wake_cost=wake_cost)
-            publish(result, staging, work_dir, invocation)
+        try:
+            # One simulation at a time in a work folder: two would replace it under each other.
+            with folder_held(work_dir, lambda: SimulationError(f"{work_dir}: another simulation of this run is "
+                                                               "running there now; wait for it to end")), \
+                    staged(work_dir) as staging:
+                result = _simulate_run(workload, traced, ranks, staging, communication_cpu_bound, network,
+                                       assume_data_parallel=assume_data_parallel, progress=progress,
+                                       published_dir=work_dir, wake_cost=wake_cost)
+                publish(result, staging, work_dir, invocation)
+        except BaseException:
+            if made_work_dir:  # a first simulation that failed leaves no empty astra-sim/ behind
+                try:
+                    work_dir.rmdir()
+                except OSError:
+                    pass
+            raise
         return result
 
 
@@ -1126,15 +1138,22 @@ def publish(result: SimulationResult, staging: Path, work_dir: Path, invocation:
     except ValueError:
         pass
     replaced = staging.with_name(staging.name + ".replaced")  # STAGING_RE's: removed after a kill too
+    summary = result.run_folder / SIMULATION_FILE
     try:
         with publication(lambda: result.simulation_file or work_dir):
-            if invocation is not None:
-                with atomic_path(result.run_folder / SIMULATION_FILE) as tmp:
-                    tmp.write_text(render_simulation(result, invocation), encoding="utf-8")
+            try:
+                if invocation is not None:
+                    with atomic_path(summary) as tmp:
+                        tmp.write_text(render_simulation(result, invocation), encoding="utf-8")
+                        _replace_folder(staging, work_dir, replaced)
+                    result.simulation_file = summary
+                else:
                     _replace_folder(staging, work_dir, replaced)
-                result.simulation_file = result.run_folder / SIMULATION_FILE
-            else:
-                _replace_folder(staging, work_dir, replaced)
+            except OSError as e:  # the folder and SIMULATION.md go together or not at all
+                where = summary if invocation is not None and not staging.exists() else work_dir  # failed after both
+                _restore_folder(staging, work_dir, replaced)
+                raise SimulationError(f"{where}: cannot publish the simulation ({e.strerror or e}); "
+                                      f"{SIMULATION_FILE} and {work_dir.name}/ are kept as they were") from None
     except InterruptedAfterWriting:
         shutil.rmtree(replaced, ignore_errors=True)
         raise
@@ -1147,6 +1166,15 @@ def _replace_folder(new: Path, old: Path, aside: Path) -> None:
     if old.is_dir():
         os.rename(old, aside)
     os.rename(new, old)
+
+
+def _restore_folder(new: Path, old: Path, aside: Path) -> None:
+    """Undo _replace_folder as far as it went: the new folder back to `new` (removed with the staging), the earlier
+    one back from `aside`."""
+    if not new.exists() and old.is_dir():
+        os.rename(old, new)
+    if aside.is_dir() and not old.exists():
+        os.rename(aside, old)
 
 
 def _umask() -> int:
