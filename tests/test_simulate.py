@@ -178,6 +178,18 @@ def test_a_folder_without_et_files_says_to_convert_first(tmp_path):
         find_workload(tmp_path / "nope")
 
 
+def test_a_folder_of_converted_runs_names_a_run_to_simulate_instead_of_converting(converted, tmp_path):
+    """`simulate.py outputs` said to convert outputs first, which changes nothing: the runs in it are converted."""
+    outputs = tmp_path / "outputs"
+    shutil.copytree(converted, outputs / "b_2r", ignore=shutil.ignore_patterns("astra-sim", "SIMULATION.md"))
+    (outputs / "a_1r").mkdir()
+    shutil.copy(converted / "gpt2_tiny_2r.0.et", outputs / "a_1r" / "one.0.et")
+    with pytest.raises(SimulationError) as error:
+        find_workload(outputs)
+    assert str(error.value) == (f"{outputs}: no <name>.<rank>.et files in it, but in its folders a_1r, b_2r: "
+                                f"simulate one run at a time, e.g. {outputs / 'b_2r'}")
+
+
 def test_a_missing_run_folder_is_named_before_astra_sim_is_sought(tmp_path):
     """simulate.py nosuch without ASTRA-sim at hand had said only that ASTRA-sim was not found."""
     proc = run_cli(tmp_path / "nosuch", "--bandwidth", "1Gbit/s", "--astra-sim", tmp_path / "no-astra-sim")
@@ -1272,6 +1284,19 @@ def test_a_set_the_summary_does_not_record_has_no_measured_step(converted, tmp_p
     assert result.measured_ms == {}
     assert result.measured_source == ("none: gpt2_tiny_2r_4npus was scaled to 4 ranks by scale_et.py "
                                       "(SCALE_SUMMARY.md); no step was measured at that scale")
+
+
+def test_a_damaged_summary_is_named_as_the_reason_no_step_is_known(converted, tmp_path):
+    """It said "gpt2_tiny_2r is not the set CONVERSION_SUMMARY.md records", of the very set the summary was about."""
+    folder = tmp_path / "run"
+    shutil.copytree(converted, folder, ignore=shutil.ignore_patterns("astra-sim", "SIMULATION.md"))
+    (folder / "CONVERSION_SUMMARY.md").write_text("garbage\n")
+    result = simulate_run(folder, bandwidth_gbs=1.0, binary=finishing_astra_sim(tmp_path, 2),
+                          communication_cpu_bound=False)
+    assert result.measured_ms == {}
+    assert result.measured_source.startswith(f"none: {folder / 'CONVERSION_SUMMARY.md'} holds no conversion record "
+                                             "(damaged, or not written by convert_to_et.py)"), result.measured_source
+    assert result.measured_source.endswith(f"convert_remaining.py {folder} writes it again")
 
 
 def test_the_copy_without_communication_cpu_keeps_a_scaled_sets_hard_links(tmp_path):

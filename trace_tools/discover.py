@@ -88,7 +88,7 @@ def _is_file(path: Path) -> bool:
         return False
 
 
-def _subfolders(path: Path) -> list[Path]:
+def subfolders(path: Path) -> list[Path]:
     """The visible folders in path, sorted; none when path cannot be listed or looked into (no permission)."""
     try:
         return sorted(p for p in path.iterdir() if not p.name.startswith(".") and p.is_dir())
@@ -243,10 +243,10 @@ def find_runs(paths: list[str | Path]) -> list[Run]:
         add(here)
         if here:
             continue
-        for child in _subfolders(path):
+        for child in subfolders(path):
             found = _scan_folder(child)
             if not found:
-                for grandchild in _subfolders(child):
+                for grandchild in subfolders(child):
                     add(_scan_folder(grandchild))
             add(found)
     return runs

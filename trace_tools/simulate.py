@@ -23,12 +23,12 @@ from typing import TYPE_CHECKING, Callable, Iterator
 from .atomic import (InterruptedAfterWriting, atomic_output, atomic_path, folder_held, process_is_alive, publication,
                      write_text_atomic)
 from .command_line import ArgumentParser, StopSignal, die_with_parent, output_closed
-from .discover import read_run_info
+from .discover import read_run_info, subfolders
 from .layout import (CONVERSION_SUMMARY, RUN_INFO, SIMULATION_FAILED_DIR, SIMULATION_FILE, SIMULATION_WORK_DIR, et_name,
                      et_sets)
 from .step_timing import STEP_SPREAD_BOUND, step_times_of
-from .summary import (ConvertedRun, converted_from, reconvert_command, records_set, run_info_files,
-                      unrecorded_et_file)
+from .summary import (ConvertedRun, converted_from, read_previous_results, reconvert_command, records_set,
+                      run_info_files, unrecorded_et_file)
 from .validate import CLOCK_LIMIT_NS, SerializedMessage, collectives_agree, group_members, misnamed_rank, validate_et
 from .wake_cost import RankWake, TrainingThread, WakeAdjustment, training_thread
 
@@ -276,6 +276,14 @@ def find_workload(run: Path) -> tuple[Path, int]:
         raise SimulationError(f"{run / et_name(name, 0)}: missing (the set has ranks {present}; every rank from 0 up "
                               "is needed)")
     if not sets:
+        converted = {sub.name: max(len(r) for r in et_sets(sub).values()) for sub in subfolders(run)
+                     if any(0 in r for r in et_sets(sub).values())}
+        if converted:  # a folder of runs (outputs/): converting it again would not help
+            names = sorted(converted)
+            example = next((name for name in names if converted[name] > 1), names[0])  # one rank cannot be simulated
+            raise SimulationError(f"{run}: no <name>.<rank>.et files in it, but in its folders "
+                                  f"{', '.join(names[:3])}{', ...' if len(names) > 3 else ''}: simulate one run at "
+                                  f"a time, e.g. {run / example}")
         raise SimulationError(f"{run}: no <name>.<rank>.et files; convert the run first (python3 convert_to_et.py "
                               f"{run})")
     preferred = [run.resolve().name]
@@ -816,8 +824,6 @@ def without_communication_cpu(workload: Path, ranks: int, out_dir: Path) -> Path
 def _summary_status(folder: Path, name: str | None = None) -> dict[int, dict]:
     """Per-rank results recorded in the folder's CONVERSION_SUMMARY.md for the set `name` (any set when None; empty
     when there is none)."""
-    from .summary import read_previous_results
-
     previous = read_previous_results(folder) or {}
     return {rank: {"traced_step_us": r.traced_step_us, "critical_path_us": r.critical_path_us}
             for rank, r in previous.items() if r.ok and name in (None, r.run)}
@@ -903,6 +909,10 @@ def unmeasured_set(folder: Path, name: str) -> str:
         return (f"{name} was scaled to {scale.get('ranks')} ranks by scale_et.py (SCALE_SUMMARY.md); no step was "
                 "measured at that scale")
     if (folder / CONVERSION_SUMMARY).is_file():
+        if read_previous_results(folder) is None:
+            return (f"{folder / CONVERSION_SUMMARY} holds no conversion record (damaged, or not written by "
+                    f"convert_to_et.py), so no run.json or traced step is known to be {name}'s; "
+                    f"{reconvert_command(folder)} writes it again")
         return f"{name} is not the set {CONVERSION_SUMMARY} records"
     return f"no {CONVERSION_SUMMARY} in {folder} records {name}, so no run.json or traced step is known to be its"
 
