@@ -4,7 +4,7 @@ import argparse
 import sys
 import time
 
-from trace_tools.command_line import ArgumentParser, StopSignal
+from trace_tools.command_line import ArgumentParser, StopSignal, path_argument
 from utils.environment import require
 
 require("conversion")  # one line naming the environment to use, not a ModuleNotFoundError
@@ -28,7 +28,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                     "it again changes nothing.",
         epilog="Exit status: 0 when every file is valid or was repaired, 1 when a file could not be repaired "
                "(or, with --check, needs a repair), or a path holds no host trace or a folder where one belongs.")
-    parser.add_argument("paths", nargs="*", default=["outputs"], metavar="PATH",
+    parser.add_argument("paths", nargs="*", default=["outputs"], metavar="PATH", type=path_argument,
                         help="host trace files, or folders searched for host.<rank>.json[.gz] and "
                              "<name>_host.json[.gz] (default: ./outputs)")
     parser.add_argument("--check", action="store_true", help="only report what is wrong; change nothing")

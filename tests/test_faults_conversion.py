@@ -743,3 +743,49 @@ def test_a_folder_of_runs_with_one_that_cannot_be_looked_into_converts_the_other
     code, output = convert(tmp_path / "runs", capsys)
     assert code == 0 and "Traceback" not in output
     assert sorted(p.name for p in (tmp_path / "runs" / "gpt2").glob("*.et")) == ["gpt2.0.et", "gpt2.1.et"]
+
+
+# ---- what the conversion reads and writes beside the traces -------------------------------------------------------
+def test_a_run_json_that_is_a_folder_is_named_not_taken_for_a_missing_one(tmp_path, capsys):
+    """A folder named run.json was passed over as no run.json: the .et files kept the profiler's cost, with a
+    warning and exit 0. It is an unreadable run.json, said once for the run."""
+    folder = corpus.copy_run(GPT2_2R, tmp_path / "run")
+    (folder / "run.json").mkdir()  # copy_run copies the traces only
+    code, output = convert(folder, capsys)
+    assert code == 1
+    assert errors(output) == [f"error: {folder / 'run.json'}: cannot be read (Is a directory)"]
+    assert not list(folder.glob("*.et"))
+
+
+def test_a_summary_path_that_is_a_folder_is_refused_before_any_et_is_removed(tmp_path, capsys):
+    """A folder named CONVERSION_SUMMARY.md: the earlier .et files were removed, then the summary could not be
+    written."""
+    folder = corpus.copy_run(GPT2_2R, tmp_path / "run")
+    assert convert(folder, capsys)[0] == 0
+    ets = {path.name: path.read_bytes() for path in folder.glob("*.et")}
+    (folder / "CONVERSION_SUMMARY.md").unlink()
+    (folder / "CONVERSION_SUMMARY.md").mkdir()
+    for remaining in (False, True):
+        code, output = convert(folder, capsys, remaining=remaining)
+        assert code == 2
+        assert output == (f"error: {folder / 'CONVERSION_SUMMARY.md'}: a folder, where the conversion writes its "
+                          "summary; move it away and convert again\n")
+        assert {path.name: path.read_bytes() for path in folder.glob("*.et")} == ets
+
+
+@pytest.mark.parametrize("command", [
+    ["convert_to_et.py", ""], ["convert_to_et.py", "run", "--output-dir", ""], ["convert_remaining.py", ""],
+    ["fix_host_traces.py", ""], ["simulate.py", "", "--bandwidth", "1Gbit/s"]])
+def test_an_empty_path_is_refused_instead_of_taken_for_the_current_folder(tmp_path, command):
+    """`--output-dir ""` (an unset shell variable) wrote the .et files into the current folder, and an empty run
+    folder converted, repaired or simulated whatever lay there."""
+    folder = corpus.copy_run(GPT2_2R, tmp_path / "run")
+    before = sorted(path.name for path in folder.iterdir())
+    proc = subprocess.run([sys.executable, str(REPO / command[0]), *command[1:]], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120)
+    flag = "--output-dir" if "--output-dir" in command else {"simulate.py": "RUN_DIR"}.get(command[0], "PATH")
+    assert proc.returncode == 2
+    assert proc.stderr == (f"error: {command[0]}: argument {flag}: an empty path (for the current folder, give .) "
+                           f"(see {command[0]} --help)\n")
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["run"]
+    assert sorted(path.name for path in folder.iterdir()) == before

@@ -7,7 +7,7 @@ import logging
 import sys
 from pathlib import Path
 
-from .command_line import ArgumentParser, StopSignal, output_closed
+from .command_line import ArgumentParser, StopSignal, output_closed, path_argument
 from .discover import find_runs
 from .layout import CONVERSION_SUMMARY, et_name
 from .load import TraceError
@@ -27,9 +27,9 @@ def build_parser(remaining: bool) -> argparse.ArgumentParser:
         description=what + " Each run (a folder with host.<rank>.json[.gz] + device.<rank>.json[.gz], or the flat "
         "<name>_host.json + <name>_device.json) gets <name>.<rank>.et for every rank, validated after writing, and "
         "a CONVERSION_SUMMARY.md. Exits 1 when a rank failed (the other ranks are still converted).")
-    parser.add_argument("paths", nargs="*", default=[DEFAULT_PATH], metavar="PATH",
+    parser.add_argument("paths", nargs="*", default=[DEFAULT_PATH], metavar="PATH", type=path_argument,
                         help=f"run folders, folders of runs, or trace files (default: ./{DEFAULT_PATH})")
-    parser.add_argument("--output-dir", default=None, metavar="DIR",
+    parser.add_argument("--output-dir", default=None, metavar="DIR", type=path_argument,
                         help="where the .et files go (default: the run's own folder when writable, else "
                         "./converted/<name>/; with several runs, DIR/<name>/)")
     parser.add_argument("--jobs", type=int, default=None, metavar="N",
@@ -99,6 +99,10 @@ def _main(args: argparse.Namespace, remaining: bool) -> int:
         problem = output_dir_problem(out_dir)
         if problem:
             print(f"error: {out_dir}: {problem} (choose another --output-dir)", file=sys.stderr)
+            return 2
+        if (out_dir / CONVERSION_SUMMARY).is_dir():  # before any earlier .et is removed, not after
+            print(f"error: {out_dir / CONVERSION_SUMMARY}: a folder, where the conversion writes its summary; move it "
+                  "away and convert again", file=sys.stderr)
             return 2
     only = previous = None
     if remaining:

@@ -26,6 +26,14 @@ class ArgumentParser(argparse.ArgumentParser):
         self.exit(2, f"error: {self.prog}: {message} (see {self.prog} --help)\n")
 
 
+def path_argument(text: str) -> str:
+    """argparse type of a flag that names a file or folder: an empty value (`--output-dir ""`, an unset shell
+    variable) is refused, where the current folder would have been used in its place."""
+    if not text:
+        raise argparse.ArgumentTypeError("an empty path (for the current folder, give .)")
+    return text
+
+
 class StopSignal:
     """SIGTERM (kill, a job scheduler's time limit) raises KeyboardInterrupt inside `with StopSignal() as stop:`, so
     a command line cleans up as on Ctrl-C; afterwards stop.name and stop.exit_code say which of the two it was."""

@@ -121,7 +121,7 @@ def _scan_folder(folder: Path) -> list[Run]:
     runs = []
     if tracer.hosts or tracer.devices:
         info = folder / RUN_INFO
-        if info.is_file():
+        if info.exists() or info.is_symlink():  # a folder or a dangling link is a run.json that cannot be read
             facts, tracer.run_info_problem = read_run_info(info)
             if isinstance(facts, dict):
                 world_size = facts.get("world_size")

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Callable, Iterator
 
 from .atomic import (InterruptedAfterWriting, atomic_output, atomic_path, folder_held, process_is_alive, publication,
                      write_text_atomic)
-from .command_line import ArgumentParser, StopSignal, die_with_parent, output_closed
+from .command_line import ArgumentParser, StopSignal, die_with_parent, output_closed, path_argument
 from .discover import read_run_info, subfolders
 from .layout import (CONVERSION_SUMMARY, RUN_INFO, SIMULATION_FAILED_DIR, SIMULATION_FILE, SIMULATION_WORK_DIR, et_name,
                      et_sets)
@@ -1287,7 +1287,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Simulate a converted run (<name>.<rank>.et files) in ASTRA-sim's analytical backend on a chosen "
         "network; print the predicted step per rank beside the measured one and write SIMULATION.md into the run "
         f"folder. ASTRA-sim's input files and output go to RUN_DIR/{WORK_DIR_NAME}/.")
-    parser.add_argument("run", metavar="RUN_DIR", help="a converted run folder (or a workload prefix dir/name)")
+    parser.add_argument("run", metavar="RUN_DIR", type=path_argument,
+                        help="a converted run folder (or a workload prefix dir/name)")
     parser.add_argument("--bandwidth", required=True, metavar="RATE",
                         help="per-link bandwidth: 100Mbit/s, 2Gbit/s, 12.5GB/s (SI prefixes; Ki/Mi/Gi binary), or a "
                         "plain number in ASTRA-sim's GB/s of 2^30 bytes")

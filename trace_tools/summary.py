@@ -496,9 +496,9 @@ def render_table(results: list[RunResult]) -> str:
     if untraced:
         out.append("the .et durations estimate the untraced step (µs, run.json): " + "; ".join(untraced))
     for result in results:
-        for r in result.ranks:
-            if r.status == "failed":
-                out.append(f"error: {r.error}")
+        # once each: a run-wide problem (run.json unreadable) fails every rank with the same line
+        for error in dict.fromkeys(r.error for r in result.ranks if r.status == "failed"):
+            out.append(f"error: {error}")
         for problem in result.agreement_problems:
             out.append(f"error: {result.run.folder}: {problem}; no .et kept")
         for warning in result.warnings:
