@@ -6,7 +6,6 @@ cannot see from the outside (the summary written rank by rank, the run id of the
 """
 from __future__ import annotations
 
-import gzip
 import json
 import os
 import shutil
@@ -655,7 +654,7 @@ def test_disk_full_says_how_much_space_is_left(tmp_path):
     import errno
 
     text = pipeline._os_problem(OSError(errno.ENOSPC, "No space left on device"), tmp_path)
-    assert text.startswith(f"No space left on device (") and f"MiB free in {tmp_path}); free some space" in text
+    assert text.startswith("No space left on device (") and f"MiB free in {tmp_path}); free some space" in text
 
 
 @pytest.mark.parametrize("make, problem", [
