@@ -242,8 +242,16 @@ main() {
         usage_error "--jobs $JOBS: not a positive whole number"
     fi
     [ -n "$PREFIX" ] || usage_error "--prefix needs a folder"
+    # A file where the prefix or a folder above it goes: --dry-run had said it would build, the build could not
+    # make the folder.
+    local existing="$PREFIX"
+    while [ ! -e "$existing" ] && [ ! -L "$existing" ]; do existing="$(dirname "$existing")"; done
+    if [ ! -d "$existing" ]; then
+        usage_error "--prefix $PREFIX: $existing is a file, not a folder"
+    fi
     if [ -n "$SOURCE" ]; then
-        [ -d "$SOURCE" ] || usage_error "--source $SOURCE: no such folder"
+        [ -e "$SOURCE" ] || usage_error "--source $SOURCE: no such folder"
+        [ -d "$SOURCE" ] || usage_error "--source $SOURCE: a file, not a folder (an ASTRA-sim source tree)"
         SOURCE="$(cd "$SOURCE" && pwd)"
         check_tree "$SOURCE" "--source"
         if [ -z "$YAML_CPP" ] && [ -f "$SOURCE/extern/helper/yaml-cpp/CMakeLists.txt" ]; then

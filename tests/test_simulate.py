@@ -1370,8 +1370,14 @@ def test_installer_help_names_the_pinned_commit_and_the_offline_flag():
     (["--jobs", "many"], "error: --jobs many: not a positive whole number"),
     (["--source"], "error: --source needs a value"),
     (["--source", "/no/such/tree"], "error: --source /no/such/tree: no such folder"),
+    (["--source", "{file}"], "error: --source {file}: a file, not a folder (an ASTRA-sim source tree)"),
+    (["--prefix", "{file}", "--dry-run"], "error: --prefix {file}: {file} is a file, not a folder"),
+    (["--prefix", "{file}/astra", "--dry-run"], "error: --prefix {file}/astra: {file} is a file, not a folder"),
 ])
-def test_installer_usage_errors_are_one_line_pointing_at_the_help_and_exit_2(args, says):
+def test_installer_usage_errors_are_one_line_pointing_at_the_help_and_exit_2(args, says, tmp_path):
+    file = tmp_path / "a file"
+    file.write_text("")
+    args, says = [arg.format(file=file) for arg in args], says.format(file=file)
     proc = run_install(*args)
     assert proc.returncode == 2
     assert proc.stderr == f"{says} (see ./install_astra_sim.sh --help)\n"
