@@ -63,8 +63,15 @@ needed_side() {
 }
 
 has_traces() {
-    # A trace file the converter can pick up, anywhere below $1 (environments and hidden folders skipped).
-    [ -f "$1" ] && return 0
+    # A trace file the converter can pick up: $1 itself, or anywhere below it (environments and hidden folders
+    # skipped). Another file given had been checked by fix_host_traces.py and convert_to_et.py, two errors, exit 2.
+    if [ -f "$1" ]; then
+        case "$(basename "$1")" in
+            host*.json|host*.json.gz|*_host*.json|*_host*.json.gz) return 0 ;;
+            device*.json|device*.json.gz|*_device*.json|*_device*.json.gz) return 0 ;;
+            *) return 1 ;;
+        esac
+    fi
     [ -n "$(find "$1" -mindepth 1 \( -name 'chakra-venv' -o -name '.venv' -o -name '.*' \) -prune -o -type f \
         \( -name 'host*.json' -o -name 'host*.json.gz' -o -name '*_host*.json' -o -name '*_host*.json.gz' \) \
         -print 2>/dev/null | head -n 1)" ]
@@ -119,6 +126,11 @@ check_given_python() {
     if [ -n "$PYTHON_GIVEN" ]; then
         if ! command -v "$PYTHON_GIVEN" >/dev/null 2>&1; then
             echo "error: $PYTHON_GIVEN: no such Python" >&2
+            exit 1
+        fi
+        # Its exit status alone is no answer: --python /bin/true passed every check and "converted" nothing.
+        if [ "$("$PYTHON_GIVEN" -c 'import sys; print(sys.version_info[0])' 2>/dev/null)" != 3 ]; then
+            echo "error: $PYTHON_GIVEN: not a Python 3 interpreter" >&2
             exit 1
         fi
         if ! has_modules "$PYTHON_GIVEN" "$(needed_side)"; then

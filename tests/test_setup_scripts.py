@@ -113,6 +113,22 @@ def test_folder_without_traces_is_named(tmp_path):
     assert not (tmp_path / "venv").exists()
 
 
+def test_a_file_that_is_not_a_trace_is_named_once_with_the_status_of_no_traces(tmp_path):
+    """It went on to fix_host_traces.py and convert_to_et.py: two errors, exit 2 (a usage error's)."""
+    (tmp_path / "notes.txt").write_text("")
+    proc = run([SETUP, "--venv", tmp_path / "venv", "notes.txt"], cwd=tmp_path)
+    assert proc.returncode == 1
+    assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("error: notes.txt: no traces found (expected ")
+    assert not (tmp_path / "venv").exists()
+
+
+def test_a_python_that_is_not_python_is_refused(tmp_path):
+    """--python /bin/true passed the import check on its exit status, then "converted" nothing: Done, exit 0."""
+    shutil.copytree(DATA / "gpt2_tiny_1r", tmp_path / "outputs" / "gpt2_tiny_1r")
+    proc = run([SETUP, "--python", "/bin/true", "outputs"], cwd=tmp_path)
+    assert proc.returncode == 1 and proc.stderr == "error: /bin/true: not a Python 3 interpreter\n"
+
+
 def test_python_without_the_packages_is_refused(tmp_path):
     run_dir = tmp_path / "outputs" / "gpt2_tiny_1r"
     shutil.copytree(DATA / "gpt2_tiny_1r", run_dir)
