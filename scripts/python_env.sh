@@ -49,6 +49,24 @@ _python_env_install_project() {
         "$1" -m pip install -q --disable-pip-version-check --no-deps -e "$2" >&2
 }
 
+_python_env_other_checkout() {
+    # $1: python executable; $2: project root. Prints the other checkout of this project that $1 imports it from
+    # (an editable install of another clone: a checkout has scripts/python_env.sh, an installed wheel has not), or
+    # nothing.
+    (cd / && "$1" - "$(cd "$2" && pwd -P)" 2>/dev/null <<'PY'
+import os
+import sys
+try:
+    import trace_tools
+except ImportError:
+    sys.exit(0)
+checkout = os.path.dirname(os.path.dirname(os.path.realpath(trace_tools.__file__)))
+if checkout != sys.argv[1] and os.path.isfile(os.path.join(checkout, "scripts", "python_env.sh")):
+    print(checkout)
+PY
+    )
+}
+
 ensure_python_env() {
     # $1: "train" or "test" (what the caller is about to run)
     local purpose="${1:-test}"
@@ -59,6 +77,17 @@ ensure_python_env() {
         if [ -n "${VIRTUAL_ENV:-}" ]; then candidate="$VIRTUAL_ENV/bin/python"
         elif [ -x "$root/.venv/bin/python" ]; then candidate="$root/.venv/bin/python"
         else candidate="$(command -v python3 || true)"
+        fi
+    fi
+    # An environment that runs this project from another checkout (its .venv, active in this shell) stays that
+    # checkout's: installing this one into it would make the other checkout's commands run this one's code.
+    if [ -n "$candidate" ] && [ "$candidate" != "$root/.venv/bin/python" ]; then
+        local other
+        other="$(_python_env_other_checkout "$candidate" "$root")"
+        if [ -n "$other" ]; then
+            echo "==> $candidate runs this project from $other; leaving it to that checkout, this one uses" \
+                 "$root/.venv" >&2
+            candidate="$root/.venv/bin/python"
         fi
     fi
     if [ -n "$candidate" ] && _python_env_is_suitable "$candidate" "$purpose" "$root"; then

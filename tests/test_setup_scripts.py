@@ -546,6 +546,42 @@ def test_python_env_without_venv_support_says_so_and_leaves_no_half_made_venv(tm
     assert not (root / ".venv").exists()
 
 
+def fake_python(path: Path, project: Path, pip_log: Path) -> Path:
+    """This interpreter importing the project from `project`, whose pip only logs what it was asked to install (a
+    regression must not install anything into the environment running these tests)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f"#!/bin/sh\nif [ \"$1 $2\" = \"-m pip\" ]; then echo \"$*\" >> {shlex.quote(str(pip_log))}; exit 0; fi\n"
+                    f"PYTHONPATH={shlex.quote(str(project))} exec {shlex.quote(sys.executable)} \"$@\"\n")
+    path.chmod(0o755)
+    return path
+
+
+def test_an_environment_of_another_checkout_is_left_to_it(tmp_path):
+    """A second clone's launcher, run with the first clone's .venv active, installed itself into that .venv: the
+    first clone's commands then ran the second's code."""
+    root, other = tmp_path / "checkout", tmp_path / "other"
+    for checkout in (root, other):
+        (checkout / "scripts").mkdir(parents=True)
+        shutil.copy(REPO / "scripts" / "python_env.sh", checkout / "scripts")
+        (checkout / "trace_tools").mkdir()
+        (checkout / "trace_tools" / "__init__.py").write_text("")
+    (root / "utils").mkdir()
+    shutil.copy(REPO / "utils" / "environment.py", root / "utils")
+    for requirements in REPO.glob("requirements*.txt"):
+        shutil.copy(requirements, root)
+    pip_log = tmp_path / "pip.log"
+    others = fake_python(tmp_path / "other-venv" / "bin" / "python", other, pip_log)
+    own = fake_python(root / ".venv" / "bin" / "python", root, pip_log)
+    env = {key: value for key, value in os.environ.items() if key not in ("PYTHON", "VIRTUAL_ENV")}
+    proc = subprocess.run(["bash", str(root / "scripts" / "python_env.sh"), "train"], env={**env, "PYTHON": str(others)},
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == f"{own}\n"
+    assert f"==> {others} runs this project from {other}; leaving it to that checkout, this one uses {root}/.venv" \
+        in proc.stderr.replace("\n", " ")
+    assert not pip_log.exists()
+
+
 ASTRA = REPO / "install_astra_sim.sh"
 
 
