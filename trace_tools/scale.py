@@ -18,6 +18,7 @@ import os
 import re
 import shlex
 import shutil
+import struct
 import tempfile
 import time
 from collections import Counter
@@ -33,6 +34,7 @@ from chakra.schema.protobuf.et_def_pb2 import (
 from chakra.src.third_party.utils.protolib import encodeMessage
 
 from .atomic import folder_held, publication, write_text_atomic
+from .graph import longest_path, topological_order
 from .layout import CONVERSION_SUMMARY, ET_FILE_RE, TRACE_FILE_RE, et_name, et_sets, ranks_sharing_a_file
 from .link import COMM_TYPE_NAMES, COMMUNICATION_CPU_ATTR
 from .load import json_kind
@@ -40,7 +42,7 @@ from .pipeline import _writable, fallback_output_dir
 from .summary import (ConvertedRun, et_fingerprint, format_bytes, rank_ranges, read_status_comment, run_info_files,
                       script_command, status_comment, unrecorded_et_file)
 from .validate import (CLOCK_LIMIT_NS, EtFormatError, SerializedMessage, collectives_agree, iter_et_messages,
-                       read_et_metadata, validate_et)
+                       misnamed_rank, read_et_metadata, serve_in_turn, validate_et)
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +58,10 @@ SCALE_ATTRS = {"rank", "world_size", "process_groups", "scaled", "source_rank", 
 # What run.json's "parallelism" field says for a data-parallel run (our trainer writes it; older runs lack it).
 DATA_PARALLEL_NAMES = {"ddp", "dp", "data_parallel", "data-parallel", "distributeddataparallel"}
 OVERRIDE_HINT = "--assume-data-parallel scales it anyway"
+# Memory a rank takes at the least: a slot (one pointer) in each of ScaleResult's three per-rank lists
+# (traced_of_rank, source_of_rank, content_of_rank); a count whose lists alone pass the memory this process may use
+# is refused before they are built (it had been the OOM killer, or a MemoryError after seconds of allocating).
+RANK_BYTES = 3 * struct.calcsize("P")
 
 
 class ScaleError(Exception):
@@ -426,13 +432,63 @@ def _in_world_group(blob: bytes) -> bytes:
     return node.SerializeToString()
 
 
+def scaled_micros(micros: int, factor: float) -> int:
+    """A duration times factor, at most what the .et's 64-bit field holds (a product past 1.8e308 is infinite, and
+    round() of it an OverflowError); scale_set refuses a step past ASTRA-sim's clock, far below that."""
+    scaled = micros * factor
+    return round(scaled) if scaled < 2 ** 64 - 1 else 2 ** 64 - 1
+
+
 def with_duration_scaled(blob: bytes, factor: float) -> bytes:
-    """A serialized node with its duration times factor (at most what the .et's 64-bit field holds; scale_set
-    refuses a step past ASTRA-sim's clock, far below that)."""
+    """A serialized node with its duration times factor (scaled_micros)."""
     node = Node()
     node.ParseFromString(blob)
-    node.duration_micros = min(round(node.duration_micros * factor), 2 ** 64 - 1)
+    node.duration_micros = scaled_micros(node.duration_micros, factor)
     return node.SerializeToString()
+
+
+def duration_factors(source: SourceEt, *, ranks: int, traced_ranks: int, compute_scale: float) -> tuple[float, float]:
+    """(compute, communication CPU): what write_scaled_et multiplies the source's compute durations and its
+    communication threads' CPU durations by (see there)."""
+    factor = compute_scale / source.meta.get("compute_scale", 1.0)
+    moved = ((ranks - 1) / ranks) / ((traced_ranks - 1) / traced_ranks) if traced_ranks > 1 else 1.0
+    return factor, factor * moved
+
+
+def scaled_step_us(source: SourceEt, *, ranks: int, traced_ranks: int, compute_scale: float) -> int:
+    """The critical path of the file write_scaled_et writes from source, timed as validate_et times it (collectives
+    one after another in the one world group), without writing it: a --slow factor is checked against ASTRA-sim's
+    clock before any file is written."""
+    factor, cpu_factor = duration_factors(source, ranks=ranks, traced_ranks=traced_ranks, compute_scale=compute_scale)
+    communication_cpu = set(source.communication_cpu_indices)
+    index_of: dict[int, int] = {}
+    deps: list[set[int]] = []
+    durations: list[int] = []
+    collectives = []
+    node = Node()
+    for index, blob in enumerate(source.blobs):
+        node.Clear()
+        node.ParseFromString(blob)
+        index_of[node.id] = index
+        deps.append(set(node.data_deps) | set(node.ctrl_deps))
+        micros = node.duration_micros
+        if index in communication_cpu:
+            micros = scaled_micros(micros, cpu_factor)
+        elif factor != 1.0 and node.type == COMP_NODE:
+            micros = scaled_micros(micros, factor)
+        durations.append(micros)
+        if node.type == COMM_COLL_NODE:
+            collectives.append((node.start_time_micros, node.id, index))
+    parents = [[index_of[d] for d in ds if d in index_of] for ds in deps]
+    serve_in_turn([(start, WORLD_GROUP, index) for start, _, index in sorted(collectives)], durations)
+    return max(longest_path(parents, durations, topological_order(parents))[0], default=0)
+
+
+def past_the_clock(rank: int, factor: float, step_us: float) -> ScaleError:
+    """--slow RANK:FACTOR makes the rank's step longer than ASTRA-sim's clock counts."""
+    return ScaleError(f"--slow {rank}:{factor:g}", f"makes rank {rank}'s step {step_us / 86_400e6:,.0f} days, past "
+                      f"what ASTRA-sim's clock counts (2^53 ns, {CLOCK_LIMIT_NS / 86_400e9:.0f} days); give a smaller "
+                      "factor")
 
 
 def write_scaled_et(source: SourceEt, out_path: Path, *, ranks: int, traced_ranks: int, source_rank: int,
@@ -445,10 +501,9 @@ def write_scaled_et(source: SourceEt, out_path: Path, *, ranks: int, traced_rank
     A source that is a straggler's file of a scaled set (its own compute_scale) is scaled by the ratio: from a factor
     above 1 that gives back the traced durations exactly (each was rounded to the µs once, by less than half a µs
     times the factor)."""
-    factor = compute_scale / source.meta.get("compute_scale", 1.0)
+    factor, cpu_factor = duration_factors(source, ranks=ranks, traced_ranks=traced_ranks, compute_scale=compute_scale)
     rewrite: dict[int, bytes] = {i: _in_world_group(source.blobs[i]) for i in source.comm_indices}
-    moved = ((ranks - 1) / ranks) / ((traced_ranks - 1) / traced_ranks) if traced_ranks > 1 else 1.0
-    rewrite.update({i: with_duration_scaled(source.blobs[i], factor * moved) for i in source.communication_cpu_indices})
+    rewrite.update({i: with_duration_scaled(source.blobs[i], cpu_factor) for i in source.communication_cpu_indices})
     metadata = scaled_metadata(source.metadata, ranks, traced_ranks, source_rank, compute_scale)
     with open(out_path, "xb", buffering=1 << 20) as f:
         encodeMessage(f, metadata)
@@ -535,11 +590,92 @@ def check_slow(slow: dict[int, float] | None, ranks: int) -> dict[int, float]:
     for rank, factor in (slow or {}).items():
         if not isinstance(rank, int) or not 0 <= rank < ranks:
             raise ScaleError("--slow", f"rank {rank} is not one of the {ranks} output ranks (0-{ranks - 1})")
-        if not isinstance(factor, (int, float)) or not math.isfinite(factor) or factor <= 0:
+        if not isinstance(factor, (int, float)) or math.isnan(factor) or factor <= 0:
             raise ScaleError("--slow", f"factor {factor} of rank {rank} must be a positive number")
+        if math.isinf(factor):  # `--slow 3:inf`, or 3:1e309 (read as inf)
+            raise ScaleError(f"--slow {rank}:{factor:g}", f"makes rank {rank}'s step infinite, past what ASTRA-sim's "
+                             f"clock counts (2^53 ns, {CLOCK_LIMIT_NS / 86_400e9:.0f} days); give a smaller factor")
         if factor != 1.0:
             checked[rank] = float(factor)
     return checked
+
+
+def check_slow_steps(slow: dict[int, float], source_of: dict[int, SourceEt], *, ranks: int, traced_ranks: int) -> None:
+    """Refuse, before any file is written, a --slow factor that makes its rank's step longer than ASTRA-sim's clock
+    counts (past 2^53 ns the simulated ranks stop unfinished). The step only grows with the factor: each source file
+    is timed once, at the largest factor of the ranks that replay it."""
+    largest: dict[int, int] = {}  # id of a source file -> the slowed rank with the largest factor on it
+    for rank, factor in slow.items():
+        key = id(source_of[rank])
+        if key not in largest or factor > slow[largest[key]]:
+            largest[key] = rank
+    for rank in sorted(largest.values()):
+        step_us = scaled_step_us(source_of[rank], ranks=ranks, traced_ranks=traced_ranks, compute_scale=slow[rank])
+        if step_us * 1000 >= CLOCK_LIMIT_NS:
+            raise past_the_clock(rank, slow[rank], step_us)
+
+
+def too_many_for_memory(ranks: int) -> ScaleError:
+    return ScaleError("--ranks", f"{ranks:,} ranks need more memory than this process may use, for their list alone "
+                      "(and a file name each); give fewer")
+
+
+def memory_limit() -> int | None:
+    """The bytes this process may use at most: its address-space and data limits (ulimit -v, -d), the machine's
+    memory and its container's (cgroup), whichever is least; None where none can be read."""
+    limits = []
+    try:
+        import resource
+        for kind in (resource.RLIMIT_AS, resource.RLIMIT_DATA):
+            soft = resource.getrlimit(kind)[0]
+            if soft != resource.RLIM_INFINITY:
+                limits.append(soft)
+    except (ImportError, AttributeError, OSError, ValueError):  # Windows: no resource module
+        pass
+    try:
+        limits.append(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    except (AttributeError, OSError, ValueError):
+        pass
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):  # a container's
+        try:
+            limits.append(int(Path(path).read_text().strip()))
+        except (OSError, ValueError):  # no such file, or "max"
+            pass
+    return min(limits) if limits else None
+
+
+def check_rank_count(ranks: int) -> None:
+    """Refuse, before a per-rank list is built or a file written, a rank count that the lists alone would not fit
+    in memory (RANK_BYTES a rank), or that ASTRA-sim could not run here: it keeps each NPU's .et open, and this
+    shell's hard limit of open files allows fewer (simulate.py's check)."""
+    limit = memory_limit()
+    if limit is not None and ranks * RANK_BYTES > limit:
+        raise too_many_for_memory(ranks)
+    from .simulate import open_file_limit_problem  # here: simulate.py imports this module
+    problem = open_file_limit_problem(ranks)
+    if problem:
+        raise ScaleError("--ranks", problem)
+
+
+def check_room(out_dir: Path, name: str, ranks: int, files: int, file_bytes: int) -> None:
+    """Refuse, before writing, a set the output folder's file system has no room for: `files` distinct files
+    (file_bytes together, about the source files' size) take an inode each, and every rank a folder entry, a hard
+    link or a copy (at least ext4's 8 bytes and the name, rounded up to 4). A set that fills the disk half-way had
+    written millions of links into its staging folder before failing."""
+    folder = next((f for f in (out_dir, *out_dir.parents) if f.is_dir()), None)  # the folder may be made later
+    try:
+        disk = os.statvfs(folder if folder is not None else ".")
+    except (AttributeError, OSError):  # Windows: no statvfs
+        return
+    entry_bytes = (8 + len(et_name(name, ranks - 1)) + 3) // 4 * 4
+    needed, free = file_bytes + ranks * entry_bytes, disk.f_bavail * disk.f_frsize
+    if needed > free:
+        raise ScaleError(out_dir, f"no room for {ranks:,} ranks: they need at least {format_bytes(needed)} ({files} "
+                         f"file{'s' if files != 1 else ''} and a folder entry a rank), and the disk has "
+                         f"{format_bytes(free)} free; free space or give fewer --ranks")
+    if disk.f_files and files + 2 > disk.f_favail:  # the files, the staging folder and the summary
+        raise ScaleError(out_dir, f"no room for {ranks:,} ranks: they need {files + 2} inodes ({files} files, the "
+                         f"staging folder and {SUMMARY_NAME}), and the disk has {disk.f_favail:,} free; free some")
 
 
 def parse_slow(items: list[str]) -> dict[int, float]:
@@ -634,6 +770,10 @@ def scale_set(source: str | Path, ranks: int, *, output_dir: str | Path | None =
     started = time.perf_counter()
     if not isinstance(ranks, int) or ranks < 1:
         raise ScaleError("--ranks", f"must be at least 1 (got {ranks})")
+    check_rank_count(ranks)
+    if isinstance(output_dir, str) and not output_dir.strip():  # `--output-dir "$UNSET"` had written into "."
+        raise ScaleError(f"--output-dir {output_dir!r}", "an empty path; give the folder the set goes in (or leave "
+                         "the flag out for one beside the run)")
     folder = Path(source) if Path(source).is_dir() else Path(source).parent
     # A conversion writing the set now: its summary calls the ranks still to come "interrupted"; say what it is
     held = folder_held(folder, lambda: ScaleError(folder, "a conversion is writing into this folder now; scale the "
@@ -643,7 +783,7 @@ def scale_set(source: str | Path, ranks: int, *, output_dir: str | Path | None =
         source_set = find_source_set(source)
     given_slow = dict(slow or {})
     slow = check_slow(given_slow, ranks)
-    if not name:  # the source's name with what --name refuses (spaces, other letters) made "_"
+    if name is None:  # the source's name with what --name refuses (spaces, other letters) made "_"
         name = DEFAULT_NAME.format(name=re.sub(f"[^{NAME_CHARACTERS}]", "_", source_set.name).lstrip(".") or "run",
                                    ranks=ranks)
     if not re.fullmatch(f"[{NAME_CHARACTERS}]+", name) or name.startswith("."):
@@ -691,6 +831,12 @@ def scale_set(source: str | Path, ranks: int, *, output_dir: str | Path | None =
             raise ScaleError(read.path, f"recorded in a world of {world} ranks, but the set has {source_set.ranks} "
                              f".et files ({source_set.paths[0].name} to {source_set.paths[-1].name}); scale a "
                              "complete set")
+    for rank, path in enumerate(source_set.paths):
+        # a rank's file copied over another's (`cp x.0.et x.1.et`): in a set no summary records, it would replay the
+        # same rank twice (in one a summary records, its fingerprint has already told)
+        problem = misnamed_rank(path, rank, sources[file_of_rank[rank]].meta.get("rank"))
+        if problem:
+            raise ScaleError(path, problem.removeprefix(f"{path}: "))
     traced = traced_ranks_of(source_set, sources, file_of_rank)
     if ranks < traced.count:
         # Fewer ranks would drop traced ranks and the spread measured between them, and one rank would keep
@@ -705,13 +851,20 @@ def scale_set(source: str | Path, ranks: int, *, output_dir: str | Path | None =
     # Output rank r replays traced rank r mod T through a file of the source that replays it as traced (a scaled
     # source's straggler is never copied to other ranks); the stragglers are this command's --slow and those of a
     # scaled source whose rank still exists, each on its own rank once.
+    slow, slow_notes = stragglers(traced.earlier_slow, given_slow, slow, ranks)
+    source_of = {r: sources[file_of_rank[traced.file_rank[r % traced.count]]] for r in slow}
+    check_slow_steps(slow, source_of, ranks=ranks, traced_ranks=source_set.ranks)
+    # a file as traced for every traced rank that some output rank replays unslowed, and one for each straggler
+    slowed = Counter(r % traced.count for r in slow)
+    as_traced = [traced.file_rank[t] for t in range(traced.count) if (ranks - 1 - t) // traced.count + 1 > slowed[t]]
+    check_room(out_dir, name, ranks, len(as_traced) + len(slow),
+               sum(os.path.getsize(source_set.paths[s]) for s in as_traced)
+               + sum(os.path.getsize(source.path) for source in source_of.values()))
     try:
         traced_of_rank = [r % traced.count for r in range(ranks)]
         source_of_rank = [traced.file_rank[t] for t in traced_of_rank]
-    except MemoryError:  # it had been a MemoryError traceback
-        raise ScaleError("--ranks", f"{ranks:,} ranks need more memory than this process may use, for their list "
-                         "alone (and a file name each); give fewer") from None
-    slow, slow_notes = stragglers(traced.earlier_slow, given_slow, slow, ranks)
+    except MemoryError:  # past check_rank_count's lower bound: it had been a MemoryError traceback
+        raise too_many_for_memory(ranks) from None
     unslowed = sorted(r for r in traced.earlier_slow if r < ranks and r not in slow)  # given --slow RANK:1
     result = ScaleResult(source=source_set, output_dir=out_dir, name=name, ranks=ranks, source_of_rank=source_of_rank,
                          slow=slow, parallelism=parallelism, traced_ranks=traced.count, traced_of_rank=traced_of_rank,
@@ -827,10 +980,8 @@ def _write_set(result: ScaleResult, sources: list[SourceEt], file_of_rank: list[
         if not report.ok:
             raise ScaleError(result.output_dir / path.name,
                              "the scaled .et failed validation: " + "; ".join(report.problems[:3]))
-        if r in result.slow and report.critical_path_us * 1000 >= CLOCK_LIMIT_NS:
-            raise ScaleError(f"--slow {r}:{result.slow[r]:g}", f"makes rank {r}'s step "
-                             f"{report.critical_path_us / 86_400e6:,.0f} days, past what ASTRA-sim's clock counts "
-                             f"(2^53 ns, {CLOCK_LIMIT_NS / 86_400e9:.0f} days); give a smaller factor")
+        if r in result.slow and report.critical_path_us * 1000 >= CLOCK_LIMIT_NS:  # check_slow_steps, as written
+            raise past_the_clock(r, result.slow[r], report.critical_path_us)
         reports[r] = report
         result.fingerprints[r] = et_fingerprint(path)
         result.new_bytes += path.stat().st_blocks * 512
