@@ -42,7 +42,7 @@ from .pipeline import _writable, fallback_output_dir
 from .summary import (ConvertedRun, et_fingerprint, format_bytes, rank_ranges, read_status_comment, run_info_files,
                       script_command, status_comment, unrecorded_et_file)
 from .validate import (CLOCK_LIMIT_NS, EtFormatError, SerializedMessage, collectives_agree, iter_et_messages,
-                       misnamed_rank, read_et_metadata, serve_in_turn, validate_et)
+                       misnamed_rank, open_file_limit_problem, read_et_metadata, serve_in_turn, validate_et)
 
 logger = logging.getLogger(__name__)
 
@@ -651,7 +651,6 @@ def check_rank_count(ranks: int) -> None:
     limit = memory_limit()
     if limit is not None and ranks * RANK_BYTES > limit:
         raise too_many_for_memory(ranks)
-    from .simulate import open_file_limit_problem  # here: simulate.py imports this module
     problem = open_file_limit_problem(ranks)
     if problem:
         raise ScaleError("--ranks", problem)
@@ -823,20 +822,7 @@ def scale_set(source: str | Path, ranks: int, *, output_dir: str | Path | None =
                          "another --output-dir, or remove those files first)")
     check_against_conversion(source_set)
 
-    sources, file_of_rank = _read_sources(source_set)
-    for read in sources:
-        world = read.meta.get("world_size")
-        if isinstance(world, int) and world > 0 and world != source_set.ranks:
-            # ranks deleted from the top of the set: scaled, the ranks left would stand for the whole traced run
-            raise ScaleError(read.path, f"recorded in a world of {world} ranks, but the set has {source_set.ranks} "
-                             f".et files ({source_set.paths[0].name} to {source_set.paths[-1].name}); scale a "
-                             "complete set")
-    for rank, path in enumerate(source_set.paths):
-        # a rank's file copied over another's (`cp x.0.et x.1.et`): in a set no summary records, it would replay the
-        # same rank twice (in one a summary records, its fingerprint has already told)
-        problem = misnamed_rank(path, rank, sources[file_of_rank[rank]].meta.get("rank"))
-        if problem:
-            raise ScaleError(path, problem.removeprefix(f"{path}: "))
+    sources, file_of_rank = _read_whole_set(source_set)
     traced = traced_ranks_of(source_set, sources, file_of_rank)
     if ranks < traced.count:
         # Fewer ranks would drop traced ranks and the spread measured between them, and one rank would keep
@@ -872,6 +858,25 @@ def scale_set(source: str | Path, ranks: int, *, output_dir: str | Path | None =
                          note=note, published_dir=published_dir)
     _write_and_publish(result, sources, file_of_rank, started)
     return result
+
+
+def _read_whole_set(source_set: SourceSet) -> tuple[list[SourceEt], list[int]]:
+    """The set's distinct files read (_read_sources), refused when its ranks are not the whole traced run: ranks
+    deleted from the top (scaled, the ranks left would stand for the whole run), or a rank's file copied over
+    another's (`cp x.0.et x.1.et`: in a set no summary records, it would replay the same rank twice; in one a summary
+    records, its fingerprint has already told)."""
+    sources, file_of_rank = _read_sources(source_set)
+    for read in sources:
+        world = read.meta.get("world_size")
+        if isinstance(world, int) and world > 0 and world != source_set.ranks:
+            raise ScaleError(read.path, f"recorded in a world of {world} ranks, but the set has {source_set.ranks} "
+                             f".et files ({source_set.paths[0].name} to {source_set.paths[-1].name}); scale a "
+                             "complete set")
+    for rank, path in enumerate(source_set.paths):
+        problem = misnamed_rank(path, rank, sources[file_of_rank[rank]].meta.get("rank"))
+        if problem:
+            raise ScaleError(path, problem.removeprefix(f"{path}: "))
+    return sources, file_of_rank
 
 
 def _write_and_publish(result: ScaleResult, sources: list[SourceEt], file_of_rank: list[int], started: float) -> None:

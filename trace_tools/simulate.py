@@ -29,7 +29,8 @@ from .layout import (CONVERSION_SUMMARY, RUN_INFO, SIMULATION_FAILED_DIR, SIMULA
 from .step_timing import STEP_SPREAD_BOUND, step_times_of
 from .summary import (ConvertedRun, converted_from, read_previous_results, reconvert_command, records_set,
                       run_info_files, unrecorded_et_file)
-from .validate import CLOCK_LIMIT_NS, SerializedMessage, collectives_agree, group_members, misnamed_rank, validate_et
+from .validate import (ASTRA_SIM_OTHER_FILES, CLOCK_LIMIT_NS, SerializedMessage, collectives_agree, group_members,
+                       misnamed_rank, open_file_limit_problem, validate_et)
 from .wake_cost import RankWake, TrainingThread, WakeAdjustment, training_thread
 
 if TYPE_CHECKING:
@@ -86,10 +87,6 @@ FINISHED_RE = re.compile(r"sys\[(\d+)\] finished, (\d+) cycles, exposed communic
 # "[2026-01-01T00:00:00+0000] [I] <workload>: ..." (LoggerFactory's, in some versions): a time stamp, then a name or
 # level in brackets
 ASTRA_SIM_LOG_RE = re.compile(r"^\[[^\]]*\d\] \[[^\]]+\] ", re.MULTILINE)
-# Files ASTRA-sim holds open besides one .et per NPU (its feeders keep them open from the start): stdin, stdout,
-# stderr and its two log files. Measured: 16 NPUs need 21 open files, 128 need 133; one fewer and it exits 1 saying
-# nothing about why.
-ASTRA_SIM_OTHER_FILES = 5
 
 
 class SimulationError(Exception):
@@ -453,21 +450,6 @@ def _ending_with(parent: int):
         if os.getppid() != parent:  # simulate.py died before the request took hold
             os._exit(1)
     return end_with_simulate_py
-
-
-def open_file_limit_problem(npus: int) -> str | None:
-    """Why ASTRA-sim could not open a file per NPU under this shell's hard limit of open files, or None."""
-    try:
-        import resource
-    except ImportError:  # Windows: no such limit to read
-        return None
-    needed = npus + ASTRA_SIM_OTHER_FILES
-    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
-    if hard == resource.RLIM_INFINITY or hard >= needed:
-        return None
-    return (f"{npus} NPUs need {needed} open files (ASTRA-sim keeps each NPU's .et open), but this shell allows "
-            f"{hard} (ulimit -Hn); raise the hard limit (/etc/security/limits.conf, or ulimit -n as root) or "
-            "simulate fewer ranks")
 
 
 @contextmanager

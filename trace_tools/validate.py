@@ -20,6 +20,10 @@ from .link import COMM_TYPE_NAMES, NODE_TYPE_NAMES
 # counts every nanosecond and ranks stop unfinished. Measured on the 2-rank GPT-2 tiny: a step of 8.4e15 ns simulates,
 # one of 8.4e16 ns does not.
 CLOCK_LIMIT_NS = 2 ** 53
+# Files ASTRA-sim holds open besides one .et per NPU (its feeders keep them open from the start): stdin, stdout,
+# stderr and its two log files. Measured: 16 NPUs need 21 open files, 128 need 133; one fewer and it exits 1 saying
+# nothing about why.
+ASTRA_SIM_OTHER_FILES = 5
 # Node types ASTRA-sim's workload layer issues (it aborts on METADATA_NODE and skips INVALID_NODE).
 ACCEPTED_NODE_TYPES = {COMP_NODE, COMM_COLL_NODE, COMM_SEND_NODE, COMM_RECV_NODE}
 # Collectives ASTRA-sim implements (BROADCAST replays its traced duration).
@@ -232,6 +236,21 @@ def misnamed_rank(path: str | Path, file_rank: int, recorded_rank) -> str | None
         return None
     return (f"{path}: holds rank {int(recorded_rank)} of its run, not rank {file_rank} as its name says (a rank's "
             f"file copied or renamed over another's); convert the run again")
+
+
+def open_file_limit_problem(npus: int) -> str | None:
+    """Why ASTRA-sim could not open a file per NPU under this shell's hard limit of open files, or None."""
+    try:
+        import resource
+    except ImportError:  # Windows: no such limit to read
+        return None
+    needed = npus + ASTRA_SIM_OTHER_FILES
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    if hard == resource.RLIM_INFINITY or hard >= needed:
+        return None
+    return (f"{npus} NPUs need {needed} open files (ASTRA-sim keeps each NPU's .et open), but this shell allows "
+            f"{hard} (ulimit -Hn); raise the hard limit (/etc/security/limits.conf, or ulimit -n as root) or "
+            "simulate fewer ranks")
 
 
 def group_members(listed: str, ranks: int) -> dict[str, list[int]]:
