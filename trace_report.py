@@ -58,20 +58,28 @@ def _report_all(args: argparse.Namespace) -> int:
     for raw in args.dirs:
         try:
             folders = find_report_folders(Path(raw))
-        except ReportError as e:
-            print(f"error: {e}", file=sys.stderr)
+        except (ReportError, OSError) as e:
+            print(f"error: {_one_line(e, raw)}", file=sys.stderr)
             failed += 1
             continue
         for folder in folders:
             started = time.perf_counter()
             try:
                 path = write_report(folder, args.traces, use_hta=not args.no_hta)
-            except ReportError as e:
-                print(f"error: {e}", file=sys.stderr)
+            except (ReportError, OSError) as e:
+                print(f"error: {_one_line(e, folder)}", file=sys.stderr)
                 failed += 1
                 continue
             print(f"{path} ({time.perf_counter() - started:.1f} s)", flush=True)
     return 1 if failed else 0
+
+
+def _one_line(error: Exception, where: str | Path) -> str:
+    """A ReportError as it is; an OSError the report did not expect (a sub-folder that cannot be read) naming its
+    file, not a traceback."""
+    if isinstance(error, OSError):
+        return f"{error.filename or where}: {error.strerror or error}"
+    return str(error)
 
 
 if __name__ == "__main__":

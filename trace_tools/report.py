@@ -25,12 +25,12 @@ from .atomic import folder_held, process_is_alive, publication
 from .discover import find_runs
 from .graph import longest_path, topological_order
 from .intervals import clip_intervals, merge_intervals, subtract_intervals, total_length
-from .layout import REPORT_FILE_RE, STEP_PREFIX, et_sets, ranks_sharing_a_file
+from .layout import REPORT_FILE_RE, STEP_PREFIX, et_name, et_sets, ranks_sharing_a_file
 from .link import COMM_TYPE_NAMES
 from .load import read_trace_bytes
-from .summary import (CONVERSION_SUMMARY, format_bytes, read_previous_results, reconvert_command, records_set,
-                      unrecorded_et_file)
-from .validate import EtFormatError, collectives_agree, group_members, read_et, serve_in_turn
+from .summary import (CONVERSION_SUMMARY, RankResult, format_bytes, read_previous_results, reconvert_command,
+                      records_set, unrecorded_et_file)
+from .validate import EtFormatError, collectives_agree, group_members, misnamed_rank, read_et, serve_in_turn
 
 logger = logging.getLogger(__name__)
 
@@ -216,21 +216,43 @@ def find_et_files(folder: Path) -> tuple[str, dict[int, Path]]:
     return name, runs[name]
 
 
+def recorded_ranks(et_dir: Path, name: str) -> dict[int, RankResult]:
+    """What the folder's CONVERSION_SUMMARY.md records of each rank of the set `name` (empty when it records none)."""
+    return {rank: result for rank, result in (read_previous_results(et_dir) or {}).items() if result.run == name}
+
+
 def check_against_summary(et_dir: Path, name: str, et_files: dict[int, Path]) -> None:
     """ReportError when an .et is not the file the folder's CONVERSION_SUMMARY.md recorded (another run's .et copied
-    in, one left from an earlier conversion, one changed since: summary.unrecorded_et_file); ranks the summary records
-    that have no .et are the report's missing ranks."""
+    in, one left from an earlier conversion, one changed since: summary.unrecorded_et_file), or when a rank it records
+    converted has no .et (deleted, or a folder in its place: a report of the other ranks had called it a rank whose
+    conversion failed). Ranks it records as failed are the report's missing ranks."""
     problem = unrecorded_et_file(et_dir, name, et_files, every_recorded_rank=False)
     if problem:
         raise ReportError(f"{problem[0]}: {problem[1]}")
+    for rank, result in sorted(recorded_ranks(et_dir, name).items()):
+        if result.ok and rank not in et_files:
+            path, again = et_dir / et_name(name, rank), reconvert_command(et_dir)
+            summary = et_dir / CONVERSION_SUMMARY
+            if path.is_dir():
+                raise ReportError(f"{path}: a folder, though {summary} records the rank's .et converted (move it "
+                                  f"away; {again} makes the .et again)")
+            raise ReportError(f"{path}: missing, though {summary} records it converted ({again} makes it again)")
 
 
-def check_unrecorded_ranks_agree(et_dir: Path, name: str, traces: dict[int, RankTrace], world: int) -> None:
-    """ReportError when .et files no summary records (copied out of their run folder) are ranks of different runs:
-    their collectives differ, and a report would describe them as one run. `world`: the ranks of the set (traces
-    holds one of the ranks sharing a file)."""
+def check_unrecorded_ranks_agree(et_dir: Path, name: str, traces: dict[int, RankTrace],
+                                 et_files: dict[int, Path]) -> None:
+    """ReportError when .et files no summary records (copied out of their run folder) are not the ranks of one run:
+    a file that holds another rank than its name says (one rank's file copied over another's: the same collectives,
+    and a report of rank 0 twice), or ranks of different runs (their collectives differ, and a report would describe
+    them as one run). `et_files`: every rank of the set (traces holds the lowest of the ranks sharing a file)."""
     if records_set(et_dir, name):
         return  # check_against_summary held them to the summary
+    for first, sharing in ranks_sharing_a_file(et_files).items():
+        for rank in sharing:  # a scaled set's files record no rank; a rank's file linked to another's names its own
+            problem = misnamed_rank(et_files[rank], rank, traces[first].meta.get("rank"))
+            if problem:
+                raise ReportError(problem)
+    world = len(et_files)
     members: dict[str, list[int]] = {}
     collectives = {}
     for rank, trace in traces.items():
@@ -887,7 +909,7 @@ def build_report(et_dir: Path, trace_dirs: list[Path] | None = None, use_hta: bo
     check_against_summary(et_dir, name, et_files)
     sharing = ranks_sharing_a_file(et_files)
     traces = {rank: load_rank(et_files[rank], rank) for rank in sorted(sharing)}
-    check_unrecorded_ranks_agree(et_dir, name, traces, len(et_files))
+    check_unrecorded_ranks_agree(et_dir, name, traces, et_files)
     world = max((int(t.meta["world_size"]) for t in traces.values() if "world_size" in t.meta), default=0)
     expected = set(range(max(world, max(et_files) + 1)))
     per_rank = {rank: rank_summary(t) for rank, t in traces.items()}
@@ -899,6 +921,9 @@ def build_report(et_dir: Path, trace_dirs: list[Path] | None = None, use_hta: bo
         "kind": "gpu" if gpu_run else "cpu",
         "ranks": sorted(et_files),
         "missing_ranks": sorted(expected - set(et_files)),
+        # of those, the ranks CONVERSION_SUMMARY.md records as failed (the others no conversion here records)
+        "failed_ranks": sorted(r for r, result in recorded_ranks(et_dir, name).items()
+                               if not result.ok and r not in et_files),
         # ranks whose .et is one file (a scaled set's hard links): reported once, under the lowest of them
         "shared_files": {str(first): members for first, members in sharing.items() if len(members) > 1},
         "world_size": world or None,
@@ -935,6 +960,20 @@ def _rank_list(ranks: list[int]) -> str:
     return f"{', '.join(map(str, ranks[:3]))}, ..., {ranks[-1]}"
 
 
+def _why_missing(missing: list[int], failed: list[int]) -> str:
+    """Why ranks have no .et, as far as CONVERSION_SUMMARY.md says: their conversion failed, or none is recorded (a
+    set copied out of its folder, a rank never traced). A rank it records converted never gets here: its .et was
+    removed since, and check_against_summary refuses the folder."""
+    failed = [r for r in missing if r in failed]
+    unrecorded = [r for r in missing if r not in failed]
+    if not unrecorded:
+        return "see CONVERSION_SUMMARY.md for why they failed"
+    if not failed:
+        return "no conversion of theirs is recorded here"
+    return (f"see CONVERSION_SUMMARY.md for why rank(s) {', '.join(map(str, failed))} failed; no conversion of "
+            f"rank(s) {', '.join(map(str, unrecorded))} is recorded here")
+
+
 def _intro_lines(report: dict, ranks: dict[int, dict], gpu_run: bool) -> list[str]:
     """The run, its missing or repaired ranks, and what counts as what."""
     lines = [f"# Trace report: {report['run']}", ""]
@@ -960,7 +999,7 @@ def _intro_lines(report: dict, ranks: dict[int, dict], gpu_run: bool) -> list[st
                   f"{_ms(s['traced_step_us'])} ms)" for r, s in stragglers.items()]
     if report["missing_ranks"]:
         lines += ["", f"**Missing ranks:** no `.et` for rank(s) {', '.join(map(str, report['missing_ranks']))} "
-                      f"(see CONVERSION_SUMMARY.md for why they failed)."]
+                      f"({_why_missing(report['missing_ranks'], report.get('failed_ranks', []))})."]
     repaired = {r: s["host_trace_repaired"] for r, s in sorted(ranks.items()) if s.get("host_trace_repaired")}
     if repaired:
         lines += ["", "**Repaired host traces:** what fix_host_traces.py dropped is not in the `.et`, so these ranks "
@@ -1208,7 +1247,22 @@ def _remove_dead_writers_staging(et_dir: Path) -> None:
             shutil.rmtree(entry, ignore_errors=True)
 
 
+def check_report_paths(et_dir: Path) -> None:
+    """ReportError when a folder stands where the report has a file (report.md, report.json, a figure): the report
+    could neither move its file in nor remove an earlier figure there. Said before anything is written (a folder at
+    report.md had been found after report.json was moved in: a traceback and half a report)."""
+    try:
+        entries = sorted(et_dir.iterdir())
+    except OSError as e:
+        raise ReportError(f"{et_dir}: cannot read the folder ({e.strerror or e})") from None
+    for entry in entries:
+        if REPORT_FILE_RE.fullmatch(entry.name) and entry.is_dir() and not entry.is_symlink():
+            raise ReportError(f"{entry}: a folder, where trace_report.py writes its {entry.name}; move it away and "
+                              "report again")
+
+
 def _write_report(et_dir: Path, trace_dirs: list[str | Path] | None, use_hta: bool) -> Path:
+    check_report_paths(et_dir)
     report, traces = build_report(et_dir, [Path(d) for d in trace_dirs or []], use_hta)
     ranks = {int(r): s for r, s in report["per_rank"].items()}
     try:
@@ -1232,19 +1286,79 @@ def _write_report(et_dir: Path, trace_dirs: list[str | Path] | None, use_hta: bo
                 logger.warning("%s: figure %s failed: %s", et_dir, name, e)
                 figures["errors"].append(f"{name}: {type(e).__name__}: {e}")
         report["figures"] = figures["files"]
-        (staging / REPORT_MD).write_text(render_markdown(report, figures))
-        (staging / REPORT_JSON).write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS))
-        written = {item.name for item in staging.iterdir()}
+        try:
+            (staging / REPORT_MD).write_text(render_markdown(report, figures))
+            (staging / REPORT_JSON).write_bytes(orjson.dumps(report,
+                                                             option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS))
+        except OSError as e:  # a full disk, a quota
+            raise ReportError(f"{et_dir}: cannot write the report here ({e.strerror or e}); the earlier report is "
+                              "kept as it was") from None
         # one report or the other, never the new numbers beside the old figures: a signal waits for the last rename
         with publication(lambda: et_dir / REPORT_MD):
-            for old in et_dir.iterdir():  # an earlier report's figures this one has not drawn (ranks gone, ...)
-                if REPORT_FILE_RE.fullmatch(old.name) and old.name not in written:
-                    old.unlink()
-            for item in sorted(staging.iterdir()):
-                os.replace(item, et_dir / item.name)
+            _publish(staging, et_dir)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return et_dir / REPORT_MD
+
+
+def _publish(staging: Path, et_dir: Path) -> None:
+    """Move the staged report into et_dir in place of the earlier one, whose figures this one has not drawn go
+    (ranks gone, no collectives): all of it, or when a rename fails, none of it (the earlier report is put back from
+    links kept beside it, and ReportError names the file that could not be moved)."""
+    written = sorted(item.name for item in staging.iterdir())
+    earlier = sorted(old.name for old in et_dir.iterdir() if REPORT_FILE_RE.fullmatch(old.name))
+    try:
+        kept = Path(tempfile.mkdtemp(prefix=f".report.{os.getpid()}.", dir=et_dir))  # STAGING_RE's: gone after a kill
+    except OSError as e:
+        raise ReportError(f"{et_dir}: cannot write the report here ({e.strerror or e}); the earlier report is kept "
+                          "as it was") from None
+    moved_in: list[str] = []
+    target = et_dir
+    try:
+        for name in earlier:
+            target = et_dir / name
+            if name in written:  # kept as a second link: the new file replaces it in one rename
+                _keep_a_copy(target, kept / name)
+            else:
+                os.replace(target, kept / name)
+        for name in written:
+            target = et_dir / name
+            os.replace(staging / name, target)
+            moved_in.append(name)
+    except BaseException as e:
+        restored = _put_back(et_dir, kept, earlier, moved_in)
+        if not isinstance(e, OSError):
+            raise
+        outcome = ("the earlier report is kept as it was" if restored else
+                   "the folder holds part of it; run trace_report.py again")
+        raise ReportError(f"{target}: cannot move the report in ({e.strerror or e}); {outcome}") from None
+    finally:
+        shutil.rmtree(kept, ignore_errors=True)
+
+
+def _keep_a_copy(path: Path, copy: Path) -> None:
+    try:
+        os.link(path, copy, follow_symlinks=False)
+    except (OSError, NotImplementedError):  # a file system without hard links
+        shutil.copy2(path, copy, follow_symlinks=False)
+
+
+def _put_back(et_dir: Path, kept: Path, earlier: list[str], moved_in: list[str]) -> bool:
+    """Undo _publish as far as it went: the new files out, the earlier ones back. False when that failed too."""
+    restored = True
+    for name in moved_in:
+        if name not in earlier:
+            try:
+                (et_dir / name).unlink()
+            except OSError:
+                restored = False
+    for name in earlier:
+        if (kept / name).exists() or (kept / name).is_symlink():
+            try:
+                os.replace(kept / name, et_dir / name)
+            except OSError:
+                restored = False
+    return restored
 
 
 def find_report_folders(path: Path) -> list[Path]:
