@@ -9,7 +9,7 @@ from utils.environment import require
 require("conversion")  # one line naming the environment to use, not a ModuleNotFoundError
 
 from trace_tools.atomic import InterruptedAfterWriting  # noqa: E402
-from trace_tools.command_line import ArgumentParser, StopSignal, output_closed  # noqa: E402
+from trace_tools.command_line import ArgumentParser, StopSignal, output_closed, path_argument  # noqa: E402
 from trace_tools.scale import DEFAULT_NAME, SUMMARY_NAME, ScaleError, parse_slow, scale_set  # noqa: E402
 
 
@@ -21,7 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
         "N ranks. Ranks that replay the same traced rank share one file (hard links). Runs that are not "
         "data-parallel (tensor-parallel all-reduces in the forward, all-to-all, send/recv, several process groups) "
         "are refused.")
-    parser.add_argument("run_dir", metavar="RUN_DIR",
+    parser.add_argument("run_dir", metavar="RUN_DIR", type=path_argument,
                         help="a converted run folder (or a workload prefix <dir>/<name>)")
     parser.add_argument("--ranks", type=int, required=True, metavar="N",
                         help="ranks (ASTRA-sim NPUs) to write: at least the traced ranks")

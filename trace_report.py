@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 from trace_tools.atomic import InterruptedAfterWriting
-from trace_tools.command_line import ArgumentParser, StopSignal
+from trace_tools.command_line import ArgumentParser, StopSignal, path_argument
 from utils.environment import require
 
 require("report")  # one line naming the environment to use, not a ModuleNotFoundError
@@ -23,9 +23,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                     "number. On GPU runs HolisticTraceAnalysis also reads the device traces, where it is installed.",
         epilog="Exit status: 0 when every report was written, 1 when a folder could not be reported on "
                "(the others are still written).")
-    parser.add_argument("dirs", nargs="+", metavar="DIR",
+    parser.add_argument("dirs", nargs="+", metavar="DIR", type=path_argument,
                         help="a folder of .et files, or a folder of such folders (searched two levels deep)")
-    parser.add_argument("--traces", action="append", default=[], metavar="DIR",
+    parser.add_argument("--traces", action="append", default=[], metavar="DIR", type=path_argument,
                         help="where the device traces (device.<rank>.json[.gz]) are when they are not beside the "
                              ".et files: a run folder, or a folder of run folders named like the .et files "
                              "(repeatable)")

@@ -774,7 +774,8 @@ def test_a_summary_path_that_is_a_folder_is_refused_before_any_et_is_removed(tmp
 
 @pytest.mark.parametrize("command", [
     ["convert_to_et.py", ""], ["convert_to_et.py", "run", "--output-dir", ""], ["convert_remaining.py", ""],
-    ["fix_host_traces.py", ""], ["simulate.py", "", "--bandwidth", "1Gbit/s"]])
+    ["fix_host_traces.py", ""], ["simulate.py", "", "--bandwidth", "1Gbit/s"], ["trace_report.py", ""],
+    ["trace_report.py", "run", "--traces", ""], ["scale_et.py", "", "--ranks", "4"]])
 def test_an_empty_path_is_refused_instead_of_taken_for_the_current_folder(tmp_path, command):
     """`--output-dir ""` (an unset shell variable) wrote the .et files into the current folder, and an empty run
     folder converted, repaired or simulated whatever lay there."""
@@ -782,7 +783,8 @@ def test_an_empty_path_is_refused_instead_of_taken_for_the_current_folder(tmp_pa
     before = sorted(path.name for path in folder.iterdir())
     proc = subprocess.run([sys.executable, str(REPO / command[0]), *command[1:]], cwd=tmp_path, capture_output=True,
                           text=True, timeout=120)
-    flag = "--output-dir" if "--output-dir" in command else {"simulate.py": "RUN_DIR"}.get(command[0], "PATH")
+    flag = next((f for f in ("--output-dir", "--traces") if f in command), None) or \
+        {"simulate.py": "RUN_DIR", "scale_et.py": "RUN_DIR", "trace_report.py": "DIR"}.get(command[0], "PATH")
     assert proc.returncode == 2
     assert proc.stderr == (f"error: {command[0]}: argument {flag}: an empty path (for the current folder, give .) "
                            f"(see {command[0]} --help)\n")
