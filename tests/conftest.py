@@ -43,6 +43,22 @@ def astra_sim() -> Path:
     return require_astra_sim()
 
 
+@pytest.fixture(scope="session")
+def gpt2_run(tmp_path_factory) -> Path:
+    """The bundled 2-rank GPT-2 DDP trace (with its run.json), converted in its own folder: gpt2_tiny_2r.{0,1}.et.
+    Tests read it and write elsewhere."""
+    import shutil
+
+    from conversion_helpers import CPU_FIXTURES
+    from trace_tools.discover import find_runs
+    from trace_tools.pipeline import convert_runs
+    folder = tmp_path_factory.mktemp("scale_source") / "gpt2_tiny_2r"
+    shutil.copytree(CPU_FIXTURES / "gpt2_tiny_2r", folder)
+    result = convert_runs(find_runs([folder]), jobs=2, progress=False)[0]
+    assert result.ok, [r.error for r in result.ranks]
+    return folder
+
+
 # ---- the quick subset: -m "not slow" ------------------------------------------------------------------------------
 # Under 2 minutes on 2 cores: it leaves out whatever trains a model, starts the launchers, installs packages, runs
 # the documentation's commands, or reads the large reference traces. Tests mark themselves slow one by one; the

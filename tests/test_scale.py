@@ -51,16 +51,6 @@ def write_et(path: Path, metadata: GlobalMetadata, nodes: list[Node]) -> Path:
 
 
 @pytest.fixture(scope="session")
-def gpt2_run(tmp_path_factory) -> Path:
-    """The bundled 2-rank GPT-2 DDP trace (with its run.json), converted in its own folder: gpt2_tiny_2r.{0,1}.et."""
-    folder = tmp_path_factory.mktemp("scale_source") / GPT2_2R
-    shutil.copytree(CPU_FIXTURES / GPT2_2R, folder)
-    result = convert_runs(find_runs([folder]), jobs=2, progress=False)[0]
-    assert result.ok, [r.error for r in result.ranks]
-    return folder
-
-
-@pytest.fixture(scope="session")
 def gpu_runs(shared_fixtures, tmp_path_factory) -> Path:
     """The Megatron tensor-parallel and DLRM all-to-all 8-rank fixtures, converted (no run.json: foreign traces)."""
     out = tmp_path_factory.mktemp("scale_gpu")

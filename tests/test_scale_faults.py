@@ -6,31 +6,17 @@ import resource
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 import scale_et
-from conversion_helpers import CPU_FIXTURES
 from test_scale import GPT2_2R, REPO
 from trace_tools import scale
-from trace_tools.discover import find_runs
-from trace_tools.pipeline import convert_runs
 from trace_tools.scale import read_source_et, scaled_step_us, scale_set
 from trace_tools.validate import CLOCK_LIMIT_NS, validate_et
 
 # A child that would build a list per rank (the defect) stops at this much address space, not at the machine's memory.
 CHILD_MEMORY = 2 << 30
-
-
-@pytest.fixture(scope="module")
-def gpt2_run(tmp_path_factory) -> Path:
-    """The bundled 2-rank GPT-2 DDP trace (with its run.json), converted in its own folder (as in test_scale.py)."""
-    folder = tmp_path_factory.mktemp("scale_faults_source") / GPT2_2R
-    shutil.copytree(CPU_FIXTURES / GPT2_2R, folder)
-    result = convert_runs(find_runs([folder]), jobs=2, progress=False)[0]
-    assert result.ok, [r.error for r in result.ranks]
-    return folder
 
 
 def run_scale_et(args: list, *, open_files: int | None = None) -> tuple[subprocess.CompletedProcess, int]:
