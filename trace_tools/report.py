@@ -25,10 +25,10 @@ from .atomic import folder_held, process_is_alive, publication
 from .discover import find_runs
 from .graph import longest_path, topological_order
 from .intervals import clip_intervals, merge_intervals, subtract_intervals, total_length
-from .layout import REPORT_FILE_RE, STEP_PREFIX, et_name, et_sets, ranks_sharing_a_file
+from .layout import REPORT_FILE_RE, STEP_PREFIX, et_sets, ranks_sharing_a_file
 from .link import COMM_TYPE_NAMES
 from .load import read_trace_bytes
-from .summary import (CONVERSION_SUMMARY, RankResult, format_bytes, read_previous_results, reconvert_command,
+from .summary import (CONVERSION_SUMMARY, format_bytes, read_previous_results, recorded_ranks, reconvert_command,
                       records_set, unrecorded_et_file)
 from .validate import EtFormatError, collectives_agree, group_members, misnamed_rank, read_et, serve_in_turn
 
@@ -216,27 +216,14 @@ def find_et_files(folder: Path) -> tuple[str, dict[int, Path]]:
     return name, runs[name]
 
 
-def recorded_ranks(et_dir: Path, name: str) -> dict[int, RankResult]:
-    """What the folder's CONVERSION_SUMMARY.md records of each rank of the set `name` (empty when it records none)."""
-    return {rank: result for rank, result in (read_previous_results(et_dir) or {}).items() if result.run == name}
-
-
 def check_against_summary(et_dir: Path, name: str, et_files: dict[int, Path]) -> None:
     """ReportError when an .et is not the file the folder's CONVERSION_SUMMARY.md recorded (another run's .et copied
-    in, one left from an earlier conversion, one changed since: summary.unrecorded_et_file), or when a rank it records
-    converted has no .et (deleted, or a folder in its place: a report of the other ranks had called it a rank whose
-    conversion failed). Ranks it records as failed are the report's missing ranks."""
+    in, one left from an earlier conversion, one changed since), or when a rank it records converted has no .et
+    (deleted, or a folder in its place: a report of the other ranks had called it a rank whose conversion failed):
+    summary.unrecorded_et_file. Ranks it records as failed are the report's missing ranks."""
     problem = unrecorded_et_file(et_dir, name, et_files, every_recorded_rank=False)
     if problem:
         raise ReportError(f"{problem[0]}: {problem[1]}")
-    for rank, result in sorted(recorded_ranks(et_dir, name).items()):
-        if result.ok and rank not in et_files:
-            path, again = et_dir / et_name(name, rank), reconvert_command(et_dir)
-            summary = et_dir / CONVERSION_SUMMARY
-            if path.is_dir():
-                raise ReportError(f"{path}: a folder, though {summary} records the rank's .et converted (move it "
-                                  f"away; {again} makes the .et again)")
-            raise ReportError(f"{path}: missing, though {summary} records it converted ({again} makes it again)")
 
 
 def check_unrecorded_ranks_agree(et_dir: Path, name: str, traces: dict[int, RankTrace],

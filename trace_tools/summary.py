@@ -428,9 +428,14 @@ def reconvert_command(folder: Path) -> str:
     return f"{convert_remaining_command()} {shlex.quote(str(source))} --output-dir {shlex.quote(str(folder))}"
 
 
+def recorded_ranks(folder: Path, name: str) -> dict[int, RankResult]:
+    """What the folder's CONVERSION_SUMMARY.md records of each rank of the set `name` (empty when it records none)."""
+    return {rank: result for rank, result in (read_previous_results(folder) or {}).items() if result.run == name}
+
+
 def records_set(folder: Path, name: str) -> bool:
     """Whether the folder's CONVERSION_SUMMARY.md records a conversion of the set `name`."""
-    return any(result.run == name for result in (read_previous_results(folder) or {}).values())
+    return bool(recorded_ranks(folder, name))
 
 
 def unrecorded_et_file(folder: Path, name: str, ranks: Iterable[int], *,
@@ -438,14 +443,17 @@ def unrecorded_et_file(folder: Path, name: str, ranks: Iterable[int], *,
     """The first .et of the set `name` in folder, among those of `ranks`, that is not the file the folder's
     CONVERSION_SUMMARY.md recorded as converted, and why: one left from a conversion of another run, one copied in
     from another run, or one changed or cut short since (an .et cut at a node boundary still decodes, and would be
-    read as it is). every_recorded_rank: a rank the summary records and `ranks` lacks is a problem too. None when
-    every file is as recorded, or when no summary records this set (.et files from elsewhere, a scaled set)."""
-    recorded = {rank: r for rank, r in (read_previous_results(folder) or {}).items() if r.run == name}
+    read as it is); or a rank it records converted that `ranks` lacks (deleted since, or a folder in its place).
+    every_recorded_rank: a rank it records as failed that `ranks` lacks is a problem too (without it, such a rank is
+    the caller's missing rank). None when every file is as recorded, or when no summary records this set (.et files
+    from elsewhere, a scaled set)."""
+    recorded = recorded_ranks(folder, name)
     if not recorded:
         return None
     present = set(ranks)
+    converted = {rank for rank, result in recorded.items() if result.ok}
     summary, again = folder / CONVERSION_SUMMARY, reconvert_command(folder)
-    for rank in sorted(present | set(recorded) if every_recorded_rank else present):
+    for rank in sorted(present | (set(recorded) if every_recorded_rank else converted)):
         et, result = folder / et_name(name, rank), recorded.get(rank)
         if result is None:
             return et, (f"{summary} records no rank {rank} of {name}: the file is left from another conversion "
@@ -453,6 +461,9 @@ def unrecorded_et_file(folder: Path, name: str, ranks: Iterable[int], *,
         if not result.ok:
             return et, (f"{summary} says rank {rank} was not converted ({result.status}: {result.error}); "
                         f"{again} converts it")
+        if rank not in present and et.is_dir():
+            return et, (f"a folder, though {summary} records the rank's .et converted (move it away; {again} makes "
+                        "the .et again)")
         if rank not in present:
             return et, f"missing, though {summary} records it converted ({again} makes it again)"
         expected = (result.inputs or {}).get("et")
