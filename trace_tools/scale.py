@@ -34,7 +34,6 @@ from chakra.schema.protobuf.et_def_pb2 import (
 from chakra.src.third_party.utils.protolib import encodeMessage
 
 from .atomic import folder_held, publication, write_text_atomic
-from .graph import longest_path, topological_order
 from .layout import CONVERSION_SUMMARY, ET_FILE_RE, TRACE_FILE_RE, et_name, et_sets, ranks_sharing_a_file
 from .link import COMM_TYPE_NAMES, COMMUNICATION_CPU_ATTR
 from .load import json_kind
@@ -42,7 +41,7 @@ from .pipeline import _writable, fallback_output_dir
 from .summary import (ConvertedRun, et_fingerprint, format_bytes, rank_ranges, read_status_comment, run_info_files,
                       script_command, status_comment, unrecorded_et_file)
 from .validate import (CLOCK_LIMIT_NS, EtFormatError, SerializedMessage, collectives_agree, iter_et_messages,
-                       misnamed_rank, open_file_limit_problem, read_et_metadata, serve_in_turn, validate_et)
+                       misnamed_rank, open_file_limit_problem, read_et_metadata, timed_critical_path, validate_et)
 
 logger = logging.getLogger(__name__)
 
@@ -480,8 +479,8 @@ def scaled_step_us(source: SourceEt, *, ranks: int, traced_ranks: int, compute_s
         if node.type == COMM_COLL_NODE:
             collectives.append((node.start_time_micros, node.id, index))
     parents = [[index_of[d] for d in ds if d in index_of] for ds in deps]
-    serve_in_turn([(start, WORLD_GROUP, index) for start, _, index in sorted(collectives)], durations)
-    return max(longest_path(parents, durations, topological_order(parents))[0], default=0)
+    return timed_critical_path(parents, durations, [(start, WORLD_GROUP, index) for start, _, index in
+                                                    sorted(collectives)])
 
 
 def past_the_clock(rank: int, factor: float, step_us: float) -> ScaleError:

@@ -178,12 +178,21 @@ def validate_et(path: str | Path) -> EtReport:
     if len(order) != len(ids):
         report.problems.append(f"only {len(order)} of {len(ids)} nodes can be issued: a dependency cycle")
     collectives.sort()
-    for column in (durations, traced_durations):
-        serve_in_turn([(start, pg, index) for start, _, pg, _, _, index in collectives], column)
-    report.critical_path_us = float(max(longest_path(parents, durations, order)[0], default=0))
-    report.traced_critical_path_us = float(max(longest_path(parents, traced_durations, order)[0], default=0))
+    in_turn = [(start, pg, index) for start, _, pg, _, _, index in collectives]
+    report.critical_path_us = float(timed_critical_path(parents, durations, in_turn, order))
+    report.traced_critical_path_us = float(timed_critical_path(parents, traced_durations, in_turn, order))
     report.collectives = [(pg, comm_type, size) for _, _, pg, comm_type, size, _ in collectives]
     return report
+
+
+def timed_critical_path(parents: list[list[int]], durations: list[int], collectives: list[tuple[int, str, int]],
+                        order: list[int] | None = None) -> int:
+    """The longest dependency chain of durations (µs), the collectives served in turn in their process groups
+    (serve_in_turn, which changes `durations`): how validate_et times an .et. `order`: topological_order(parents),
+    when already known."""
+    serve_in_turn(collectives, durations)
+    return max(longest_path(parents, durations, order if order is not None else topological_order(parents))[0],
+               default=0)
 
 
 def serve_in_turn(collectives: list[tuple[int, str, int]], durations: list[int]) -> None:
