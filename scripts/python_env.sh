@@ -38,12 +38,18 @@ PY
 )"
 }
 
+_python_env_project_folder() {
+    # $1: python executable. Prints the folder `import trace_tools` finds the project in from another folder (a
+    # checkout, for an editable install), or nothing where it finds none.
+    (cd / && "$1" -c 'import os, trace_tools
+print(os.path.dirname(os.path.dirname(os.path.realpath(trace_tools.__file__))))') 2>/dev/null
+}
+
 _python_env_install_project() {
-    # $1: python executable; $2: project root. Unless `import trace_tools` from another folder already finds this
-    # checkout: the project, editable and without dependencies (the requirement files went in apart), with the
-    # environment's own setuptools when it has one, else with one pip downloads.
-    (cd / && "$1" -c 'import os, sys, trace_tools; sys.exit(os.path.realpath(trace_tools.__file__) != sys.argv[1])' \
-        "$(cd "$2" && pwd -P)/trace_tools/__init__.py") >/dev/null 2>&1 && return 0
+    # $1: python executable; $2: project root. Unless $1 already imports the project from this checkout: the project,
+    # editable and without dependencies (the requirement files went in apart), with the environment's own setuptools
+    # when it has one, else with one pip downloads.
+    [ "$(_python_env_project_folder "$1")" = "$(cd "$2" && pwd -P)" ] && return 0
     echo "==> Installing this project into $1 (pip install --no-deps -e $2)" >&2
     "$1" -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e "$2" >/dev/null 2>&1 ||
         "$1" -m pip install -q --disable-pip-version-check --no-deps -e "$2" >&2
@@ -53,18 +59,11 @@ _python_env_other_checkout() {
     # $1: python executable; $2: project root. Prints the other checkout of this project that $1 imports it from
     # (an editable install of another clone: a checkout has scripts/python_env.sh, an installed wheel has not), or
     # nothing.
-    (cd / && "$1" - "$(cd "$2" && pwd -P)" 2>/dev/null <<'PY'
-import os
-import sys
-try:
-    import trace_tools
-except ImportError:
-    sys.exit(0)
-checkout = os.path.dirname(os.path.dirname(os.path.realpath(trace_tools.__file__)))
-if checkout != sys.argv[1] and os.path.isfile(os.path.join(checkout, "scripts", "python_env.sh")):
-    print(checkout)
-PY
-    )
+    local folder
+    folder="$(_python_env_project_folder "$1")"
+    if [ -n "$folder" ] && [ "$folder" != "$(cd "$2" && pwd -P)" ] && [ -f "$folder/scripts/python_env.sh" ]; then
+        echo "$folder"
+    fi
 }
 
 ensure_python_env() {
