@@ -70,6 +70,7 @@ class ModelSetup:
     timeout_s: int
     family: str = "gpt2"  # which trainer runs it: <family>/train.py (GPT-2's causal LM or BERT's masked LM)
     ranks: int = RANKS    # torchrun's processes (bench/scale_whatif.py runs more)
+    accumulation: int = 1  # micro-batches an optimizer step (--gradient-accumulation-steps)
     cpus: tuple = ()      # the cores every rank is pinned to (none: all of them)
 
 
@@ -249,6 +250,8 @@ def train_args(setup: ModelSetup, work: Path, steps: int | None) -> list:
             "--logging-steps", "1", "--loss-sync-steps", LOSS_SYNC_STEPS, "--eval-steps", "0", "--eval-batches", "1",
             "--save-steps", "0", "--no-save-initial", "--save-dir", work / "checkpoints", "--log-dir", work / "logs",
             "--report-to", "none"]
+    if setup.accumulation > 1:
+        args += ["--gradient-accumulation-steps", setup.accumulation]
     if steps is not None:
         args += ["--max-steps", steps]
     return args
@@ -828,7 +831,10 @@ def report(setup: ModelSetup, args, sim: Simulator, verification: list, micro: l
              f"- code: {source_revision()} (the tracer, the converter and this benchmark)",
              f"- model: `{setup.family}/train.py --model-name {setup.model_name}`"
              + (f", {traces[0].parameters:,} parameters" if traces and traces[0].parameters else "")
-             + f", batch {setup.batch_size} x {setup.seq_length} tokens per rank, {RANKS} ranks (torchrun, gloo, CPU, "
+             + f", batch {setup.batch_size} x {setup.seq_length} tokens per rank"
+             + (f", {setup.accumulation} micro-batches a step (`--gradient-accumulation-steps {setup.accumulation}`)"
+                if setup.accumulation > 1 else "")
+             + f", {RANKS} ranks (torchrun, gloo, CPU, "
                f"OMP_NUM_THREADS=1), fp32, `nice -n {NICE}`",
              f"- network: a private namespace's `lo`, MTU {ns.mtu}, {ns.offload_note}; rates as `tc qdisc replace dev lo "
              f"root tbf rate R burst B latency {QUEUE_LATENCY}` with B = one packet + R x {ns.burst_slack_s * 1e6:g} us",
@@ -1072,6 +1078,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="untraced steps before the trace window (default: the model's skipped steps + 2)")
     parser.add_argument("--trace-active-steps", type=int, default=None,
                         help="traced steps (default: the trainer's own default)")
+    parser.add_argument("--gradient-accumulation-steps", type=int, default=1, metavar="N",
+                        help="micro-batches an optimizer step, in the traced and the untraced runs alike: DDP reduces "
+                             "the gradients of the last one only, so N-1 forward and backward passes a step run "
+                             "without communication (default: %(default)s)")
     parser.add_argument("--skip", type=int, default=None, help="first steps of a run left out " + _per_model("skip"))
     parser.add_argument("--block", type=int, default=None,
                         help="steps at one rate before the untraced run changes it " + _per_model("block"))
@@ -1143,6 +1153,13 @@ def resolve(args) -> tuple:
     if not micro_rate.throttled:
         raise ValueError("--micro-rate must be a throttled rate (the unthrottled one is always measured)")
     sizes = tuple(int(s) for s in args.micro_sizes.split(",") if s.strip())
+    if args.gradient_accumulation_steps < 1:
+        raise ValueError(f"--gradient-accumulation-steps {args.gradient_accumulation_steps}: at least 1")
+    if args.gradient_accumulation_steps > 1:
+        # Another configuration: its own trace names, docs part and heading, beside the model's one-batch runs
+        n = args.gradient_accumulation_steps
+        setup = replace(setup, key=f"{setup.key}-accumulate{n}", label=f"{setup.label}, {n} micro-batches a step",
+                        accumulation=n)
     return setup, rates, trace_rate, micro_rate, sizes
 
 

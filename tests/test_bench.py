@@ -340,6 +340,7 @@ def test_scale_whatif_refuses_bad_flags_before_it_needs_root(args, says):
     ("communication_cpu.py", ["--mb", "0"], "--mb"),
     ("communication_cpu.py", ["--rounds", "0"], "--rounds"),
     ("pause_cost.py", ["--rounds", "0"], "--rounds 0: must be at least 1"),
+    ("whatif_bench.py", ["--gradient-accumulation-steps", "0"], "--gradient-accumulation-steps 0: at least 1"),
     ("pause_cost.py", ["--steps", "0"], "--steps 0: must be at least 1"),
     ("pause_cost.py", ["--pause-s", "0"], "--pause-s 0: must be more than 0"),
 ])
@@ -711,6 +712,20 @@ def test_whatif_models_run_their_own_family_trainer_at_a_size_it_knows():
         family = load_family(setup.family)
         if setup.model_name not in family.size_names:  # a folder of the repository (the trainer runs from its root)
             assert family.resolve_config(str(REPO_ROOT / setup.model_name)).model_type == setup.family, setup.key
+
+
+def test_whatif_accumulation_is_a_configuration_of_its_own_that_every_run_trains_with(tmp_path):
+    from bench.whatif_bench import build_parser, resolve, train_args
+    from utils.run_config import build_parser as trainer_parser
+
+    one_batch, *_ = resolve(build_parser().parse_args(["--model", "bert-tiny"]))
+    setup, *_ = resolve(build_parser().parse_args(["--model", "bert-tiny", "--gradient-accumulation-steps", "3"]))
+    # its own trace names and docs part, beside the model's one-batch runs, which it must not replace
+    assert (one_batch.key, setup.key) == ("bert-tiny", "bert-tiny-accumulate3")
+    assert setup.label == "BERT tiny, 3 micro-batches a step" and setup.family == "bert"
+    assert "--gradient-accumulation-steps" not in [str(a) for a in train_args(one_batch, tmp_path, 5)]
+    trained = trainer_parser("bert").parse_args([str(a) for a in train_args(setup, tmp_path, 5)])
+    assert trained.gradient_accumulation_steps == 3 and trained.max_steps == 5
 
 
 def test_whatif_runs_alternate_traced_and_untraced_so_drift_weighs_on_both():
