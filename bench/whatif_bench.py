@@ -71,6 +71,7 @@ class ModelSetup:
     family: str = "gpt2"  # which trainer runs it: <family>/train.py (GPT-2's causal LM or BERT's masked LM)
     ranks: int = RANKS    # torchrun's processes (bench/scale_whatif.py runs more)
     accumulation: int = 1  # micro-batches an optimizer step (--gradient-accumulation-steps)
+    compiled: bool = False  # the model under torch.compile (the trainer's --compile), traced and untraced alike
     cpus: tuple = ()      # the cores every rank is pinned to (none: all of them)
 
 
@@ -246,7 +247,8 @@ def torchrun(ns: Namespace, script: Path, args: list, ranks: int = RANKS) -> lis
 
 def train_args(setup: ModelSetup, work: Path, steps: int | None) -> list:
     args = ["--model-name", setup.model_name, "--squad-file", BUNDLED_SQUAD, "--batch-size", setup.batch_size,
-            "--max-seq-length", setup.seq_length, "--num-gpus", setup.ranks, "--precision", "fp32", "--no-compile",
+            "--max-seq-length", setup.seq_length, "--num-gpus", setup.ranks, "--precision", "fp32",
+            "--compile" if setup.compiled else "--no-compile",
             "--logging-steps", "1", "--loss-sync-steps", LOSS_SYNC_STEPS, "--eval-steps", "0", "--eval-batches", "1",
             "--save-steps", "0", "--no-save-initial", "--save-dir", work / "checkpoints", "--log-dir", work / "logs",
             "--report-to", "none"]
@@ -834,6 +836,7 @@ def report(setup: ModelSetup, args, sim: Simulator, verification: list, micro: l
              + f", batch {setup.batch_size} x {setup.seq_length} tokens per rank"
              + (f", {setup.accumulation} micro-batches a step (`--gradient-accumulation-steps {setup.accumulation}`)"
                 if setup.accumulation > 1 else "")
+             + (", under `torch.compile` (`--compile`: TorchInductor's CPU code)" if setup.compiled else "")
              + f", {RANKS} ranks (torchrun, gloo, CPU, "
                f"OMP_NUM_THREADS=1), fp32, `nice -n {NICE}`",
              f"- network: a private namespace's `lo`, MTU {ns.mtu}, {ns.offload_note}; rates as `tc qdisc replace dev lo "
@@ -1082,6 +1085,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="micro-batches an optimizer step, in the traced and the untraced runs alike: DDP reduces "
                              "the gradients of the last one only, so N-1 forward and backward passes a step run "
                              "without communication (default: %(default)s)")
+    parser.add_argument("--compile", action="store_true",
+                        help="the model under torch.compile in the traced and the untraced runs alike (the trainer's "
+                             "--compile; the launchers trace eager): the trace records the compiled graphs' calls, "
+                             "not the eager operators")
     parser.add_argument("--skip", type=int, default=None, help="first steps of a run left out " + _per_model("skip"))
     parser.add_argument("--block", type=int, default=None,
                         help="steps at one rate before the untraced run changes it " + _per_model("block"))
@@ -1160,6 +1167,8 @@ def resolve(args) -> tuple:
         n = args.gradient_accumulation_steps
         setup = replace(setup, key=f"{setup.key}-accumulate{n}", label=f"{setup.label}, {n} micro-batches a step",
                         accumulation=n)
+    if args.compile:
+        setup = replace(setup, key=f"{setup.key}-compiled", label=f"{setup.label}, compiled", compiled=True)
     return setup, rates, trace_rate, micro_rate, sizes
 
 

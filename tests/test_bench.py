@@ -728,6 +728,19 @@ def test_whatif_accumulation_is_a_configuration_of_its_own_that_every_run_trains
     assert trained.gradient_accumulation_steps == 3 and trained.max_steps == 5
 
 
+def test_whatif_compile_is_a_configuration_of_its_own_that_every_run_trains_with(tmp_path):
+    from bench.whatif_bench import build_parser, resolve, train_args
+    from utils.run_config import build_parser as trainer_parser
+
+    eager, *_ = resolve(build_parser().parse_args(["--model", "tiny"]))
+    setup, *_ = resolve(build_parser().parse_args(["--model", "tiny", "--compile", "--gradient-accumulation-steps", "2"]))
+    assert (eager.key, setup.key) == ("tiny", "tiny-accumulate2-compiled")
+    assert setup.label == "GPT-2 tiny, 2 micro-batches a step, compiled"
+    assert trainer_parser("gpt2").parse_args([str(a) for a in train_args(eager, tmp_path, 5)]).compile is False
+    trained = trainer_parser("gpt2").parse_args([str(a) for a in train_args(setup, tmp_path, 5)])
+    assert trained.compile is True and trained.gradient_accumulation_steps == 2
+
+
 def test_whatif_runs_alternate_traced_and_untraced_so_drift_weighs_on_both():
     from bench.whatif_bench import run_order
 
