@@ -27,8 +27,6 @@ BUNDLED_SQUAD = REPO_ROOT / "data" / "squad_sample.json"
 # "step 3/10 | epoch 0.02 | loss 6.67 | lr 3.3e-05 | grad norm 10.8 | 95 tok/s | 537.6 ms/step | cpu 501.2 ms/step".
 STEP_LINE = re.compile(r"\bstep (\d+)/(\d+) \|.*\| ([0-9][0-9.,]*) ms/step")
 STEP_CPU = re.compile(r"\| cpu ([0-9][0-9.,]*) ms/step")  # the process's CPU time per step (absent in older logs)
-# What Trainer._log_step_time adds to the step lines inside the trace window.
-TRACE_WINDOW_NOTE = "loss read after the trace window"
 OUR_LOG_FILE = "training_rank_0.log"
 
 

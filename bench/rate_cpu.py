@@ -103,7 +103,8 @@ def run(args, setup: ModelSetup, rates: list, folder: Path) -> tuple:
         def attempt() -> RateCycler:
             shutil.rmtree(work, ignore_errors=True)  # the cycler follows the log from its start
             work.mkdir(parents=True)
-            cycler = RateCycler(namespace, schedule, FIRST_BLOCK, args.block, log, after_window=True)
+            cycler = RateCycler(namespace, schedule, FIRST_BLOCK, args.block, log,
+                                window_end=WAIT_STEPS + DEFAULT_WARMUP_STEPS + ACTIVE_STEPS)
             cycled_run(namespace, setup, work, child_env(threads=1), extra, steps, cycler, "the cycled run")
             return cycler
 

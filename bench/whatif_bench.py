@@ -19,7 +19,7 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from bench.common import (BUNDLED_SQUAD, OUR_LOG_FILE, REPO_ROOT, STEP_CPU, STEP_LINE, TRACE_WINDOW_NOTE, BenchError,
+from bench.common import (BUNDLED_SQUAD, OUR_LOG_FILE, REPO_ROOT, STEP_CPU, STEP_LINE, BenchError,
                           WorkFolder, child_env, exit_on_sigterm, fail, foreign_checkout, format_table,
                           machine_description, our_step_times, quick_settings, run_child, source_revision, train_script)
 from bench.netem import (DEFAULT_MTU, QUEUE_LATENCY, Namespace, NetemUnavailable, Rate, describe_queue,
@@ -73,6 +73,22 @@ class ModelSetup:
     accumulation: int = 1  # micro-batches an optimizer step (--gradient-accumulation-steps)
     compiled: bool = False  # the model under torch.compile (the trainer's --compile), traced and untraced alike
     cpus: tuple = ()      # the cores every rank is pinned to (none: all of them)
+    # A training loop of its own in place of a family's trainer (a script of the repository): it takes the tracing
+    # flags, --batch-size, --max-steps and --log-dir as the trainer does, its own model flags (script_args), and logs
+    # one step line a step as the trainer does
+    script: str = ""
+    script_args: tuple = ()
+
+    @property
+    def program(self) -> str:
+        """What trains the model, as the report names it."""
+        if self.script:
+            return " ".join([self.script, *(str(a) for a in self.script_args)])
+        return f"{self.family}/train.py --model-name {self.model_name}"
+
+    @property
+    def batch(self) -> str:
+        return f"batch {self.batch_size} x {self.seq_length} tokens" if self.seq_length else f"batch {self.batch_size}"
 
 
 MODELS = {
@@ -107,6 +123,15 @@ MODELS["bert-base-shape"] = replace(MODELS["gpt2-124m-shape"], key="bert-base-sh
 # BERT's layout at the held-out 6 x 384 (intermediate 1536): 11.6M parameters with the offline vocabulary, as fast.
 MODELS["bert-6x384"] = replace(MODELS["gpt2-6x384"], key="bert-6x384", label="BERT 6 x 384 (offline vocabulary)",
                                model_name="bench/models/bert-6x384", family="bert")
+# A training loop that is not this project's trainer (examples/own_training_loop.py: a plain PyTorch MLP under DDP,
+# traced with ChakraTracer around its loop): a model and a program no rule of the converter was read from. 6.3M
+# parameters, ~65 ms of compute a step and 25 MB of gradients in two buckets: 31 ms of transfer unthrottled, 200 ms
+# at 2 Gbit/s, 1 s at 400 Mbit/s.
+MODELS["mlp"] = ModelSetup("mlp", "MLP 6 x 1024, a training loop of its own", "", 64, 0, skip=5, block=8,
+                           settle=2, cycles=4, warmup_cycles=1, after_window_cycles=2,
+                           rates=("unthrottled", "2gbit", "1gbit", "400mbit"), burst_slack_s=250e-6, repeats=2,
+                           timeout_s=1200, family="", script="examples/own_training_loop.py",
+                           script_args=("--width", 1024, "--layers", 6))
 QUICK_RATES = ("unthrottled", "100mbit")
 # --quick (a smoke test): the tiny model, two rates, one short pass, one 10 MB all-reduce; a flag given on the command
 # line wins over its setting here
@@ -246,6 +271,9 @@ def torchrun(ns: Namespace, script: Path, args: list, ranks: int = RANKS) -> lis
 
 
 def train_args(setup: ModelSetup, work: Path, steps: int | None) -> list:
+    if setup.script:
+        return [*setup.script_args, "--batch-size", setup.batch_size, "--log-dir", work / "logs",
+                *(["--max-steps", steps] if steps is not None else [])]
     args = ["--model-name", setup.model_name, "--squad-file", BUNDLED_SQUAD, "--batch-size", setup.batch_size,
             "--max-seq-length", setup.seq_length, "--num-gpus", setup.ranks, "--precision", "fp32",
             "--compile" if setup.compiled else "--no-compile",
@@ -271,7 +299,8 @@ def run_training(ns: Namespace, setup: ModelSetup, work: Path, env: dict, extra:
         shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True, exist_ok=True)
     before = load1()
-    run = run_child(torchrun(ns, train_script(setup.family), train_args(setup, work, steps) + extra, setup.ranks),
+    script = REPO_ROOT / setup.script if setup.script else train_script(setup.family)
+    run = run_child(torchrun(ns, script, train_args(setup, work, steps) + extra, setup.ranks),
                     env=env, cpus=setup.cpus, timeout_s=setup.timeout_s)
     after = load1()
     shutil.rmtree(work / "checkpoints", ignore_errors=True)  # the final model: 0.35 GB for the 124M shape
@@ -380,7 +409,9 @@ def traced_run(ns: Namespace, setup: ModelSetup, rate: Rate, index: int, args, e
         extra += ["--trace-active-steps", args.trace_active_steps]
     what, after_window, log = f"traced run {index + 1} at {rate.label}", {}, work / "logs" / OUR_LOG_FILE
     if len(schedule) == 1:
-        times, load = run_training(ns, setup, work, env, extra, None, what)
+        # the trainer runs an epoch; a loop of its own as many steps as the tracer times
+        steps = window_end + after_steps + 1 if setup.script else None
+        times, load = run_training(ns, setup, work, env, extra, steps, what)
         cpu = step_cpu(log)
     else:
         # The steps right after the window stay at the trace rate: the tracer times them as untraced steps of the
@@ -390,7 +421,7 @@ def traced_run(ns: Namespace, setup: ModelSetup, rate: Rate, index: int, args, e
 
         def traced_attempt() -> tuple:
             shutil.rmtree(work, ignore_errors=True)
-            cycler = RateCycler(ns, schedule, at_trace_rate, args.block, log, after_window=True)
+            cycler = RateCycler(ns, schedule, at_trace_rate, args.block, log, window_end=window_end)
             return cycler, cycled_run(ns, setup, work, env, extra, steps, cycler, what)
 
         cycler, (times, load) = once_more_on_failure(traced_attempt)
@@ -434,8 +465,10 @@ def read_run_json(folder: Path) -> tuple:
 
 class RateCycler(threading.Thread):
     """Moves lo to the next rate of `schedule` every `block` steps of a running trainer (rank 0's log), and
-    records when each rate took effect. The first change comes `first_block` steps into the run or, with
-    `after_window`, `first_block` steps after the trace window's last step.
+    records when each rate took effect. The first change comes `first_block` steps into the run or, in a traced
+    run, `first_block` steps from its window's last step on (`window_end`, as the log numbers it; that step counts:
+    the tracer exports the window in it). The steps are counted by their lines, one a step (--logging-steps 1),
+    so any training script whose lines read as our trainer's can be cycled.
 
     It also clears a stalled tbf: once no step line has come for `stall_after_s` plus three typical steps (the
     median so far), it reads lo's qdisc, and if the qdisc holds packets and has sent nothing `stall_check_s` later,
@@ -449,11 +482,10 @@ class RateCycler(threading.Thread):
     (bench/tbf_stalls.py); the look stays for a stall of another cause."""
 
     def __init__(self, ns: Namespace, schedule: list, first_block: int, block: int, log_path: Path,
-                 after_window: bool = False, stall_after_s: float = 2.0, stall_check_s: float = 1.0):
+                 window_end: int = 0, stall_after_s: float = 2.0, stall_check_s: float = 1.0):
         super().__init__(daemon=True)
         self.ns, self.schedule, self.block, self.log_path = ns, schedule, block, log_path
-        self.first_block = first_block
-        self.boundary = None if after_window else first_block
+        self.boundary = first_block + (window_end - 1 if window_end else 0)  # step lines read before the change
         self.seen = 0  # step lines read so far
         self.stall_after_s, self.stall_check_s = stall_after_s, stall_check_s
         self.stalls = []  # (wall clock when the qdisc was replaced, rate, what it held)
@@ -468,7 +500,7 @@ class RateCycler(threading.Thread):
 
     def run(self) -> None:
         try:
-            index, offset, tail, in_window = 0, 0, "", False
+            index, offset, tail = 0, 0, ""
             last_line, step_s, typical_s = time.monotonic(), [], 0.0
             while not self.finished.wait(0.02):
                 if time.monotonic() - last_line > self.stall_after_s + 3 * typical_s:
@@ -488,13 +520,8 @@ class RateCycler(threading.Thread):
                     last_line = time.monotonic()
                     step_s.append(float(match.group(3).replace(",", "")) / 1000)
                     typical_s = statistics.median(step_s)
-                    if self.boundary is None:  # waiting for the first step line after the window's
-                        if TRACE_WINDOW_NOTE in line:
-                            in_window = True
-                        elif in_window:
-                            self.boundary = self.seen + self.first_block
                     self.seen += 1
-                if index + 1 < len(self.schedule) and self.boundary is not None and self.seen >= self.boundary:
+                if index + 1 < len(self.schedule) and self.seen >= self.boundary:
                     drops = self.ns.drops()
                     index += 1
                     self.ns.set_rate(self.schedule[index])
@@ -831,9 +858,9 @@ def report(setup: ModelSetup, args, sim: Simulator, verification: list, micro: l
              f"`{invocation}`.", "",
              f"- {machine_description(('torch', 'transformers', 'mlc-chakra'))}; Linux {platform.release()}",
              f"- code: {source_revision()} (the tracer, the converter and this benchmark)",
-             f"- model: `{setup.family}/train.py --model-name {setup.model_name}`"
+             f"- model: `{setup.program}`"
              + (f", {traces[0].parameters:,} parameters" if traces and traces[0].parameters else "")
-             + f", batch {setup.batch_size} x {setup.seq_length} tokens per rank"
+             + f", {setup.batch} per rank"
              + (f", {setup.accumulation} micro-batches a step (`--gradient-accumulation-steps {setup.accumulation}`)"
                 if setup.accumulation > 1 else "")
              + (", under `torch.compile` (`--compile`: TorchInductor's CPU code)" if setup.compiled else "")
@@ -1160,6 +1187,9 @@ def resolve(args) -> tuple:
     if not micro_rate.throttled:
         raise ValueError("--micro-rate must be a throttled rate (the unthrottled one is always measured)")
     sizes = tuple(int(s) for s in args.micro_sizes.split(",") if s.strip())
+    if setup.script and (args.gradient_accumulation_steps > 1 or args.compile):
+        raise ValueError(f"--model {args.model} runs {setup.script}, which has no --gradient-accumulation-steps or "
+                         "--compile: those are the trainer's")
     if args.gradient_accumulation_steps < 1:
         raise ValueError(f"--gradient-accumulation-steps {args.gradient_accumulation_steps}: at least 1")
     if args.gradient_accumulation_steps > 1:

@@ -67,6 +67,7 @@ SLOW_MODULES = {
     "test_training.py": "trains the tiny models, in this process and under torchrun",
     "test_launchers.py": "runs the launchers, which start training runs",
     "test_bench.py": "runs the benchmarks",
+    "test_own_training_loop.py": "trains and traces an MLP under torchrun",
 }
 SLOW_FIXTURES = {
     "filled_venv": "installs the conversion packages into a new environment",

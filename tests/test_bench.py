@@ -706,8 +706,9 @@ def test_whatif_models_run_their_own_family_trainer_at_a_size_it_knows():
     from bench.whatif_bench import MODELS
     from utils.families import load_family
 
-    assert {m.family for m in MODELS.values()} == {"gpt2", "bert"}
-    for setup in MODELS.values():
+    trained_by_a_family = [setup for setup in MODELS.values() if not setup.script]
+    assert {m.family for m in trained_by_a_family} == {"gpt2", "bert"}
+    for setup in trained_by_a_family:
         assert train_script(setup.family).is_file(), setup.key
         family = load_family(setup.family)
         if setup.model_name not in family.size_names:  # a folder of the repository (the trainer runs from its root)
@@ -739,6 +740,28 @@ def test_whatif_compile_is_a_configuration_of_its_own_that_every_run_trains_with
     assert trainer_parser("gpt2").parse_args([str(a) for a in train_args(eager, tmp_path, 5)]).compile is False
     trained = trainer_parser("gpt2").parse_args([str(a) for a in train_args(setup, tmp_path, 5)])
     assert trained.compile is True and trained.gradient_accumulation_steps == 2
+
+
+def test_whatif_runs_a_loop_of_its_own_with_flags_it_takes_and_refuses_the_trainers_own(tmp_path):
+    import importlib.util
+
+    from bench.common import REPO_ROOT
+    from bench.whatif_bench import build_parser, resolve, train_args
+
+    setup, *_ = resolve(build_parser().parse_args(["--model", "mlp"]))
+    spec = importlib.util.spec_from_file_location("own_training_loop", REPO_ROOT / setup.script)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    # what traced_run adds to train_args, as it adds it
+    tracing = ["--enable-tracing", "--trace-output-dir", tmp_path / "traces", "--trace-name", "whatif_mlp_unthrottled_1",
+               "--trace-wait-steps", 7, "--trace-after-steps", 7]
+    parsed = example.parse_args([str(a) for a in train_args(setup, tmp_path, 40) + tracing])
+    assert (parsed.width, parsed.layers, parsed.batch_size, parsed.max_steps) == (1024, 6, 64, 40)
+    assert parsed.log_dir == str(tmp_path / "logs") and parsed.trace_after_steps == 7 and parsed.enable_tracing
+    assert setup.program == "examples/own_training_loop.py --width 1024 --layers 6" and setup.batch == "batch 64"
+    for flag in (["--compile"], ["--gradient-accumulation-steps", "2"]):
+        with pytest.raises(ValueError, match="examples/own_training_loop.py, which has no"):
+            resolve(build_parser().parse_args(["--model", "mlp", *flag]))
 
 
 def test_whatif_runs_alternate_traced_and_untraced_so_drift_weighs_on_both():
@@ -800,7 +823,7 @@ def test_the_rate_cycler_of_a_traced_run_starts_after_the_window_and_its_blocks_
     assert [r.label for r in schedule] == ["unthrottled", "unthrottled", "100 Mbit/s", "100 Mbit/s", "unthrottled"]
     log = tmp_path / "training_rank_0.log"
     ns = RecordedRates()
-    cycler = RateCycler(ns, schedule, first_block=2, block=4, log_path=log, after_window=True)
+    cycler = RateCycler(ns, schedule, first_block=2, block=4, log_path=log, window_end=9)
     cycler.start_first()
 
     def step(n: int, ms: float, in_window: bool = False) -> None:

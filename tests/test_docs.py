@@ -321,6 +321,13 @@ def network_has_npus(path: str, npus: int) -> Check:
 CONVERTED_BUNDLED = [converted_run("outputs/bert_tiny_2r", "bert_tiny_2r", 2),
                      converted_run("outputs/gpt2_tiny_1r", "gpt2_tiny_1r", 1)]
 MANUAL_TRACE = [*trace_folder("bert_manual_2cpu", 2), files("checkpoints/bert_manual_2cpu/final_model/config.json")]
+OWN_LOOP = ("torchrun --standalone --nproc_per_node=2 examples/own_training_loop.py --enable-tracing "
+            "--trace-output-dir outputs")
+
+
+def own_loop_converted(root: Path) -> None:
+    doc_command_ran(OWN_LOOP)(root)
+    run_in(root, "convert_to_et.py", "outputs/mlp_2r")
 
 # Commands run by this file, as the docs show them.
 RUN: dict[str, Run] = {
@@ -350,6 +357,13 @@ RUN: dict[str, Run] = {
     "--enable-tracing --trace-name bert_manual_2cpu --save-dir checkpoints/bert_manual_2cpu":
         Run(MANUAL_TRACE, slow=True),
     # docs/USAGE_GUIDE.md
+    OWN_LOOP: Run(trace_folder("mlp_2r", 2), slow=True),
+    "python3 convert_to_et.py outputs/mlp_2r":
+        Run([converted_run("outputs/mlp_2r", "mlp_2r", 2), says("the .et durations estimate the untraced step")],
+            setup=[doc_command_ran(OWN_LOOP)], slow=True),
+    "python3 simulate.py outputs/mlp_2r --bandwidth 10Gbit/s":
+        Run([files("outputs/mlp_2r/SIMULATION.md"), says("Ring of 2 NPUs, 10 Gbit/s", "predicted step:")],
+            setup=[astra_sim_built, own_loop_converted], slow=True),
     "./build.sh --dry-run": Run([says("docker build", "-t mosim-llms:latest")]),
     "./run.sh gpu --dry-run": Run([says("docker run", "--gpus all", "/outputs:/workspace/mosim-llms/outputs")]),
     "./run_gpt2.sh 8 4 --dry-run": Run([says("dry run")]),
