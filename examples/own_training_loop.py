@@ -1,4 +1,4 @@
-"""A training loop of your own, traced for Chakra: a plain PyTorch MLP under DDP, not this project's trainer.
+"""A training loop of your own, traced for Chakra: a plain PyTorch MLP or CNN under DDP, not this project's trainer.
 
 Everything the conversion needs comes from ChakraTracer (utils/chakra_tracer.py) used around the loop, with one
 tracer.step() per optimizer step: host and device traces of the window, and run.json with the untraced steps that
@@ -33,8 +33,13 @@ LOG_FILE = "training_rank_{rank}.log"  # in --log-dir, one per rank
 
 def parse_args(argv: list[str] | None = None):
     parser = ArgumentParser(prog="examples/own_training_loop.py", description=__doc__.splitlines()[0])
-    parser.add_argument("--width", type=int, default=1024, help="hidden width (default: %(default)s)")
+    parser.add_argument("--model", choices=("mlp", "cnn"), default="mlp",
+                        help="mlp: linear layers and GELU; cnn: 3x3 convolutions with batch norm, whose running "
+                             "statistics DDP broadcasts from rank 0 at every forward (default: %(default)s)")
+    parser.add_argument("--width", type=int, default=1024,
+                        help="hidden width (mlp) or channels (cnn) (default: %(default)s)")
     parser.add_argument("--layers", type=int, default=6, help="hidden layers (default: %(default)s)")
+    parser.add_argument("--image-size", type=int, default=16, help="cnn: input images of N x N (default: %(default)s)")
     parser.add_argument("--batch-size", type=int, default=64, help="samples a step on each rank (default: %(default)s)")
     parser.add_argument("--max-steps", type=int, default=14, help="optimizer steps (default: %(default)s)")
     parser.add_argument("--log-dir", type=path_argument, default=None,
@@ -42,7 +47,7 @@ def parse_args(argv: list[str] | None = None):
     parser.add_argument("--enable-tracing", action="store_true", help="trace a window of steps for Chakra")
     parser.add_argument("--trace-output-dir", type=path_argument, default="outputs",
                         help="parent folder of the trace folder (default: %(default)s)")
-    parser.add_argument("--trace-name", default=None, help="the trace folder's name (default: mlp_<ranks>r)")
+    parser.add_argument("--trace-name", default=None, help="the trace folder's name (default: <model>_<ranks>r)")
     parser.add_argument("--trace-wait-steps", type=int, default=4,
                         help="untraced steps timed before the window, the first left out (default: %(default)s)")
     parser.add_argument("--trace-warmup-steps", type=int, default=DEFAULT_WARMUP_STEPS,
@@ -52,7 +57,7 @@ def parse_args(argv: list[str] | None = None):
     parser.add_argument("--trace-after-steps", type=int, default=None,
                         help="untraced steps timed after the window (default: as many as --trace-wait-steps)")
     args = parser.parse_args(argv)
-    for flag in ("width", "layers", "batch_size", "max_steps"):
+    for flag in ("width", "layers", "image_size", "batch_size", "max_steps"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} {getattr(args, flag)}: at least 1")
     window = args.trace_wait_steps + args.trace_warmup_steps + args.trace_active_steps
@@ -62,9 +67,14 @@ def parse_args(argv: list[str] | None = None):
     return args
 
 
-def build_model(width: int, layers: int) -> nn.Module:
-    hidden = [module for _ in range(layers) for module in (nn.Linear(width, width), nn.GELU())]
-    return nn.Sequential(*hidden, nn.Linear(width, 10))
+def build_model(kind: str, width: int, layers: int) -> nn.Module:
+    """A 10-class classifier: `layers` hidden layers of `width` units (mlp) or channels (cnn)."""
+    if kind == "mlp":
+        hidden = [module for _ in range(layers) for module in (nn.Linear(width, width), nn.GELU())]
+        return nn.Sequential(*hidden, nn.Linear(width, 10))
+    hidden = [module for layer in range(layers) for module in (
+        nn.Conv2d(3 if layer == 0 else width, width, 3, padding=1, bias=False), nn.BatchNorm2d(width), nn.ReLU())]
+    return nn.Sequential(*hidden, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(width, 10))
 
 
 def setup_logging(rank: int, log_dir: str | None) -> None:
@@ -89,21 +99,22 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)  # the same initial weights on every rank
     torch.set_num_threads(1)  # one compute thread a rank, as the project's CPU runs
 
-    model = build_model(args.width, args.layers)
+    model = build_model(args.model, args.width, args.layers)
     logger.info("%s parameters", f"{sum(p.numel() for p in model.parameters()):,}")
     if distributed:
         model = nn.parallel.DistributedDataParallel(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     generator = torch.Generator().manual_seed(rank)
-    inputs = torch.randn(args.batch_size, args.width, generator=generator)
+    shape = (args.width,) if args.model == "mlp" else (3, args.image_size, args.image_size)
+    inputs = torch.randn(args.batch_size, *shape, generator=generator)
     labels = torch.randint(0, 10, (args.batch_size,), generator=generator)
 
     tracer = NullTracer()
     if args.enable_tracing:
-        tracer = ChakraTracer(args.trace_output_dir, args.trace_name or f"mlp_{world_size}r",
+        tracer = ChakraTracer(args.trace_output_dir, args.trace_name or f"{args.model}_{world_size}r",
                               wait_steps=args.trace_wait_steps, warmup_steps=args.trace_warmup_steps,
                               active_steps=args.trace_active_steps, after_steps=args.trace_after_steps, rank=rank,
-                              world_size=world_size, run_info={"model": "mlp", "width": args.width,
+                              world_size=world_size, run_info={"model": args.model, "width": args.width,
                                                                "layers": args.layers, "batch_size": args.batch_size})
     with tracer:
         for step in range(1, args.max_steps + 1):
@@ -119,6 +130,10 @@ def main(argv: list[str] | None = None) -> int:
                         loss.item(), 1000 * wall, 1000 * cpu)
             tracer.start_step(after_own_work=True)  # the log line above is in no timed step
     if distributed:
+        # Waiting here (without the GIL) lets gloo's thread finish releasing the last all-reduce, which takes the GIL.
+        # Without it, 2 of 10 runs hung at exit: the process group's destructor, on the main thread holding the GIL,
+        # waited for that thread
+        dist.barrier()
         dist.destroy_process_group()
     return 0
 

@@ -67,6 +67,23 @@ def test_its_step_lines_are_the_ones_the_what_if_bench_reads(traced_loop):
     assert parameter_count(logs) == PARAMETERS
 
 
+def test_the_cnns_batch_norm_statistics_broadcast_at_every_forward_are_collectives_of_every_rank(tmp_path):
+    # 2 layers of 16 channels with batch norm: DDP broadcasts each norm's running mean and variance (fp32) and its
+    # batch count (int64) from rank 0 before the forward, besides all-reducing the gradients
+    channels, layers = 16, 2
+    parameters = 3 * channels * 9 + channels * channels * 9 + layers * 2 * channels + channels * 10 + 10
+    buffers = layers * (2 * channels * 4 + 8)
+    done = run_example("--model", "cnn", "--width", str(channels), "--layers", str(layers), "--image-size", "8",
+                       "--batch-size", "4", *WINDOW, "--max-steps", str(STEPS), "--enable-tracing",
+                       "--trace-output-dir", "traces", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = convert_runs(find_runs([tmp_path / "traces" / "cnn_2r"]), jobs=2, progress=False)[0]
+    assert result.ok, [r.error for r in result.ranks]
+    for rank in result.ranks:
+        assert rank.comm_by_type.get("BROADCAST", 0) >= 1 and rank.comm_by_type.get("ALL_REDUCE", 0) >= 1
+        assert rank.comm_bytes == 4 * parameters + buffers
+
+
 def test_a_window_that_the_run_would_end_inside_is_refused_before_training(tmp_path):
     done = subprocess.run([sys.executable, str(EXAMPLE), *WINDOW, "--enable-tracing", "--max-steps", "6"],
                           cwd=tmp_path, capture_output=True, text=True, timeout=120)
