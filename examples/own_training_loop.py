@@ -93,6 +93,19 @@ def main(argv: list[str] | None = None) -> int:
         dist.init_process_group("gloo")
     rank, world_size = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
     setup_logging(rank, args.log_dir)
+    train(args, rank, world_size, distributed)
+    if distributed:
+        # The DDP model is gone by now (train returned), as the trainer's Trainer.release() drops its own: released
+        # after the group, DDP's reducer destroys the gloo group with the GIL held, joining gloo's thread while that
+        # thread waits for the GIL to release the last all-reduce (each carries a Python object every backward()
+        # stashes). That hung 2 of 10 runs of this loop at exit, and every run on a loaded machine
+        dist.barrier()
+        dist.destroy_process_group()
+    return 0
+
+
+def train(args, rank: int, world_size: int, distributed: bool) -> None:
+    """The model, its optimizer and the traced loop, all released when this returns."""
     # Memory a step frees stays in the process for the next, so steps (and the traced ones) page-fault no fresh
     # memory and run at one pace: the project's trainers do the same (utils/host_memory.py says why)
     logger.info(keep_freed_memory_in_process())
@@ -129,13 +142,6 @@ def main(argv: list[str] | None = None) -> int:
             logger.info("step %d/%d | loss %.4f | %.1f ms/step | cpu %.1f ms/step", step, args.max_steps,
                         loss.item(), 1000 * wall, 1000 * cpu)
             tracer.start_step(after_own_work=True)  # the log line above is in no timed step
-    if distributed:
-        # Waiting here (without the GIL) lets gloo's thread finish releasing the last all-reduce, which takes the GIL.
-        # Without it, 2 of 10 runs hung at exit: the process group's destructor, on the main thread holding the GIL,
-        # waited for that thread
-        dist.barrier()
-        dist.destroy_process_group()
-    return 0
 
 
 if __name__ == "__main__":
