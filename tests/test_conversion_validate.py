@@ -9,8 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from chakra.schema.protobuf.et_def_pb2 import (ALL_REDUCE, COMM_COLL_NODE, COMP_NODE, METADATA_NODE, AttributeProto,
-                                               GlobalMetadata, Node)
+from chakra.schema.protobuf.et_def_pb2 import (ALL_REDUCE, BROADCAST, COMM_COLL_NODE, COMP_NODE, METADATA_NODE,
+                                               AttributeProto, GlobalMetadata, Node)
 from chakra.src.third_party.utils.protolib import encodeMessage
 
 from conversion_helpers import CPU_FIXTURES, read_json, write_json, write_scaled_run
@@ -62,6 +62,27 @@ def test_traced_path_counts_concurrent_collectives_of_one_group_once(tmp_path):
     assert report.ok
     assert report.traced_critical_path_us == 11_000 + 500
     assert report.critical_path_us == 5_000 + 500  # the durations as written: 0-4 ms and 1-5 ms
+
+
+def test_collectives_are_listed_in_the_order_a_simulator_issues_them_not_the_order_gloos_threads_began(tmp_path):
+    # DDP broadcast a model's float buffers (256 bytes) and then its integer ones (16 bytes), each enqueued by a
+    # c10d call of the training thread; gloo's two threads began the second one first. A simulator issues each once
+    # its call is done, the 256 bytes first on every rank, and the ranks agree on that order.
+    def broadcast(node_id: int, start: int, size: int, enqueued_by: int) -> Node:
+        return Node(id=node_id, name=f"broadcast{node_id}", type=COMM_COLL_NODE, data_deps=[enqueued_by],
+                    start_time_micros=start, duration_micros=100,
+                    attr=[AttributeProto(name="is_cpu_op", bool_val=False),
+                          AttributeProto(name="comm_type", int64_val=BROADCAST),
+                          AttributeProto(name="comm_size", int64_val=size)])
+
+    calls = [comp(1, duration=100), comp(2, [1], 100)]
+    started_in_turn = validate_et(write_et_file(tmp_path / "a.0.et", [
+        *calls, broadcast(3, 150, 256, enqueued_by=1), broadcast(4, 250, 16, enqueued_by=2)]))
+    started_out_of_turn = validate_et(write_et_file(tmp_path / "a.1.et", [
+        *calls, broadcast(3, 330, 256, enqueued_by=1), broadcast(4, 250, 16, enqueued_by=2)]))
+    assert started_in_turn.collectives == started_out_of_turn.collectives == [("", "BROADCAST", 256),
+                                                                             ("", "BROADCAST", 16)]
+    assert collectives_agree({0: started_in_turn.collectives, 1: started_out_of_turn.collectives}) == []
 
 
 def test_validator_finds_a_dangling_dependency(tmp_path):

@@ -1,6 +1,8 @@
 """A training loop that is not this project's trainer (examples/own_training_loop.py), traced with ChakraTracer: its
 traces convert as the trainer's do, the profiler's cost taken out against the untraced steps it timed."""
+import json
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -10,7 +12,7 @@ import pytest
 from bench.common import our_step_times
 from bench.whatif_bench import parameter_count, step_cpu
 from trace_tools.discover import find_runs
-from trace_tools.layout import et_name
+from trace_tools.layout import RUN_INFO, et_name
 from trace_tools.pipeline import KEEPS_PROFILER_COST, convert_runs
 
 REPO = Path(__file__).resolve().parents[1]
@@ -53,11 +55,15 @@ def test_a_loop_of_its_own_gives_every_rank_an_et_with_its_gradients_all_reduced
 def test_its_et_durations_are_corrected_towards_the_untraced_steps_the_tracer_timed(traced_loop):
     _, result = traced_loop
     assert not any(KEEPS_PROFILER_COST in warning for warning in result.warnings)
+    timed = {entry["rank"]: entry for entry in json.loads((result.run.folder / RUN_INFO).read_text())["ranks"]}
     for rank in result.ranks:
-        # 3 untraced steps before the window and 3 after it, the run's first left out
-        assert len(rank.untraced_steps_us) == 5 and rank.untraced_step_us > 0
-        assert rank.overhead_rule == "untraced CPU time" and rank.recording_overhead_us > 0
-        assert rank.critical_path_us < rank.traced_critical_path_us
+        # 3 untraced steps before the window and 3 after it, the run's first left out: the steps of run.json
+        untraced = [1e6 * seconds for seconds in timed[rank.rank]["untraced_step_wall_time_s"][1:]]
+        assert rank.untraced_steps_us == pytest.approx(untraced, abs=0.1) and len(untraced) == 5
+        assert rank.untraced_step_us == pytest.approx(statistics.median(untraced), abs=0.1)
+        # its training thread's ops take that thread's CPU time in those steps (how much that removed from the
+        # traced ops depends on the machine's load while they ran, down to nothing)
+        assert rank.overhead_rule == "untraced CPU time"
 
 
 def test_its_step_lines_are_the_ones_the_what_if_bench_reads(traced_loop):

@@ -1370,15 +1370,26 @@ def _collective_enqueuers(timeline: _Timeline) -> dict[int, int]:
 
 
 def order_collectives(timeline: _Timeline) -> None:
-    """The collectives of one process group run in the order they were issued (one communicator, one link)."""
+    """The collectives of one process group run in the order they were issued (one communicator, one link). A
+    collective on a CPU worker thread is issued when the c10d op that enqueued it started (link_launches made that
+    op its parent): gloo runs its queue on two threads, so two collectives enqueued back to back (DDP's broadcast of
+    a model's float and integer buffers) can start there in either order, which differed between the ranks of one
+    run and gave their .et files the two broadcasts in opposite orders."""
     linked = timeline.linked
+    ts, parent, lane = linked.ts, linked.parent, linked.lane
+
+    def issued(i: int) -> float:
+        enqueuer = parent[i]
+        on_worker = linked.kind[i] != GPU_OP and enqueuer >= 0 and lane[enqueuer] != lane[i]
+        return ts[enqueuer] if on_worker else ts[i]
+
     groups: dict[tuple, list[int]] = defaultdict(list)
     for i, info in linked.comm.items():
-        key = linked.lanes[linked.lane[i]]
+        key = linked.lanes[lane[i]]
         place = ("gpu", key[1]) if key[0] == "gpu" else ("cpu",)
         groups[(info.get("pg_name", ""),) + place].append(i)
     for nodes in groups.values():
-        nodes.sort(key=lambda i: (linked.ts[i], timeline.position[i]))
+        nodes.sort(key=lambda i: (issued(i), ts[i], timeline.position[i]))
         for a, b in zip(nodes, nodes[1:]):
             if linked.lane[a] != linked.lane[b]:
                 timeline.add(a, b, "collective order")

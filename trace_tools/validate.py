@@ -178,10 +178,16 @@ def validate_et(path: str | Path) -> EtReport:
     if len(order) != len(ids):
         report.problems.append(f"only {len(order)} of {len(ids)} nodes can be issued: a dependency cycle")
     collectives.sort()
+    # The order a simulator issues them in: each once its dependencies are done (before serve_in_turn changes the
+    # durations). Not the traced start order: gloo runs its queue on two threads, so two collectives enqueued back
+    # to back (DDP's broadcast of a model's float and integer buffers) start there in either order, which differed
+    # between the ranks of one run
+    finish = longest_path(parents, durations, order)[0]
+    issued = sorted(collectives, key=lambda c: (finish[c[-1]] - durations[c[-1]], c))
     in_turn = [(start, pg, index) for start, _, pg, _, _, index in collectives]
     report.critical_path_us = float(timed_critical_path(parents, durations, in_turn, order))
     report.traced_critical_path_us = float(timed_critical_path(parents, traced_durations, in_turn, order))
-    report.collectives = [(pg, comm_type, size) for _, _, pg, comm_type, size, _ in collectives]
+    report.collectives = [(pg, comm_type, size) for _, _, pg, comm_type, size, _ in issued]
     return report
 
 
